@@ -1,0 +1,28 @@
+# The two commands of README.md: `make demo` and `make test`. Each runs the bootstrap
+# first (idempotent: a second run takes seconds).
+SHELL := /bin/bash
+PY := .venv/bin/python
+
+.PHONY: demo test bootstrap test-python test-elixir bench format
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+demo: bootstrap
+	@mix vllm.demo
+
+test: bootstrap
+	@$(MAKE) --no-print-directory test-python
+	@$(MAKE) --no-print-directory test-elixir
+
+test-python:
+	$(PY) -m pytest -q
+
+test-elixir:
+	MIX_ENV=test mix test
+
+bench: bootstrap
+	@mix vllm.bench
+
+format:
+	mix format

@@ -1,0 +1,1 @@
+"""The wire protocol between the Elixir runtime and a Python worker (docs/PROTOCOL.md)."""

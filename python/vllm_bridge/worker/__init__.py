@@ -1,0 +1,1 @@
+"""The worker process: ``python -m vllm_bridge.worker`` serves one Erlang port."""

@@ -1,0 +1,51 @@
+defmodule VllmBridge.WorkerSkeletonTest do
+  use ExUnit.Case, async: true
+
+  alias VllmBridge.Worker
+
+  test "the worker announces itself, then answers a call" do
+    {:ok, w} = Worker.start_link()
+    hello = Worker.hello(w)
+    assert hello["protocol"] == 1
+    assert is_integer(hello["pid"]) and hello["pid"] > 0
+    assert hello["torch"] =~ ~r/^\d+\.\d+/
+    assert hello["device"] in ["cpu"] or hello["device"] =~ ~r/^cuda:\d+$/
+
+    assert {:ok, 42} = Worker.call(w, "vllm_bridge.diag", "add", [40, 2])
+    assert {:ok, %{"x" => [1, 2.5, "s", nil]}} =
+             Worker.call(w, "vllm_bridge.diag", "echo", [%{"x" => [1, 2.5, "s", nil]}])
+  end
+
+  test "a Python exception comes back as an error and the worker keeps serving" do
+    {:ok, w} = Worker.start_link()
+    assert {:error, %VllmBridge.Error{type: :python_exception, python_type: "ValueError"} = e} =
+             Worker.call(w, "vllm_bridge.diag", "sleep", [-1])
+
+    assert e.message =~ "-1"
+    assert {:ok, 3} = Worker.call(w, "vllm_bridge.diag", "add", [1, 2])
+  end
+
+  test "the Python process exits by itself when its port closes" do
+    Process.flag(:trap_exit, true)
+    {:ok, w} = Worker.start_link()
+    os_pid = Worker.os_pid(w)
+    assert alive?(os_pid)
+    :ok = Worker.close(w)
+    assert wait_gone(os_pid, 1_000), "python process #{os_pid} still alive 1 s after close"
+  end
+
+  defp alive?(os_pid), do: File.exists?("/proc/#{os_pid}") and not zombie?(os_pid)
+
+  defp zombie?(os_pid) do
+    case File.read("/proc/#{os_pid}/stat") do
+      {:ok, stat} -> stat |> String.split(") ") |> List.last() |> String.starts_with?("Z")
+      _ -> false
+    end
+  end
+
+  defp wait_gone(os_pid, ms) when ms <= 0, do: not alive?(os_pid)
+
+  defp wait_gone(os_pid, ms) do
+    if alive?(os_pid), do: (Process.sleep(20); wait_gone(os_pid, ms - 20)), else: true
+  end
+end
