@@ -12,12 +12,14 @@ defmodule VllmBridge.WorkerSkeletonTest do
     assert hello["device"] in ["cpu"] or hello["device"] =~ ~r/^cuda:\d+$/
 
     assert {:ok, 42} = Worker.call(w, "vllm_bridge.diag", "add", [40, 2])
+
     assert {:ok, %{"x" => [1, 2.5, "s", nil]}} =
              Worker.call(w, "vllm_bridge.diag", "echo", [%{"x" => [1, 2.5, "s", nil]}])
   end
 
   test "a Python exception comes back as an error and the worker keeps serving" do
     {:ok, w} = Worker.start_link()
+
     assert {:error, %VllmBridge.Error{type: :python_exception, python_type: "ValueError"} = e} =
              Worker.call(w, "vllm_bridge.diag", "sleep", [-1])
 
@@ -46,6 +48,12 @@ defmodule VllmBridge.WorkerSkeletonTest do
   defp wait_gone(os_pid, ms) when ms <= 0, do: not alive?(os_pid)
 
   defp wait_gone(os_pid, ms) do
-    if alive?(os_pid), do: (Process.sleep(20); wait_gone(os_pid, ms - 20)), else: true
+    if alive?(os_pid),
+      do:
+        (
+          Process.sleep(20)
+          wait_gone(os_pid, ms - 20)
+        ),
+      else: true
   end
 end

@@ -48,7 +48,9 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def init(opts) do
-    python = Keyword.get_lazy(opts, :python, fn -> Application.fetch_env!(:vllm_bridge, :python) end)
+    python =
+      Keyword.get_lazy(opts, :python, fn -> Application.fetch_env!(:vllm_bridge, :python) end)
+
     env = for {k, v} <- Keyword.get(opts, :env, []), do: {to_charlist(k), to_charlist(v)}
 
     unless File.exists?(python) do
@@ -121,7 +123,10 @@ defmodule VllmBridge.Worker do
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
     for {_id, from} <- state.calls do
-      GenServer.reply(from, {:error, Error.new(:worker_exit, "worker exited with status #{status}")})
+      GenServer.reply(
+        from,
+        {:error, Error.new(:worker_exit, "worker exited with status #{status}")}
+      )
     end
 
     {:stop, {:worker_exit, status}, %{state | calls: %{}}}
