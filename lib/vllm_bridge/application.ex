@@ -4,6 +4,9 @@ defmodule VllmBridge.Application do
 
   @impl true
   def start(_type, _args) do
+    # Codec: register the app's structs for Python dataclasses (VllmBridge.Codec.Registry).
+    VllmBridge.Codec.Registry.load(:vllm_bridge)
+
     children = []
     Supervisor.start_link(children, strategy: :one_for_one, name: VllmBridge.Supervisor)
   end
