@@ -1,17 +1,49 @@
 defmodule VllmBridge.Codec do
   @moduledoc """
-  The bridge's value codec: msgpack plus the extension types of docs/PROTOCOL.md.
+  The bridge's value codec: msgpack plus the extension types of docs/PROTOCOL.md
+  ("Values and extension types"). The engine is `VllmBridge.Codec.Msgpack`; the extension
+  types are `VllmBridge.Codec.Ext`.
 
-  (Walking-skeleton stage: plain msgpack only; extension types arrive with the runtime.)
+  | Elixir | wire | decodes back to |
+  |---|---|---|
+  | `nil`, `true`, `false` | nil, bool | the same |
+  | integer in -2^63..2^64-1 | int | the same |
+  | integer outside it | ext 7 (big integer) | the same |
+  | float | float 64 | the same (`-0.0` keeps its sign bit) |
+  | `:nan`, `:infinity`, `:neg_infinity` | float 64 NaN / +inf / -inf | the same atom |
+  | binary, valid UTF-8 | str | the binary |
+  | binary, not UTF-8; `%VllmBridge.Bytes{}` | bin | a binary |
+  | list | array | a list |
+  | map (not a struct) | map, pairs in key term order | a map |
+  | other atom | ext 1 | the atom when it exists, else its name as a string |
+  | tuple | ext 2 | the tuple |
+  | `%VllmBridge.Tensor{}` | ext 3 | the tensor (data zero-copy) |
+  | struct with `__python_class__/0` | ext 4 | the struct when its class is registered |
+  | `%VllmBridge.Object{}` | ext 4 | the object (same bytes again) |
+  | - | ext 5 (enum member) | the lower-cased member name as an existing atom, else as a string |
+  | `%VllmBridge.Ref{}` | ext 6 | the reference |
+
+  Map keys go through the same table, so atom keys travel as ext 1 (Python sees a `str`
+  subclass). Pairs are written in Erlang term order of the keys (for atoms, alphabetical),
+  whatever the map's size, so equal maps always give equal bytes.
+
+  Enum members are decode-only: Elixir has no enum values; an atom sent where Python
+  expects an enum is converted by the worker by member name.
+
+  Decoding never raises: malformed input (truncated, bad extension payloads, unknown
+  extension codes, bad tensor headers, declared lengths beyond the input, nesting deeper
+  than 1024) is `{:error, reason}`. Nothing decoded creates an atom or loads a module.
+  Binaries in a decoded value are sub-binaries of the input (no copy): they keep the input
+  alive while they live; `:binary.copy/1` one to keep it apart.
   """
 
-  alias VllmBridge.Codec.Msgpack
+  alias VllmBridge.Codec.{Ext, Msgpack}
 
   @doc "Encodes a term to iodata; raises `ArgumentError` naming a value it cannot encode."
   @spec encode(term()) :: iodata()
-  def encode(term), do: Msgpack.encode(term)
+  def encode(term), do: Msgpack.encode(term, Ext)
 
   @doc "Decodes one whole body; malformed input is `{:error, reason}`, never a raise."
   @spec decode(binary()) :: {:ok, term()} | {:error, String.t()}
-  def decode(bin), do: Msgpack.decode(bin)
+  def decode(bin), do: Msgpack.decode(bin, Ext)
 end

@@ -1,0 +1,112 @@
+defmodule VllmBridge.Codec.Dataclass do
+  @moduledoc """
+  The dataclass extension (ext 4 of docs/PROTOCOL.md): `[qualified_class_name, {field:
+  value, ...}]` with the fields in declaration order.
+
+  Encoding: a struct whose module declares `__python_class__/0` and `__python_fields__/0`
+  (see `VllmBridge.Codec.Registry`) emits its fields in the declared order, byte for byte
+  what Python emits; a `VllmBridge.Object` emits its fields in the order they arrived.
+
+  Decoding: a class registered in `VllmBridge.Codec.Registry` becomes its struct (a field
+  the struct does not declare is a decode error; a field not sent keeps the struct's
+  default); any other class becomes a `VllmBridge.Object`. No atom is created and no
+  module is loaded from wire data.
+  """
+
+  alias VllmBridge.Codec.{Msgpack, Registry}
+  alias VllmBridge.Object
+
+  @doc "The ext 4 payload of a registered-class struct, as iodata."
+  @spec encode_struct(struct(), module()) :: iodata()
+  def encode_struct(%module{} = struct, handler) do
+    entry =
+      try do
+        Registry.entry(module)
+      rescue
+        e in ArgumentError ->
+          reraise ArgumentError,
+                  "cannot encode #{inspect(struct, limit: 5)}: #{Exception.message(e)}",
+                  __STACKTRACE__
+      end
+
+    fields =
+      for f <- entry.fields, do: [entry.names[f] | Msgpack.encode(Map.fetch!(struct, f), handler)]
+
+    [0x92, entry.wire_class, map_header(length(entry.fields)) | fields]
+  end
+
+  @doc "The ext 4 payload of a `VllmBridge.Object`, as iodata."
+  @spec encode_object(Object.t(), module()) :: iodata()
+  def encode_object(%Object{class: class, fields: fields, field_order: order}, handler)
+      when is_binary(class) and is_map(fields) and is_list(order) do
+    ordered = order |> Enum.filter(&Map.has_key?(fields, &1)) |> Enum.uniq()
+    keys = ordered ++ Enum.sort(Map.keys(fields) -- ordered)
+
+    pairs =
+      for k <- keys,
+          do: [Msgpack.encode(k, handler) | Msgpack.encode(Map.fetch!(fields, k), handler)]
+
+    [0x92, Msgpack.enc_str(class), map_header(length(keys)) | pairs]
+  end
+
+  def encode_object(bad, _handler) do
+    raise ArgumentError,
+          "cannot encode #{inspect(bad, limit: 5)}: class must be a string, fields a map " <>
+            "and field_order a list"
+  end
+
+  @doc "Decodes an ext 4 payload; a malformed one aborts the decode (`Msgpack.fail!/1`)."
+  @spec decode(binary(), module(), non_neg_integer()) :: struct()
+  def decode(payload, handler, depth) do
+    {class, r} =
+      case Msgpack.array_header(payload) do
+        {2, r} -> Msgpack.decode_one(r, handler, depth)
+        {n, _} -> Msgpack.fail!("a dataclass (ext 4) payload is an array of #{n}, not 2")
+      end
+
+    unless is_binary(class), do: Msgpack.fail!("a dataclass (ext 4) class name is not a string")
+    {n, r} = Msgpack.map_header(r)
+    pairs = read_pairs(r, n, [], handler, depth)
+
+    if map_size(Map.new(pairs)) != n,
+      do: Msgpack.fail!("dataclass #{class} repeats a field")
+
+    case Registry.lookup(class) do
+      {:ok, entry} ->
+        build(entry, pairs)
+
+      :error ->
+        %Object{class: class, fields: Map.new(pairs), field_order: Enum.map(pairs, &elem(&1, 0))}
+    end
+  end
+
+  defp read_pairs(<<>>, 0, acc, _handler, _depth), do: :lists.reverse(acc)
+
+  defp read_pairs(_r, 0, _acc, _handler, _depth),
+    do: Msgpack.fail!("trailing bytes in a dataclass (ext 4) payload")
+
+  defp read_pairs(r, n, acc, handler, depth) do
+    {k, r} = Msgpack.decode_one(r, handler, depth)
+    unless is_binary(k), do: Msgpack.fail!("a dataclass (ext 4) field name is not a string")
+    {v, r} = Msgpack.decode_one(r, handler, depth)
+    read_pairs(r, n - 1, [{k, v} | acc], handler, depth)
+  end
+
+  defp build(entry, pairs) do
+    Enum.reduce(pairs, struct(entry.module), fn {name, value}, acc ->
+      case entry.by_name do
+        %{^name => field} ->
+          Map.put(acc, field, value)
+
+        _ ->
+          Msgpack.fail!("#{entry.class} has no field #{inspect(name)} (#{inspect(entry.module)})")
+      end
+    end)
+  end
+
+  @doc false
+  @spec map_header(non_neg_integer()) :: iodata()
+  def map_header(n) when n < 16, do: [0x80 + n]
+  def map_header(n) when n < 0x10000, do: <<0xDE, n::16>>
+  def map_header(n), do: <<0xDF, n::32>>
+end

@@ -1,0 +1,129 @@
+defmodule VllmBridge.Codec.Ext do
+  @moduledoc """
+  The extension types of docs/PROTOCOL.md, as the `VllmBridge.Codec.Msgpack` handler that
+  `VllmBridge.Codec` uses: atoms (1), tuples (2), tensors (3, `VllmBridge.Codec.TensorExt`),
+  dataclasses (4, `VllmBridge.Codec.Dataclass`), enum members (5, decode only), object
+  references (6), big integers (7), plus the special floats and `VllmBridge.Bytes`.
+  """
+
+  @behaviour VllmBridge.Codec.Msgpack
+
+  alias VllmBridge.Codec.{Dataclass, Msgpack, TensorExt}
+  alias VllmBridge.{Bytes, Object, Ref, Tensor}
+
+  @atom 1
+  @tuple 2
+  @tensor 3
+  @dataclass 4
+  @enum 5
+  @ref 6
+  @bigint 7
+
+  # -- encoding --------------------------------------------------------------
+
+  @impl true
+  def encode_other(:nan, _h), do: <<0xCB, 0x7FF8000000000000::64>>
+  def encode_other(:infinity, _h), do: <<0xCB, 0x7FF0000000000000::64>>
+  def encode_other(:neg_infinity, _h), do: <<0xCB, 0xFFF0000000000000::64>>
+
+  def encode_other(atom, _h) when is_atom(atom) do
+    name = Atom.to_string(atom)
+    [Msgpack.ext_header(@atom, byte_size(name)) | name]
+  end
+
+  def encode_other(tuple, h) when is_tuple(tuple),
+    do: Msgpack.enc_ext(@tuple, Msgpack.encode(Tuple.to_list(tuple), h))
+
+  def encode_other(%Tensor{} = t, _h), do: TensorExt.encode(t)
+  def encode_other(%Bytes{data: data}, _h) when is_binary(data), do: Msgpack.enc_bin(data)
+
+  def encode_other(%Ref{instance: i, id: id, session: s, type: type}, _h)
+      when is_binary(i) and is_integer(id) and (is_binary(s) or is_nil(s)) and is_binary(type),
+      do: Msgpack.enc_ext(@ref, Msgpack.encode([i, id, s, type]))
+
+  def encode_other(%Object{} = o, h),
+    do: Msgpack.enc_ext(@dataclass, Dataclass.encode_object(o, h))
+
+  def encode_other(%module{} = bad, _h) when module in [Bytes, Ref] do
+    raise ArgumentError, "cannot encode #{inspect(bad, limit: 5)}: a field has the wrong type"
+  end
+
+  def encode_other(%_{} = struct, h),
+    do: Msgpack.enc_ext(@dataclass, Dataclass.encode_struct(struct, h))
+
+  def encode_other(i, _h) when is_integer(i) do
+    {sign, magnitude} = if i < 0, do: {1, -i}, else: {0, i}
+    Msgpack.enc_ext(@bigint, [sign | :binary.encode_unsigned(magnitude)])
+  end
+
+  def encode_other(other, _h) do
+    raise ArgumentError,
+          "cannot encode #{inspect(other, limit: 5)}: pids, ports, references and " <>
+            "functions have no wire form"
+  end
+
+  # -- decoding --------------------------------------------------------------
+
+  @impl true
+  def decode_ext(@atom, name, _depth), do: decode_atom(name)
+
+  def decode_ext(@tuple, payload, depth) do
+    case Msgpack.decode_exact(payload, __MODULE__, depth) do
+      list when is_list(list) -> List.to_tuple(list)
+      _ -> Msgpack.fail!("a tuple (ext 2) payload is not an array")
+    end
+  end
+
+  def decode_ext(@tensor, payload, _depth), do: TensorExt.decode(payload)
+  def decode_ext(@dataclass, payload, depth), do: Dataclass.decode(payload, __MODULE__, depth)
+
+  def decode_ext(@enum, payload, depth) do
+    case Msgpack.decode_exact(payload, __MODULE__, depth) do
+      [class, member] when is_binary(class) and is_binary(member) ->
+        existing_atom_or_string(String.downcase(member))
+
+      other ->
+        Msgpack.fail!("an enum (ext 5) payload must be [class, member], got #{short(other)}")
+    end
+  end
+
+  def decode_ext(@ref, payload, depth) do
+    case Msgpack.decode_exact(payload, __MODULE__, depth) do
+      [i, id, s, type]
+      when is_binary(i) and is_integer(id) and (is_binary(s) or is_nil(s)) and is_binary(type) ->
+        %Ref{instance: i, id: id, session: s, type: type}
+
+      other ->
+        Msgpack.fail!(
+          "a reference (ext 6) payload must be [instance, id, session, type], got #{short(other)}"
+        )
+    end
+  end
+
+  def decode_ext(@bigint, <<sign, magnitude::binary>>, _depth)
+      when sign in [0, 1] and byte_size(magnitude) > 0 do
+    n = :binary.decode_unsigned(magnitude)
+    if sign == 1, do: -n, else: n
+  end
+
+  def decode_ext(@bigint, payload, _depth),
+    do: Msgpack.fail!("malformed big integer (ext 7) payload of #{byte_size(payload)} bytes")
+
+  def decode_ext(type, _payload, _depth),
+    do: Msgpack.fail!("unknown extension type #{type}")
+
+  # Atoms never come into existence from wire data.
+  defp decode_atom(name) do
+    if is_binary(:unicode.characters_to_binary(name)),
+      do: existing_atom_or_string(name),
+      else: Msgpack.fail!("an atom (ext 1) name is not valid UTF-8")
+  end
+
+  defp existing_atom_or_string(name) do
+    :erlang.binary_to_existing_atom(name, :utf8)
+  rescue
+    _ in [ArgumentError, SystemLimitError] -> name
+  end
+
+  defp short(term), do: inspect(term, limit: 4, printable_limit: 60)
+end

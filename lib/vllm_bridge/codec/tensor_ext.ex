@@ -1,0 +1,84 @@
+defmodule VllmBridge.Codec.TensorExt do
+  @moduledoc """
+  The tensor extension (ext 3 of docs/PROTOCOL.md): a binary header (dtype code, ndim,
+  device name, the shape as big-endian u64s), then the raw little-endian data.
+
+  Zero-copy both ways: encoding puts the tensor's data binary into the iodata as it is,
+  decoding returns the data as a sub-binary of the payload. The header is checked against
+  the bytes present before anything is built: an unknown dtype code, a shape that does not
+  fit, or data of the wrong size is a decode error.
+  """
+
+  alias VllmBridge.Codec.Msgpack
+  alias VllmBridge.Tensor
+
+  @type_code 3
+
+  @doc "The ext 3 value of a tensor, as iodata; raises `ArgumentError` naming a bad field."
+  @spec encode(Tensor.t()) :: iodata()
+  def encode(%Tensor{} = t) do
+    %Tensor{dtype: dtype, shape: shape, data: data, device: device} = Tensor.validate!(t)
+    dev = if device == "cpu", do: "", else: device
+    ndim = length(shape)
+
+    cond do
+      byte_size(dev) > 255 ->
+        raise ArgumentError, "tensor device name #{inspect(device)} is over 255 bytes"
+
+      ndim > 255 ->
+        raise ArgumentError, "a tensor of #{ndim} dimensions is over the limit of 255"
+
+      Enum.any?(shape, &(&1 > 0xFFFFFFFFFFFFFFFF)) ->
+        raise ArgumentError, "tensor shape #{inspect(shape)} has a dimension over 2^64 - 1"
+
+      true ->
+        head = [Tensor.code(dtype), ndim, byte_size(dev), dev | for(d <- shape, do: <<d::64>>)]
+        size = 3 + byte_size(dev) + 8 * ndim + byte_size(data)
+        [Msgpack.ext_header(@type_code, size), head | data]
+    end
+  end
+
+  @doc "Decodes an ext 3 payload; a malformed one aborts the decode (`Msgpack.fail!/1`)."
+  @spec decode(binary()) :: Tensor.t()
+  def decode(<<code, ndim, len, dev::binary-size(len), rest::binary>>) do
+    dtype =
+      case Tensor.from_code(code) do
+        {:ok, dtype} -> dtype
+        :error -> Msgpack.fail!("unknown tensor dtype code #{code}")
+      end
+
+    shape_bytes = 8 * ndim
+
+    case rest do
+      <<shape_bin::binary-size(shape_bytes), data::binary>> ->
+        shape = for <<d::64 <- shape_bin>>, do: d
+        expected = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
+
+        if byte_size(data) != expected do
+          Msgpack.fail!(
+            "tensor data is #{byte_size(data)} bytes but shape #{inspect(shape)} of " <>
+              "#{dtype} needs #{expected}"
+          )
+        end
+
+        %Tensor{dtype: dtype, shape: shape, data: data, device: device(dev)}
+
+      _ ->
+        Msgpack.fail!(
+          "tensor header declares #{ndim} dimensions (#{shape_bytes} bytes) but " <>
+            "#{byte_size(rest)} bytes follow"
+        )
+    end
+  end
+
+  def decode(payload),
+    do: Msgpack.fail!("truncated tensor header (#{byte_size(payload)} bytes)")
+
+  defp device(""), do: "cpu"
+
+  defp device(name) do
+    if is_binary(:unicode.characters_to_binary(name)),
+      do: name,
+      else: Msgpack.fail!("tensor device name is not valid UTF-8")
+  end
+end
