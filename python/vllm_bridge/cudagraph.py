@@ -99,11 +99,14 @@ RUNTIME_MODES: frozenset[CUDAGraphMode] = frozenset(
 )
 
 
-def cudagraph_mode_from(value: "CUDAGraphMode | str | int") -> CUDAGraphMode:
+def cudagraph_mode_from(
+    value: "CUDAGraphMode | str | int", name: str = "cudagraph mode"
+) -> CUDAGraphMode:
     """Coerce ``value`` to a CUDAGraphMode.
 
     Accepts a member, a member name (case-insensitive, e.g. ``"full_and_piecewise"``; an
-    Elixir atom arrives as such a name) or a plain mode's int value (0, 1, 2).
+    Elixir atom arrives as such a name) or a plain mode's int value (0, 1, 2). ``name``
+    (the parameter being converted) is used in error messages.
 
     Raises:
         ValueError: the name or int names no member.
@@ -115,11 +118,13 @@ def cudagraph_mode_from(value: "CUDAGraphMode | str | int") -> CUDAGraphMode:
         member = CUDAGraphMode.__members__.get(value.upper())
         if member is None:
             names = ", ".join(CUDAGraphMode.__members__)
-            raise ValueError(f"unknown CUDAGraphMode name {value!r}; expected one of {names}")
+            raise ValueError(
+                f"{name}: unknown CUDAGraphMode name {value!r}; expected one of {names}"
+            )
         return member
     if isinstance(value, int) and not isinstance(value, bool):
         for member in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
             if member.value == value:
                 return member
-        raise ValueError(f"unknown CUDAGraphMode value {value!r}; expected 0, 1 or 2")
-    raise TypeError(f"expected a CUDAGraphMode, a member name or 0/1/2, got {value!r}")
+        raise ValueError(f"{name}: unknown CUDAGraphMode value {value!r}; expected 0, 1 or 2")
+    raise TypeError(f"{name} must be a CUDAGraphMode, a member name or 0/1/2, got {value!r}")
