@@ -246,13 +246,20 @@ def _rendezvous(info: DPGroupInfo) -> dist.Store:
         raise DPGroupError(
             f"DP rank {info.rank}: cannot open the rendezvous store at {where}: {exc}"
         ) from exc
+    # A failed init_process_group leaves torch's group counter advanced, and the counter
+    # prefixes the rendezvous keys: put it back so a retry meets its peers' keys.
+    world = getattr(dist.distributed_c10d, "_world", None)
+    group_count = getattr(world, "group_count", None)
     try:
         dist.init_process_group(
             info.backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
         )
     except RuntimeError as exc:
+        store = None  # close the store now, not when the exception is collected
         if dist.is_initialized():
             dist.destroy_process_group()
+        elif group_count is not None:
+            world.group_count = group_count
         raise DPTimeoutError(
             f"DP rank {info.rank} of {info.world_size}: not every rank joined at {where} "
             f"within {info.timeout_s} s ({str(exc).splitlines()[0]})"
