@@ -13,6 +13,8 @@ defmodule VllmBridge.Codec.Registry do
   the wire never loads a module nor creates an atom.
   """
 
+  require Logger
+
   alias VllmBridge.Codec.Msgpack
 
   @key {__MODULE__, :classes}
@@ -29,7 +31,8 @@ defmodule VllmBridge.Codec.Registry do
 
   @doc """
   Registers every module of `app` (default `:vllm_bridge`) that declares a Python class.
-  Returns the number of modules registered.
+  Returns the number of modules registered; a module whose declaration is wrong is logged
+  and skipped.
   """
   @spec load(atom()) :: non_neg_integer()
   def load(app \\ :vllm_bridge) do
@@ -39,7 +42,7 @@ defmodule VllmBridge.Codec.Registry do
         :undefined -> []
       end
 
-    entries = for m <- modules, python_struct?(m), do: build_entry(m)
+    entries = for m <- modules, python_struct?(m), entry = checked_entry(m), do: entry
     update(fn classes -> Enum.reduce(entries, classes, &Map.put(&2, &1.class, &1)) end)
     length(entries)
   end
@@ -116,6 +119,16 @@ defmodule VllmBridge.Codec.Registry do
     Code.ensure_loaded?(module) and function_exported?(module, :__python_class__, 0) and
       function_exported?(module, :__python_fields__, 0) and
       function_exported?(module, :__struct__, 0)
+  end
+
+  # A module that declares its Python class wrongly is left out with a warning: one bad
+  # module must not stop the application.
+  defp checked_entry(module) do
+    build_entry(module)
+  rescue
+    e in ArgumentError ->
+      Logger.warning("VllmBridge.Codec.Registry: #{Exception.message(e)}; not registered")
+      nil
   end
 
   defp build_entry(module) do

@@ -97,6 +97,7 @@ defmodule VllmBridge.Tensor.Half do
     f
   end
 
+  # (-f would lose the sign of a zero: the compiler turns it into 0 - f.)
   defp signed(f, false), do: f
-  defp signed(f, true), do: -f
+  defp signed(f, true), do: f * -1.0
 end
