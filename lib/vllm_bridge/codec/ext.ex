@@ -112,11 +112,15 @@ defmodule VllmBridge.Codec.Ext do
   def decode_ext(type, _payload, _depth),
     do: Msgpack.fail!("unknown extension type #{type}")
 
-  # Atoms never come into existence from wire data.
+  # Atoms never come into existence from wire data. The lookup comes first (the common
+  # case costs one call); only a name without an atom is checked for UTF-8.
   defp decode_atom(name) do
-    if is_binary(:unicode.characters_to_binary(name)),
-      do: existing_atom_or_string(name),
-      else: Msgpack.fail!("an atom (ext 1) name is not valid UTF-8")
+    :erlang.binary_to_existing_atom(name, :utf8)
+  rescue
+    _ in [ArgumentError, SystemLimitError] ->
+      if is_binary(:unicode.characters_to_binary(name)),
+        do: name,
+        else: Msgpack.fail!("an atom (ext 1) name is not valid UTF-8")
   end
 
   defp existing_atom_or_string(name) do
