@@ -33,7 +33,7 @@ from vllm_bridge.batchsize import (
     reset_batchsize_stats,
 )
 from vllm_bridge.config import ParallelConfig, VllmConfig
-from vllm_bridge.cudagraph import CUDAGraphMode, cudagraph_mode_from
+from vllm_bridge.cudagraph import RUNTIME_MODES, CUDAGraphMode, cudagraph_mode_from
 from vllm_bridge.dp import coordinate_batch_across_dp
 from vllm_bridge.platforms import current_platform
 from vllm_bridge.ubatch import UBatchSlice, UBatchSlices
@@ -98,6 +98,17 @@ class BatchDescriptor:
     num_active_loras: int = 0
 
     def __post_init__(self) -> None:
+        reqs, loras = self.num_reqs, self.num_active_loras
+        if (  # the common, valid case in exact-type tests; the checks below name errors
+            type(self.num_tokens) is int
+            and self.num_tokens >= 0
+            and (reqs is None or (type(reqs) is int and reqs >= 0))
+            and type(self.uniform) is bool
+            and type(self.has_lora) is bool
+            and type(loras) is int
+            and loras >= 0
+        ):
+            return
         check_int("BatchDescriptor.num_tokens", self.num_tokens, minimum=0)
         check_optional_int("BatchDescriptor.num_reqs", self.num_reqs, minimum=0)
         check_bool("BatchDescriptor.uniform", self.uniform)
@@ -210,14 +221,15 @@ class DPMetadata:
         counts = _as_count_tensor("num_tokens_across_dp_cpu", num_tokens_across_dp_cpu)
         dp_size = parallel_config.data_parallel_size
         dp_rank = parallel_config.data_parallel_rank
-        if counts.numel() != dp_size:
+        values = counts.tolist()
+        if len(values) != dp_size:
             raise ValueError(
-                f"num_tokens_across_dp_cpu has {counts.numel()} entries "
-                f"({counts.tolist()}) but data_parallel_size is {dp_size}"
+                f"num_tokens_across_dp_cpu has {len(values)} entries "
+                f"({values}) but data_parallel_size is {dp_size}"
             )
-        if int(counts[dp_rank]) != num_tokens:
+        if values[dp_rank] != num_tokens:
             raise ValueError(
-                f"num_tokens_across_dp_cpu[{dp_rank}] is {int(counts[dp_rank])} "
+                f"num_tokens_across_dp_cpu[{dp_rank}] is {values[dp_rank]} "
                 f"but this rank's num_tokens is {num_tokens}"
             )
         return DPMetadata(torch.max(counts), counts)
@@ -327,14 +339,17 @@ class ForwardContext:
         mode = self.cudagraph_runtime_mode
         if mode.__class__ is not CUDAGraphMode:
             mode = self.cudagraph_runtime_mode = cudagraph_mode_from(mode, "cudagraph_runtime_mode")
-        if not mode.valid_runtime_modes():
+        if mode not in RUNTIME_MODES:
             raise ValueError(
                 f"Invalid cudagraph runtime mode: {mode.name}; a forward pass runs under "
                 "NONE, PIECEWISE or FULL"
             )
         if not isinstance(self.no_compile_layers, dict):
             raise TypeError(f"no_compile_layers must be a dict, got {self.no_compile_layers!r}")
-        check_int("virtual_engine", self.virtual_engine, minimum=0)
+        # Cheap exact-type tests first (this runs on every forward pass); the full check
+        # only runs to raise the error.
+        if type(self.virtual_engine) is not int or self.virtual_engine < 0:
+            check_int("virtual_engine", self.virtual_engine, minimum=0)
         if self.dp_metadata is not None and not isinstance(self.dp_metadata, DPMetadata):
             raise TypeError(f"dp_metadata must be a DPMetadata or None, got {self.dp_metadata!r}")
         if self.batch_descriptor is not None and not isinstance(
@@ -350,8 +365,10 @@ class ForwardContext:
             raise TypeError(
                 f"ubatch_slices must be a list of UBatchSlice or None, got {self.ubatch_slices!r}"
             )
-        check_bool("skip_compiled", self.skip_compiled)
-        check_int("moe_layer_index", self.moe_layer_index, minimum=0)
+        if type(self.skip_compiled) is not bool:
+            check_bool("skip_compiled", self.skip_compiled)
+        if type(self.moe_layer_index) is not int or self.moe_layer_index < 0:
+            check_int("moe_layer_index", self.moe_layer_index, minimum=0)
         if not isinstance(self.additional_kwargs, dict):
             raise TypeError(f"additional_kwargs must be a dict, got {self.additional_kwargs!r}")
 
@@ -510,7 +527,8 @@ def set_forward_context(
     """
     if not isinstance(vllm_config, VllmConfig):
         raise TypeError(f"vllm_config must be a VllmConfig, got {vllm_config!r}")
-    check_optional_int("num_tokens", num_tokens, minimum=0)
+    if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 0):
+        check_optional_int("num_tokens", num_tokens, minimum=0)
     if cudagraph_runtime_mode.__class__ is not CUDAGraphMode:
         cudagraph_runtime_mode = cudagraph_mode_from(
             cudagraph_runtime_mode, "cudagraph_runtime_mode"
