@@ -1,17 +1,44 @@
-"""Shared pytest fixtures: start a real worker process over real pipes on fds 3/4."""
+"""Shared pytest fixtures: start a real worker process over real pipes on fds 3/4.
+
+:class:`WorkerProc` is a small synchronous client of the protocol: it encodes requests
+with the package's own codec, reads frames with a time limit (a hung worker fails the test
+instead of hanging it), keeps ``log`` frames apart, and sets aside frames that belong to
+other requests until they are asked for.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
+import select
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-import msgpack
 import pytest
 
+from vllm_bridge.protocol import packb, unpackb
 from vllm_bridge.protocol.framing import read_frame, write_frame
+
+#: Seconds a test waits for any one frame before it fails.
+FRAME_WAIT = 60.0
+
+_ids = itertools.count(1)
+
+
+def next_id() -> int:
+    """A request id not used before in this test run."""
+    return next(_ids)
+
+
+class WorkerCallError(Exception):
+    """An ``error`` reply; ``error`` is the worker's error map."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(f"{error.get('type')}: {error.get('message')}")
+        self.error = error
 
 
 @dataclass
@@ -22,34 +49,147 @@ class WorkerProc:
     to_worker: int  # we write here; the worker reads it as fd 3
     from_worker: int  # we read here; the worker writes it as fd 4
     hello: dict[str, Any] = field(default_factory=dict)
+    logs: list[list[Any]] = field(default_factory=list)
+    inbox: list[list[Any]] = field(default_factory=list)
+
+    # -- raw frames ------------------------------------------------------------------------
 
     def send(self, msg: Any) -> None:
-        write_frame(msgpack.packb(msg, use_bin_type=True), fd=self.to_worker)
+        """Encode ``msg`` with the package codec and send it as one frame."""
+        write_frame(packb(msg), fd=self.to_worker)
 
     def send_raw(self, body: bytes) -> None:
+        """Send ``body`` as one frame, unchanged."""
         write_frame(body, fd=self.to_worker)
 
-    def recv(self) -> Any:
+    def recv_raw(self, timeout: float = FRAME_WAIT) -> bytes:
+        """The next frame's body; fails the test after ``timeout`` seconds."""
+        ready, _, _ = select.select([self.from_worker], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"no frame from the worker within {timeout} s")
         body = read_frame(fd=self.from_worker)
-        assert body is not None, "worker closed its output"
-        return msgpack.unpackb(body, raw=False)
+        if body is None:
+            raise EOFError("the worker closed its output")
+        return bytes(body)
+
+    def recv(self, timeout: float = FRAME_WAIT) -> Any:
+        """The next frame that is not a ``log`` frame, decoded."""
+        while True:
+            msg = unpackb(self.recv_raw(timeout))
+            if isinstance(msg, list) and msg and msg[0] == "log":
+                self.logs.append(msg)
+                continue
+            return msg
+
+    def take(self, match: Callable[[Any], bool], timeout: float = FRAME_WAIT) -> Any:
+        """The first frame (set aside or new) for which ``match`` is true."""
+        for i, msg in enumerate(self.inbox):
+            if match(msg):
+                return self.inbox.pop(i)
+        while True:
+            msg = self.recv(timeout)
+            if match(msg):
+                return msg
+            self.inbox.append(msg)
+
+    def reply(self, request_id: int, timeout: float = FRAME_WAIT) -> Any:
+        """The next frame about ``request_id``."""
+        return self.take(
+            lambda m: isinstance(m, list) and len(m) > 1 and m[1] == request_id, timeout
+        )
+
+    # -- requests --------------------------------------------------------------------------
+
+    def request(self, msg: list[Any]) -> Any:
+        """Send ``msg`` (its id is ``msg[1]``) and return the reply frame."""
+        self.send(msg)
+        return self.reply(msg[1])
+
+    def call(
+        self,
+        module: str,
+        path: str,
+        *args: Any,
+        session: str | None = None,
+        timeout: int | None = 30_000,
+        kind: str = "call",
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``call`` (or ``enter``) on a module target; the value, or WorkerCallError."""
+        return self.invoke(["m", module, path], list(args), kwargs, session, timeout, kind)
+
+    def invoke(
+        self,
+        target: list[Any],
+        args: list[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        session: str | None = None,
+        timeout: int | None = 30_000,
+        kind: str = "call",
+    ) -> Any:
+        """Send a ``call``/``enter`` request; the reply's value, or WorkerCallError."""
+        rid = next_id()
+        reply = self.request([kind, rid, session, timeout, target, args or [], kwargs or {}])
+        return _value(reply, rid)
+
+    def get(self, target: list[Any], session: str | None = None) -> Any:
+        """Send a ``get``; the value, or WorkerCallError."""
+        rid = next_id()
+        return _value(self.request(["get", rid, session, 30_000, target]), rid)
+
+    def stream(self, target: list[Any], args: list[Any], session: str | None = None) -> list[Any]:
+        """Run a ``stream`` to its end; the chunks, or WorkerCallError."""
+        rid = next_id()
+        self.send(["stream", rid, session, 30_000, target, args, {}])
+        chunks = []
+        while True:
+            msg = self.reply(rid)
+            if msg[0] == "chunk":
+                chunks.append(msg[2])
+            elif msg[0] == "end":
+                return chunks
+            else:
+                _value(msg, rid)
+
+    def ping(self) -> dict[str, Any]:
+        """Send a ``ping``; the pong's status map."""
+        rid = next_id()
+        kind, got_id, status = self.request(["ping", rid])
+        assert (kind, got_id) == ("pong", rid)
+        return status
 
     def close(self) -> None:
+        """Close both pipe ends (the worker sees EOF)."""
         for fd in (self.to_worker, self.from_worker):
             try:
                 os.close(fd)
             except OSError:
                 pass
 
+    def stop(self) -> None:
+        """Close the pipes and wait for the process (killing it if it does not exit)."""
+        self.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
-def spawn_worker(extra_args: list[str] | None = None) -> WorkerProc:
-    """Start ``python -m vllm_bridge.worker`` with its fds 3 and 4 wired to pipes."""
-    r_in, w_in = os.pipe()  # test -> worker
-    r_out, w_out = os.pipe()  # worker -> test
+
+def _value(reply: Any, rid: int) -> Any:
+    if reply[0] == "ok" and reply[1] == rid:
+        return reply[2]
+    if reply[0] == "error" and reply[1] == rid:
+        raise WorkerCallError(reply[2])
+    raise AssertionError(f"unexpected reply to {rid}: {reply!r}")
+
+
+def wire_fds(r_in: int, w_out: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that puts ``r_in`` on fd 3 and ``w_out`` on fd 4."""
 
     def wire() -> None:
         # Move both ends above 4 first so that neither dup2 clobbers the other.
-        a = os.dup(r_in) if r_in < 5 else r_in
+        a = os.dup(r_in)
         while a < 5:
             a = os.dup(a)
         b = os.dup(w_out)
@@ -58,9 +198,16 @@ def spawn_worker(extra_args: list[str] | None = None) -> WorkerProc:
         os.dup2(a, 3)
         os.dup2(b, 4)
 
+    return wire
+
+
+def spawn_worker(extra_args: list[str] | None = None) -> WorkerProc:
+    """Start ``python -m vllm_bridge.worker`` with its fds 3 and 4 wired to pipes."""
+    r_in, w_in = os.pipe()  # test -> worker
+    r_out, w_out = os.pipe()  # worker -> test
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_bridge.worker", *(extra_args or [])],
-        preexec_fn=wire,
+        preexec_fn=wire_fds(r_in, w_out),
         pass_fds=(3, 4),
         close_fds=True,
     )
@@ -75,13 +222,19 @@ def spawn_worker(extra_args: list[str] | None = None) -> WorkerProc:
 
 @pytest.fixture
 def worker() -> Iterator[WorkerProc]:
+    """A fresh worker for one test."""
     wp = spawn_worker()
     try:
         yield wp
     finally:
-        wp.close()
-        try:
-            wp.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            wp.proc.kill()
-            wp.proc.wait()
+        wp.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_worker() -> Iterator[WorkerProc]:
+    """One worker for all tests of a module (tests must leave it serving)."""
+    wp = spawn_worker()
+    try:
+        yield wp
+    finally:
+        wp.stop()

@@ -1,15 +1,28 @@
 """Diagnostics callable over the bridge: identity of the worker and tiny test functions.
 
-These exist so that the plumbing (framing, codec, dispatch, timeouts) can be exercised
-without the forward-context system.
+These exist so that the plumbing (framing, codec, dispatch, sessions, streaming, context
+managers, timeouts) can be exercised without the forward-context system:
+
+* values: :func:`echo`, :func:`add`, :class:`Level` (an enum), :class:`Sample` (a
+  dataclass), :func:`level_name` (takes a ``Level``, so an atom is coerced to it);
+* time: :func:`sleep` (a stand-in for a long forward pass), :func:`count` (a generator);
+* failures: :func:`fail` raises; :func:`opaque` returns an object that can only travel
+  as a reference;
+* per-session state: :func:`set_var` / :func:`get_var` use a ``ContextVar``;
+* context managers: :func:`recorder` returns one that writes how it was exited to a
+  process-wide journal, read with :func:`exit_log`.
 """
 
 from __future__ import annotations
 
+import contextvars
+import enum
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 
 def info() -> dict[str, Any]:
@@ -48,7 +61,176 @@ def add(a: int | float, b: int | float) -> int | float:
 
 def sleep(seconds: float) -> float:
     """Sleep for ``seconds`` and return them; a stand-in for a long forward pass."""
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
-        raise ValueError(f"seconds must be a non-negative number, got {seconds!r}")
+    _check_seconds("seconds", seconds)
     time.sleep(seconds)
     return seconds
+
+
+def _check_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    return float(value)
+
+
+class Level(enum.Enum):
+    """A small enum for exercising enum values on the wire (ext 5)."""
+
+    LOW = 1
+    HIGH = 2
+
+
+@dataclass
+class Sample:
+    """A small dataclass for exercising dataclass values on the wire (ext 4).
+
+    Attributes:
+        name: Any string.
+        level: A :class:`Level`; an atom such as ``:high`` is accepted over the bridge.
+        payload: Any value; one that cannot travel by value comes back as a reference.
+    """
+
+    name: str
+    level: Level = Level.LOW
+    payload: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"Sample.name must be a str, got {self.name!r}")
+        if not isinstance(self.level, Level):
+            raise TypeError(f"Sample.level must be a Level, got {self.level!r}")
+
+
+def level_name(level: Level) -> str:
+    """The name of ``level``; raises ``TypeError`` for anything but a :class:`Level`."""
+    if not isinstance(level, Level):
+        raise TypeError(f"level must be a Level, got {level!r}")
+    return level.name
+
+
+class Opaque:
+    """An object of a class the wire has no encoding for, so it travels as a reference."""
+
+    def __init__(self, value: Any = 0) -> None:
+        self.value = value
+
+    def bump(self, by: int = 1) -> Any:
+        """Add ``by`` to ``value`` and return the new value."""
+        self.value = self.value + by
+        return self.value
+
+
+def opaque(value: Any = 0) -> Opaque:
+    """A new :class:`Opaque` holding ``value``."""
+    return Opaque(value)
+
+
+_FAILURES: dict[str, type[Exception]] = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "RuntimeError": RuntimeError,
+    "KeyError": KeyError,
+}
+
+
+def fail(message: str, kind: str = "ValueError") -> NoReturn:
+    """Raise ``kind(message)``; ``kind`` is one of ValueError, TypeError, RuntimeError,
+    KeyError."""
+    cls = _FAILURES.get(kind)
+    if cls is None:
+        raise ValueError(f"kind must be one of {sorted(_FAILURES)}, got {kind!r}")
+    raise cls(message)
+
+
+_VAR: contextvars.ContextVar[Any] = contextvars.ContextVar("vllm_bridge.diag.var", default=None)
+
+
+def set_var(value: Any) -> Any:
+    """Set this context's diagnostic variable to ``value``; return its previous value.
+
+    Over the bridge, each session has its own ``contextvars.Context``, so the value is
+    visible to later calls of the same session only.
+    """
+    previous = _VAR.get()
+    _VAR.set(value)
+    return previous
+
+
+def get_var() -> Any:
+    """This context's diagnostic variable (``None`` until :func:`set_var`)."""
+    return _VAR.get()
+
+
+_journal: list[dict[str, Any]] = []
+
+
+def _record(name: str, exc: BaseException | None) -> None:
+    _journal.append(
+        {
+            "name": name,
+            "type": None if exc is None else f"{type(exc).__module__}.{type(exc).__qualname__}",
+            "message": None if exc is None else str(exc),
+        }
+    )
+
+
+def exit_log(clear: bool = False) -> list[dict[str, Any]]:
+    """Exits recorded so far, oldest first: ``{"name", "type", "message"}`` each, where
+    ``type`` is the exception's qualified class name (``None`` for a clean exit).
+
+    Args:
+        clear: Empty the journal after reading it.
+    """
+    entries = list(_journal)
+    if clear:
+        _journal.clear()
+    return entries
+
+
+class ExitRecorder:
+    """A context manager that records how it was exited (see :func:`exit_log`)."""
+
+    def __init__(self, name: str, suppress: bool = False) -> None:
+        self.name = name
+        self.suppress = suppress
+
+    def __enter__(self) -> str:
+        return self.name
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        _record(self.name, exc)
+        return self.suppress
+
+
+def recorder(name: str, suppress: bool = False) -> ExitRecorder:
+    """A context manager entering as ``name`` that records its exit; it suppresses the
+    exception it exits with when ``suppress`` is true."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {name!r}")
+    return ExitRecorder(name, bool(suppress))
+
+
+def count(n: int, delay: float = 0.0, name: str | None = None) -> Iterator[int]:
+    """Yield ``0 .. n-1``, sleeping ``delay`` seconds before each; a stand-in stream.
+
+    When ``name`` is given, the generator's end (exhausted, closed or failed) is recorded
+    in :func:`exit_log` under that name (a close records ``builtins.GeneratorExit``).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    delay = _check_seconds("delay", delay)
+    return _count(n, delay, name)
+
+
+def _count(n: int, delay: float, name: str | None) -> Iterator[int]:
+    outcome: BaseException | None = None
+    try:
+        for i in range(n):
+            if delay:
+                time.sleep(delay)
+            yield i
+    except BaseException as exc:
+        outcome = exc
+        raise
+    finally:
+        if name is not None:
+            _record(name, outcome)

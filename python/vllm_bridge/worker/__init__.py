@@ -1,1 +1,9 @@
-"""The worker process: ``python -m vllm_bridge.worker`` serves one Erlang port."""
+"""The worker process: ``python -m vllm_bridge.worker`` serves one Erlang port.
+
+:class:`CallerError` is what a context manager's ``__exit__`` receives when the Elixir
+caller failed with an error the worker has no exception object for.
+"""
+
+from vllm_bridge.worker.sessions import CallerError
+
+__all__ = ["CallerError"]

@@ -1,23 +1,101 @@
-"""Worker loop: announce, then read a frame, decode, dispatch, encode, write a reply.
+"""The worker process: ``python -m vllm_bridge.worker [--allow MODULE ...] [--max-refs N]``.
 
-Exits with status 0 when fd 3 reaches EOF (the port closed), so no worker outlives the BEAM.
+Threads:
+
+* the main thread is the *reader*: it reads frames from fd 3, decodes and checks them,
+  answers ``ping`` (and ``hello``) at once, records ``cancel``\\ s, refuses malformed
+  frames, and queues every other request;
+* the *execution* thread (:mod:`~vllm_bridge.worker.executor`) runs queued requests one
+  at a time (:mod:`~vllm_bridge.worker.dispatch`);
+* the *lifeline* thread (:mod:`~vllm_bridge.worker.lifeline`) ends the process when
+  its parent is gone.
+
+On EOF of fd 3 the queue is dropped; once the running request (if any) is done, every
+session's contexts are exited and the process exits with status 0. A request still
+running after :data:`EXIT_GRACE_SECONDS` cannot be waited for: the process exits anyway.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import logging
 import os
+import secrets
 import sys
-import traceback
+import time
 from typing import Any
 
 import msgpack
 
 from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
-from vllm_bridge.protocol.framing import read_frame, write_frame
+from vllm_bridge.protocol.decoder import Decoder
+from vllm_bridge.protocol.encoder import Encoder
+from vllm_bridge.protocol.errors import BadArgument
+from vllm_bridge.protocol.framing import FrameError, read_frame
+from vllm_bridge.protocol.messages import (
+    Control,
+    Exit,
+    Invoke,
+    Request,
+    RequestError,
+    parse_request,
+    request_id_of,
+)
+from vllm_bridge.protocol.registry import TypeRegistry
+from vllm_bridge.worker.channel import Channel, LogFrameHandler
+from vllm_bridge.worker.dispatch import Dispatcher
+from vllm_bridge.worker.executor import Executor
+from vllm_bridge.worker.lifeline import watch_parent
+from vllm_bridge.worker.sessions import Sessions
+from vllm_bridge.worker.targets import TargetResolver
+
+#: Seconds to wait on EOF for a running request before exiting regardless.
+EXIT_GRACE_SECONDS = 2.0
+DEFAULT_MAX_REFS = 10_000
+CAPABILITIES = ("stream", "context", "cancel", "refs", "log")
+
+_log = logging.getLogger("vllm_bridge.worker")
 
 
-def _hello() -> list[Any]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line of ``python -m vllm_bridge.worker``."""
+    parser = argparse.ArgumentParser(prog="python -m vllm_bridge.worker")
+    parser.add_argument(
+        "--allow",
+        nargs="+",
+        action="extend",
+        metavar="MODULE",
+        help="modules requests may reach (default: vllm_bridge.PUBLIC_MODULES)",
+    )
+    parser.add_argument(
+        "--max-refs",
+        type=int,
+        default=DEFAULT_MAX_REFS,
+        metavar="N",
+        help=f"references this worker may hold at once (default {DEFAULT_MAX_REFS})",
+    )
+    opts = parser.parse_args(argv)
+    if opts.max_refs < 1:
+        parser.error(f"--max-refs must be at least 1, got {opts.max_refs}")
+    for name in opts.allow or ():
+        if not all(part.isidentifier() for part in name.split(".")):
+            parser.error(f"--allow {name!r} is not a dotted module name")
+    opts.allow = tuple(dict.fromkeys(opts.allow)) if opts.allow else tuple(PUBLIC_MODULES)
+    return opts
+
+
+def _import_allowed(modules: tuple[str, ...]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # reported again, by name, to each call that needs it
+            _log.warning(
+                "allow-listed module %s failed to import: %s: %s", name, type(exc).__name__, exc
+            )
+
+
+def _hello(instance: str, modules: tuple[str, ...]) -> list[Any]:
     import torch
 
     from vllm_bridge.diag import default_device
@@ -30,56 +108,127 @@ def _hello() -> list[Any]:
             "python": sys.version.split()[0],
             "torch": torch.__version__,
             "device": default_device(),
+            "instance": instance,
+            "capabilities": list(CAPABILITIES),
+            "modules": list(modules),
         },
     ]
 
 
-def _resolve(module: str, name: str) -> Any:
-    if module not in PUBLIC_MODULES:
-        raise PermissionError(f"module {module!r} is not in the worker's allow-list")
-    obj: Any = importlib.import_module(module)
-    for part in name.split("."):
-        if part.startswith("__"):
-            raise PermissionError(f"attribute {part!r} of {module}.{name} is not reachable")
-        obj = getattr(obj, part)
-    return obj
+class Worker:
+    """One worker process: the reader loop and everything it feeds."""
 
+    def __init__(self, modules: tuple[str, ...], max_refs: int) -> None:
+        self.modules = modules
+        self.instance = secrets.token_hex(8)
+        self.registry = TypeRegistry(modules)
+        self.decoder = Decoder()
+        self.channel = Channel(Encoder(self.registry))
+        self.sessions = Sessions(self.instance, max_refs)
+        self.dispatcher = Dispatcher(
+            self.sessions, TargetResolver(modules), self.registry, self.channel
+        )
+        self.executor = Executor(
+            self.dispatcher.handle, self.dispatcher.refuse, self.channel.write
+        )
 
-def _handle(msg: Any) -> list[Any]:
-    if not isinstance(msg, list) or len(msg) < 2:
-        return ["error", None, {"type": "protocol", "message": f"not a message: {msg!r:.200}"}]
-    kind, req_id = msg[0], msg[1]
-    if kind == "call" and len(msg) == 7:
-        _, _, _session, _timeout, target, args, kwargs = msg
+    def serve(self) -> int:
+        """Announce, then read frames until EOF; returns the exit status."""
+        self.channel.send(_hello(self.instance, self.modules))
+        logging.getLogger().addHandler(LogFrameHandler(self.channel))
+        watch_parent()
+        self.executor.start()
+        while True:
+            try:
+                body = read_frame()
+            except FrameError as exc:
+                _log.error("input stream broken: %s", exc)
+                body = None
+            if body is None:
+                return self._shutdown()
+            self.on_frame(body)
+
+    def on_frame(self, body: bytes | bytearray) -> None:
+        """Handle one frame on the reader thread."""
+        now = time.monotonic()
         try:
-            fn = _resolve(target[1], target[2])
-            return ["ok", req_id, fn(*args, **kwargs)]
-        except Exception as exc:  # a Python exception never takes the worker down
-            return [
-                "error",
-                req_id,
-                {
-                    "type": "python_exception",
-                    "message": str(exc),
-                    "python_type": type(exc).__qualname__,
-                    "traceback": traceback.format_exc(),
-                },
-            ]
-    if kind == "ping":
-        return ["pong", req_id, {}]
-    return ["error", req_id, {"type": "protocol", "message": f"unknown message kind {kind!r}"}]
-
-
-def main() -> int:
-    write_frame(msgpack.packb(_hello(), use_bin_type=True))
-    while True:
-        body = read_frame()
-        if body is None:
-            return 0
-        try:
-            msg = msgpack.unpackb(body, raw=False)
+            decoded = self.decoder.decode(body)
+        except BadArgument as exc:
+            self.channel.error(_lenient_id(body), "bad_argument", str(exc))
+            return
         except Exception as exc:
-            reply = ["error", None, {"type": "protocol", "message": f"undecodable frame: {exc}"}]
-        else:
-            reply = _handle(msg)
-        write_frame(msgpack.packb(reply, use_bin_type=True))
+            self.channel.error(None, "protocol", f"undecodable frame: {type(exc).__name__}: {exc}")
+            return
+        try:
+            req = parse_request(decoded.value, now)
+        except RequestError as exc:
+            self.channel.error(exc.request_id, "protocol", str(exc))
+            return
+        if isinstance(req, Control):
+            self._control(req)
+            return
+        if isinstance(req, (Invoke, Exit)):
+            req.special = decoded.special
+        self.executor.submit(req)
+
+    def _control(self, req: Control) -> None:
+        if req.kind == "ping":
+            status = {
+                "running": self.executor.running_id,
+                "queued": self.executor.queued,
+                "sessions": len(self.sessions),
+                "refs": self.sessions.ref_count,
+            }
+            self.channel.send(["pong", req.id, status])
+        elif req.kind == "cancel":
+            dropped: Request | None = self.executor.cancel(req.id)
+            if dropped is not None:
+                message = f"{dropped.kind} {dropped.id} was cancelled before it started"
+                self.channel.error(dropped.id, "cancelled", message)
+        elif req.kind == "hello":
+            version = (req.info or {}).get("protocol")
+            if version == PROTOCOL_VERSION:
+                self.channel.send(["ok", req.id, {"protocol": PROTOCOL_VERSION}])
+            else:
+                self.channel.error(
+                    req.id,
+                    "protocol",
+                    f"protocol version {version!r} is not spoken by this worker, which "
+                    f"speaks version {PROTOCOL_VERSION}",
+                )
+
+    def _shutdown(self) -> int:
+        self.executor.stop(final=self.dispatcher.close_all)
+        self.executor.thread.join(EXIT_GRACE_SECONDS)
+        if self.executor.thread.is_alive():
+            sys.stderr.write(
+                f"vllm_bridge.worker: fd 3 closed while request {self.executor.running_id} "
+                "runs; exiting without waiting for it\n"
+            )
+            sys.stderr.flush()
+            os._exit(0)
+        return 0
+
+
+def _lenient_id(body: bytes | bytearray) -> int | None:
+    """The request id of a body whose extension values are malformed, if it has one."""
+    try:
+        msg = msgpack.unpackb(
+            body, raw=False, strict_map_key=False, ext_hook=lambda code, data: None
+        )
+    except Exception:
+        return None
+    return request_id_of(msg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a worker on fds 3 and 4 until fd 3 reaches EOF."""
+    opts = parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s [worker %(process)d] %(message)s",
+    )
+    logging.captureWarnings(True)
+    _import_allowed(opts.allow)
+    return Worker(opts.allow, opts.max_refs).serve()

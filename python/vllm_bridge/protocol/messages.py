@@ -1,0 +1,211 @@
+"""Requests from the Elixir side, checked field by field (docs/PROTOCOL.md, "Messages").
+
+:func:`parse_request` turns a decoded body into one of the request dataclasses below or
+raises :class:`~vllm_bridge.protocol.errors.ProtocolError` naming what is wrong; the error
+carries the request id whenever one could be read, so the reply can name the call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_bridge.protocol.errors import ProtocolError
+from vllm_bridge.protocol.types import Ref
+
+
+class RequestError(ProtocolError):
+    """A malformed request; ``request_id`` is its id when that could be read."""
+
+    def __init__(self, message: str, request_id: int | None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass
+class ModuleTarget:
+    """``["m", module, path]``: an attribute path inside an allow-listed module."""
+
+    module: str
+    path: str
+
+
+@dataclass
+class RefTarget:
+    """``["r", ref, path_or_nil]``: an attribute path of a referenced object."""
+
+    ref: Ref
+    path: str | None
+
+
+Target = ModuleTarget | RefTarget
+
+
+@dataclass
+class Request:
+    """Fields every request to the execution thread has."""
+
+    kind: str
+    id: int
+    session: str | None
+    #: ``time.monotonic()`` past which the request must not start; ``None``: no deadline.
+    deadline: float | None
+    #: Set by the reader thread when a ``cancel`` for this id arrives.
+    cancelled: bool = field(default=False, compare=False)
+
+
+@dataclass
+class Invoke(Request):
+    """``call``, ``stream``, ``enter`` (with arguments) and ``get`` (without)."""
+
+    target: Target | None = None
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    #: True when args or kwargs hold dataclass/enum values or references.
+    special: bool = False
+
+
+@dataclass
+class Exit(Request):
+    """``exit``: leave an entered context; ``exc`` is nil or the caller's error map."""
+
+    handle: Ref | None = None
+    exc: dict[str, Any] | None = None
+    special: bool = True
+
+
+@dataclass
+class Release(Request):
+    """``release``: drop references of the session."""
+
+    refs: list[Ref] = field(default_factory=list)
+
+
+@dataclass
+class Close(Request):
+    """``close``: exit the session's contexts (newest first) and drop its references."""
+
+
+@dataclass
+class Control:
+    """``ping``, ``cancel`` and ``hello``: handled by the reader thread at once."""
+
+    kind: str
+    id: int
+    info: dict[str, Any] | None = None
+
+
+_ARITY = {
+    "call": 7,
+    "stream": 7,
+    "enter": 7,
+    "get": 5,
+    "exit": 6,
+    "release": 4,
+    "close": 3,
+    "cancel": 2,
+    "ping": 2,
+    "hello": 3,
+}
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def request_id_of(msg: Any) -> int | None:
+    """The id of a message when it has a readable one (second element, an int >= 0)."""
+    if isinstance(msg, list) and len(msg) >= 2 and _is_id(msg[1]):
+        return msg[1]
+    return None
+
+
+def parse_request(msg: Any, now: float | None = None) -> Request | Control:
+    """Check a decoded body and build its request.
+
+    Args:
+        msg: The decoded body.
+        now: ``time.monotonic()`` at receipt (the deadline is fixed from it).
+
+    Raises:
+        RequestError: anything malformed; the message names the field and its value.
+    """
+    rid = request_id_of(msg)
+    if not isinstance(msg, list) or not msg:
+        raise RequestError(f"a message must be a non-empty array, got {msg!r:.100}", None)
+    kind = msg[0]
+    if kind not in _ARITY:
+        raise RequestError(f"unknown message kind {kind!r:.60}", rid)
+    if len(msg) != _ARITY[kind]:
+        raise RequestError(
+            f"a {kind} message has {_ARITY[kind] - 1} fields after the kind, got {len(msg) - 1}",
+            rid,
+        )
+    if rid is None:
+        raise RequestError(f"{kind} id must be a non-negative integer, got {msg[1]!r:.60}", None)
+    if kind in ("ping", "cancel"):
+        return Control(kind, rid)
+    if kind == "hello":
+        if not isinstance(msg[2], dict):
+            raise RequestError(f"hello info must be a map, got {msg[2]!r:.60}", rid)
+        return Control(kind, rid, msg[2])
+    session = _session(msg[2], kind, rid)
+    if kind == "close":
+        return Close(kind, rid, session, None)
+    if kind == "release":
+        refs = msg[3]
+        if not isinstance(refs, list) or not all(isinstance(r, Ref) for r in refs):
+            raise RequestError(
+                f"release refs must be an array of references, got {refs!r:.100}", rid
+            )
+        return Release(kind, rid, session, None, refs=refs)
+    deadline = _deadline(msg[3], kind, rid, time.monotonic() if now is None else now)
+    if kind == "exit":
+        handle, exc = msg[4], msg[5]
+        if not isinstance(handle, Ref):
+            raise RequestError(f"exit handle must be a reference, got {handle!r:.100}", rid)
+        if exc is not None and not isinstance(exc, dict):
+            raise RequestError(f"exit exc must be nil or an error map, got {exc!r:.100}", rid)
+        return Exit(kind, rid, session, deadline, handle=handle, exc=exc)
+    target = _target(msg[4], kind, rid)
+    if kind == "get":
+        return Invoke(kind, rid, session, deadline, target=target)
+    args, kwargs = msg[5], msg[6]
+    if not isinstance(args, list):
+        raise RequestError(f"{kind} args must be an array, got {args!r:.100}", rid)
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise RequestError(f"{kind} kwargs must be a map with str keys, got {kwargs!r:.100}", rid)
+    return Invoke(kind, rid, session, deadline, target=target, args=args, kwargs=kwargs)
+
+
+def _session(value: Any, kind: str, rid: int) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return str(value)  # an atom arrives as a str subclass; sessions are plain str
+    raise RequestError(f"{kind} session must be a str or nil, got {value!r:.60}", rid)
+
+
+def _deadline(value: Any, kind: str, rid: int, now: float) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise RequestError(
+            f"{kind} timeout must be nil or a number of milliseconds, got {value!r:.60}", rid
+        )
+    return now + value / 1000.0
+
+
+def _target(value: Any, kind: str, rid: int) -> Target:
+    if isinstance(value, list) and len(value) == 3:
+        tag, first, path = value
+        if tag == "m" and isinstance(first, str) and isinstance(path, str):
+            return ModuleTarget(str(first), str(path))
+        if tag == "r" and isinstance(first, Ref) and (path is None or isinstance(path, str)):
+            return RefTarget(first, None if path is None else str(path))
+    raise RequestError(
+        f'{kind} target must be ["m", module, path] or ["r", ref, path_or_nil], '
+        f"got {value!r:.100}",
+        rid,
+    )

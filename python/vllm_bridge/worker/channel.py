@@ -1,0 +1,89 @@
+"""The worker's output: frames to fd 4, written whole under one lock, and ``log`` frames
+for Python logging records.
+
+Both threads write (the reader answers ``ping`` and refusals, the execution thread sends
+replies), and so may any thread that logs; the lock keeps every frame in one piece. When
+the peer is gone (the pipe is broken) nobody can hear the worker any more, so it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from vllm_bridge.protocol.encoder import Encoder, MakeRef, Segment
+from vllm_bridge.protocol.errors import simple_error
+from vllm_bridge.protocol.framing import WRITE_FD, write_segments
+
+
+class Channel:
+    """Writes messages as frames to ``fd``."""
+
+    def __init__(self, encoder: Encoder, fd: int = WRITE_FD) -> None:
+        self.encoder = encoder
+        self.fd = fd
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def send(self, msg: Any, make_ref: MakeRef | None = None) -> None:
+        """Encode ``msg`` (outside the lock) and write it as one frame."""
+        self.write(self.encoder.encode(msg, make_ref))
+
+    def write(self, segments: list[Segment]) -> None:
+        """Write one frame made of ``segments``; exit the process if the peer is gone."""
+        with self._lock:
+            self._local.writing = True
+            try:
+                write_segments(segments, self.fd)
+            except (BrokenPipeError, ConnectionResetError):
+                _peer_gone()
+            finally:
+                self._local.writing = False
+
+    @property
+    def writing(self) -> bool:
+        """True while the calling thread is writing a frame (a log call then must not)."""
+        return getattr(self._local, "writing", False)
+
+    def error(self, request_id: int | None, error_type: str, message: str) -> None:
+        """Send an ``error`` reply with no Python exception behind it."""
+        self.send(["error", request_id, simple_error(error_type, message)])
+
+
+def _peer_gone() -> None:
+    sys.stderr.write("vllm_bridge.worker: fd 4 is closed (the port is gone); exiting\n")
+    sys.stderr.flush()
+    os._exit(0)
+
+
+_LEVELS = ((logging.ERROR, "error"), (logging.WARNING, "warning"), (logging.INFO, "info"))
+
+
+def level_name(levelno: int) -> str:
+    """The protocol's name for a logging level (critical counts as error)."""
+    for threshold, name in _LEVELS:
+        if levelno >= threshold:
+            return name
+    return "debug"
+
+
+class LogFrameHandler(logging.Handler):
+    """Sends each record as ``["log", level, logger_name, message]``."""
+
+    def __init__(self, channel: Channel, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self.channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.channel.writing:
+            return  # a record raised while writing a frame would split that frame
+        try:
+            message = record.getMessage()
+            if record.exc_info:
+                message += "\n" + logging.Formatter().formatException(record.exc_info)
+            self.channel.send(["log", level_name(record.levelno), record.name, message])
+        except Exception:
+            self.handleError(record)

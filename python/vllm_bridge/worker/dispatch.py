@@ -1,0 +1,260 @@
+"""What each request does, on the execution thread, inside its session's context.
+
+``call``/``get``/``stream``/``enter`` resolve a target, build the arguments (references
+resolved, registered dataclasses built, atoms turned into enum members by annotation),
+run the code and reply; ``exit``, ``release`` and ``close`` manage the session. Every
+failure becomes an ``error`` reply: a Python exception never stops the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_bridge.protocol.decoder import materialize
+from vllm_bridge.protocol.encoder import Segment, segments_length
+from vllm_bridge.protocol.errors import BadArgument, BridgeError, Cancelled, error_map
+from vllm_bridge.protocol.framing import MAX_FRAME
+from vllm_bridge.protocol.messages import Close, Exit, Invoke, Release, Request
+from vllm_bridge.protocol.registry import TypeRegistry
+from vllm_bridge.protocol.types import Ref, qualified_name
+from vllm_bridge.worker.channel import Channel
+from vllm_bridge.worker.coerce import coerce_arguments
+from vllm_bridge.worker.sessions import CONTEXT_TYPE, EnteredContext, Session, Sessions
+from vllm_bridge.worker.targets import TargetResolver
+
+_log = logging.getLogger("vllm_bridge.worker")
+
+#: An encoded reply, ready for :meth:`Channel.write`.
+Frame = list[Segment]
+
+
+class Dispatcher:
+    """Runs requests against the sessions of one worker and sends their replies."""
+
+    def __init__(
+        self,
+        sessions: Sessions,
+        resolver: TargetResolver,
+        registry: TypeRegistry,
+        channel: Channel,
+    ) -> None:
+        self.sessions = sessions
+        self.resolver = resolver
+        self.registry = registry
+        self.channel = channel
+
+    # -- entry points (execution thread) -------------------------------------------------
+
+    def handle(self, req: Request) -> Frame:
+        """Run ``req``; returns its final reply, encoded (chunks are sent on the way).
+
+        Never raises: failures become the ``error`` reply.
+        """
+        if isinstance(req, Close):
+            return self._close(req)
+        session = self.sessions.get(req.session)
+        return session.context.run(self._in_session, req, session)
+
+    def refuse(self, req: Request, exc: BridgeError) -> Frame:
+        """The error reply of a request that is not run (its deadline passed)."""
+        return self.channel.encoder.encode(["error", req.id, error_map(exc)])
+
+    def close_all(self) -> None:
+        """Exit every session's contexts (newest first) and drop all references."""
+        for session in self.sessions.all():
+            self.sessions.pop(session.name)
+            self._exit_all(session)
+
+    # -- per kind ------------------------------------------------------------------------
+
+    def _in_session(self, req: Request, session: Session) -> Frame:
+        try:
+            if isinstance(req, Invoke):
+                return self._invoke(req, session)
+            if isinstance(req, Exit):
+                return self._exit(req, session)
+            if isinstance(req, Release):
+                return self._release(req, session)
+            raise BadArgument(f"no handler for {req.kind} requests")
+        except BaseException as exc:  # noqa: BLE001 - user code may raise SystemExit too
+            return self._fail(req, session, exc)
+
+    def _invoke(self, req: Invoke, session: Session) -> Frame:
+        if req.target is None:
+            raise BadArgument(f"{req.kind} {req.id} has no target")
+        obj, where = self.resolver.resolve(req.target, self.sessions, session)
+        if req.kind == "get":
+            return self._reply(req, session, "ok", obj)
+        args, kwargs = self._arguments(req, session)
+        if req.kind in ("stream", "enter") and not callable(obj) and not args and not kwargs:
+            result = obj  # stream an iterator / enter a context manager held by reference
+        else:
+            if not callable(obj):
+                raise BadArgument(
+                    f"{where} is a {qualified_name(type(obj))}, not callable (read it with get)"
+                )
+            args, kwargs = coerce_arguments(obj, args, kwargs, where)
+            result = obj(*args, **kwargs)
+        if req.kind == "call":
+            return self._reply(req, session, "ok", result)
+        if req.kind == "stream":
+            return self._stream(req, session, result, where)
+        return self._enter(req, session, result, where)
+
+    def _arguments(self, req: Invoke, session: Session) -> tuple[list[Any], dict[str, Any]]:
+        args, kwargs = req.args, req.kwargs
+        if req.special:
+
+            def resolve(ref: Ref) -> Any:
+                return self.sessions.resolve(session, ref)
+
+            args = materialize(args, self.registry, resolve)
+            kwargs = materialize(kwargs, self.registry, resolve)
+        if kwargs:
+            kwargs = {str(k): v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _stream(self, req: Invoke, session: Session, result: Any, where: str) -> Frame:
+        try:
+            iterator = iter(result)
+        except TypeError:
+            raise BadArgument(
+                f"{where} gave a {qualified_name(type(result))}, which is not iterable: "
+                "stream needs a generator or an iterable"
+            ) from None
+        try:
+            while True:
+                if req.cancelled:
+                    raise Cancelled(f"stream {req.id} was cancelled")
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    break
+                self.channel.write(self._reply(req, session, "chunk", item))
+        except BaseException:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except BaseException:  # noqa: BLE001
+                    _log.warning("closing the generator of stream %s failed", req.id, exc_info=True)
+            raise
+        return self.channel.encoder.encode(["end", req.id])
+
+    def _enter(self, req: Invoke, session: Session, manager: Any, where: str) -> Frame:
+        cls = type(manager)
+        enter = getattr(cls, "__enter__", None)
+        exit_ = getattr(cls, "__exit__", None)
+        if enter is None or exit_ is None:
+            raise BadArgument(
+                f"{where} gave a {qualified_name(cls)}, which is not a context manager"
+            )
+        handle = self.sessions.new_ref(session, manager, CONTEXT_TYPE)
+        try:
+            value = enter(manager)
+        except BaseException:
+            self.sessions.drop(session, handle.ref_id)
+            raise
+        entered = session.contexts[handle.ref_id] = EnteredContext(manager, exit_)
+        try:
+            return self._reply(req, session, "ok", [handle, value])
+        except BaseException as exc:
+            # The caller never learns the handle: leave the context now, failed.
+            del session.contexts[handle.ref_id]
+            self.sessions.drop(session, handle.ref_id)
+            try:
+                self._call_exit(entered, exc)
+            except BaseException:  # noqa: BLE001
+                _log.warning("exiting context %s failed", handle.ref_id, exc_info=True)
+            raise
+
+    def _exit(self, req: Exit, session: Session) -> Frame:
+        if req.handle is None:
+            raise BadArgument(f"exit {req.id} has no context handle")
+        self.sessions.check(session, req.handle)
+        entered = session.contexts.pop(req.handle.ref_id, None)
+        if entered is None:
+            raise BadArgument(
+                f"reference {req.handle.ref_id} ({req.handle.type_name}) is not an entered "
+                f"context of session {session.name!r}"
+            )
+        self.sessions.drop(session, req.handle.ref_id)
+        exc = None if req.exc is None else self.sessions.caller_exception(session, req.exc)
+        suppressed = self._call_exit(entered, exc)
+        return self._reply(req, session, "ok", suppressed)
+
+    @staticmethod
+    def _call_exit(entered: EnteredContext, exc: BaseException | None) -> bool:
+        if exc is None:
+            return bool(entered.exit(entered.manager, None, None, None))
+        try:
+            return bool(entered.exit(entered.manager, type(exc), exc, exc.__traceback__))
+        except BaseException as raised:
+            if raised is exc:
+                return False  # re-raised what it was given: not suppressed
+            raise
+
+    def _release(self, req: Release, session: Session) -> Frame:
+        for ref in req.refs:
+            self.sessions.check_owner(session, ref)
+        released = 0
+        for ref in req.refs:
+            entered = session.contexts.pop(ref.ref_id, None)
+            if entered is not None:
+                self._exit_quietly(entered, ref.ref_id)
+            released += self.sessions.drop(session, ref.ref_id)
+        return self._reply(req, session, "ok", released)
+
+    def _close(self, req: Close) -> Frame:
+        session = self.sessions.pop(req.session)
+        refs = contexts = 0
+        if session is not None:
+            refs, contexts = len(session.refs), len(session.contexts)
+            session.context.run(self._exit_all, session)
+        return self.channel.encoder.encode(["ok", req.id, {"refs": refs, "contexts": contexts}])
+
+    def _exit_all(self, session: Session) -> None:
+        for ref_id, entered in reversed(list(session.contexts.items())):
+            self._exit_quietly(entered, ref_id)
+        session.contexts.clear()
+        session.refs.clear()
+        session.exceptions.clear()
+
+    def _exit_quietly(self, entered: EnteredContext, ref_id: int) -> None:
+        try:
+            entered.exit(entered.manager, None, None, None)
+        except BaseException:  # noqa: BLE001 - one failing __exit__ must not stop the rest
+            _log.warning("exiting context %s failed", ref_id, exc_info=True)
+
+    # -- replies -------------------------------------------------------------------------
+
+    def _reply(self, req: Request, session: Session, kind: str, value: Any) -> Frame:
+        """Encode ``[kind, id, value]``; references it needs are owned by ``session``.
+
+        If the reply cannot be encoded, the references made for it are dropped again.
+        """
+        created: list[int] = []
+
+        def make_ref(obj: Any) -> Ref:
+            ref = self.sessions.new_ref(session, obj)
+            created.append(ref.ref_id)
+            return ref
+
+        try:
+            segments = self.channel.encoder.encode([kind, req.id, value], make_ref)
+            size = segments_length(segments)
+            if size > MAX_FRAME:
+                raise ValueError(f"a reply of {size} bytes exceeds the frame limit of {MAX_FRAME}")
+        except BaseException:
+            for ref_id in created:
+                self.sessions.drop(session, ref_id)
+            raise
+        return segments
+
+    def _fail(self, req: Request, session: Session, exc: BaseException) -> Frame:
+        if isinstance(exc, BridgeError) and exc.error_type != "python_exception":
+            err = error_map(exc)
+        else:
+            err = error_map(exc, self.sessions.record(session, exc))
+        return self.channel.encoder.encode(["error", req.id, err])

@@ -1,0 +1,90 @@
+"""Call targets: what ``["m", module, path]`` and ``["r", ref, path]`` may reach.
+
+Rules (docs/PROTOCOL.md, "Targets"):
+
+* a module target names a module of the allow-list exactly; only allow-listed modules are
+  ever imported because of a request;
+* no path part may be empty or start with ``__`` (dunders are unreachable);
+* no step may land on a module outside the allow-list (``vllm_bridge.diag.os`` is
+  refused although ``diag`` imports ``os``), and a reference to such a module cannot be
+  used as a target either.
+
+Refusals raise :class:`~vllm_bridge.protocol.errors.BadArgument` naming the target.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from collections.abc import Iterable
+from typing import Any
+
+from vllm_bridge.protocol.errors import BadArgument
+from vllm_bridge.protocol.messages import ModuleTarget, RefTarget, Target
+from vllm_bridge.worker.sessions import Session, Sessions
+
+
+class TargetResolver:
+    """Resolves targets against an allow-list of module names."""
+
+    def __init__(self, modules: Iterable[str]) -> None:
+        self.modules: tuple[str, ...] = tuple(modules)
+        self._allowed = frozenset(self.modules)
+
+    def module(self, name: str) -> types.ModuleType:
+        """The allow-listed module ``name``, imported on first use.
+
+        Raises:
+            BadArgument: ``name`` is not allow-listed, or it fails to import.
+        """
+        if name not in self._allowed:
+            raise BadArgument(
+                f"module {name!r} is not in the worker's allow-list ({', '.join(self.modules)})"
+            )
+        try:
+            return importlib.import_module(name)
+        except Exception as exc:
+            raise BadArgument(
+                f"allow-listed module {name!r} failed to import: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def resolve(self, target: Target, sessions: Sessions, session: Session) -> tuple[Any, str]:
+        """The object a target names, and a description of it for messages."""
+        if isinstance(target, ModuleTarget):
+            obj = self.module(target.module)
+            return self.walk(obj, target.path, target.module), f"{target.module}.{target.path}"
+        if isinstance(target, RefTarget):
+            obj = sessions.resolve(session, target.ref)
+            where = f"reference {target.ref.ref_id} ({target.ref.type_name})"
+            self._check_module(obj, where)
+            if target.path is None:
+                return obj, where
+            return self.walk(obj, target.path, where), f"{where}.{target.path}"
+        raise BadArgument(f"not a target: {target!r:.100}")
+
+    def walk(self, obj: Any, path: str, where: str) -> Any:
+        """Follow the dotted ``path`` from ``obj`` (``where`` names ``obj`` in messages)."""
+        if not path:
+            raise BadArgument(f"empty attribute path after {where}")
+        for part in path.split("."):
+            if not part:
+                raise BadArgument(f"attribute path {path!r} after {where} has an empty part")
+            if part.startswith("__"):
+                raise BadArgument(
+                    f"attribute {part!r} of {where} is unreachable: no path part may start "
+                    "with '__'"
+                )
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise BadArgument(f"{where} has no attribute {part!r}") from None
+            where = f"{where}.{part}"
+            self._check_module(obj, where)
+        return obj
+
+    def _check_module(self, obj: Any, where: str) -> None:
+        if isinstance(obj, types.ModuleType) and obj.__name__ not in self._allowed:
+            raise BadArgument(
+                f"{where} is the module {obj.__name__!r}, which is not in the worker's "
+                "allow-list"
+            )
