@@ -13,7 +13,7 @@ defmodule VllmBridge.Codec.Msgpack do
 
   Decoding never raises and never allocates from a declared length: every length is
   checked against the bytes actually present (binaries come out as sub-binaries of the
-  input, no copy), nesting is limited to #{1024} levels, and malformed input is
+  input, no copy), nesting is limited to 1024 levels, and malformed input is
   `{:error, reason}`.
   """
 
