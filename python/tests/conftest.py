@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: start a real worker process over real pipes on fds 3/4.
+"""Shared pytest fixtures and helpers: real worker processes over real pipes on fds 3/4,
+the byte vectors of priv/protocol/vectors.txt, and exact value comparison.
 
 :class:`WorkerProc` is a small synchronous client of the protocol: it encodes requests
 with the package's own codec, reads frames with a time limit (a hung worker fails the test
@@ -8,18 +9,23 @@ other requests until they are asked for.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import itertools
 import os
 import select
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import torch
 
-from vllm_bridge.protocol import packb, unpackb
+from vllm_bridge.protocol import Atom, Ref, packb, unpackb
 from vllm_bridge.protocol.framing import read_frame, write_frame
 
 #: Seconds a test waits for any one frame before it fails.
@@ -112,11 +118,12 @@ class WorkerProc:
         *args: Any,
         session: str | None = None,
         timeout: int | None = 30_000,
-        kind: str = "call",
+        via: str = "call",
         **kwargs: Any,
     ) -> Any:
-        """Run ``call`` (or ``enter``) on a module target; the value, or WorkerCallError."""
-        return self.invoke(["m", module, path], list(args), kwargs, session, timeout, kind)
+        """Run ``call`` (or ``via="enter"``) on a module target; the value, or
+        WorkerCallError."""
+        return self.invoke(["m", module, path], list(args), kwargs, session, timeout, via)
 
     def invoke(
         self,
@@ -238,3 +245,66 @@ def shared_worker() -> Iterator[WorkerProc]:
         yield wp
     finally:
         wp.stop()
+
+
+# -- vectors and exact comparison ------------------------------------------------------
+
+VECTORS_FILE = Path(__file__).resolve().parents[2] / "priv" / "protocol" / "vectors.txt"
+
+
+def load_vectors(path: Path = VECTORS_FILE) -> dict[str, bytes]:
+    """``name -> body`` of every vector in the file (``#`` starts a comment)."""
+    vectors: dict[str, bytes] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, hexbody = line.split()
+        if name in vectors:
+            raise ValueError(f"vector {name!r} appears twice in {path}")
+        vectors[name] = bytes.fromhex(hexbody)
+    return vectors
+
+
+def float_bits(x: float) -> int:
+    """The IEEE 754 bits of a float 64."""
+    return struct.unpack(">Q", struct.pack(">d", x))[0]
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw little-endian element bytes of a tensor (works for bfloat16 too)."""
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same(a: Any, b: Any) -> bool:
+    """Exact equality: same types all the way down, floats and tensors bit for bit."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return float_bits(a) == float_bits(b)
+    if isinstance(a, torch.Tensor):
+        return (
+            a.dtype == b.dtype
+            and tuple(a.shape) == tuple(b.shape)
+            and a.device == b.device
+            and tensor_bytes(a) == tensor_bytes(b)
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        if len(a) != len(b):
+            return False
+        keys_b = list(b)
+        return all(
+            same(ka, kb) and same(a[ka], b[kb]) for ka, kb in zip(list(a), keys_b)
+        )
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return all(
+            same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
+    if isinstance(a, (enum.Enum, Atom, Ref, str, bytes, int, bool)) or a is None:
+        return a == b
+    raise TypeError(f"same() does not know how to compare {type(a)}")

@@ -9,24 +9,24 @@ import torch
 from vllm_bridge import PROTOCOL_VERSION
 
 
-def test_handshake_then_call(worker):
-    hello = worker.hello
+def test_handshake_then_call(shared_worker):
+    hello = shared_worker.hello
     assert hello["protocol"] == PROTOCOL_VERSION
-    assert hello["pid"] == worker.proc.pid
+    assert hello["pid"] == shared_worker.proc.pid
     assert hello["torch"] == torch.__version__
     assert hello["device"] == "cpu" or hello["device"].startswith("cuda:")
 
-    worker.send(["call", 1, None, 5000, ["m", "vllm_bridge.diag", "add"], [40, 2], {}])
-    assert worker.recv() == ["ok", 1, 42]
+    shared_worker.send(["call", 1, None, 5000, ["m", "vllm_bridge.diag", "add"], [40, 2], {}])
+    assert shared_worker.recv() == ["ok", 1, 42]
 
 
-def test_call_outside_allow_list_is_refused(worker):
-    worker.send(["call", 7, None, 5000, ["m", "os", "getcwd"], [], {}])
-    kind, req_id, err = worker.recv()
+def test_call_outside_allow_list_is_refused(shared_worker):
+    shared_worker.send(["call", 7, None, 5000, ["m", "os", "getcwd"], [], {}])
+    kind, req_id, err = shared_worker.recv()
     assert (kind, req_id) == ("error", 7)
     assert "'os'" in err["message"]
-    worker.send(["call", 8, None, 5000, ["m", "vllm_bridge.diag", "add"], [1, 1], {}])
-    assert worker.recv() == ["ok", 8, 2]
+    shared_worker.send(["call", 8, None, 5000, ["m", "vllm_bridge.diag", "add"], [1, 1], {}])
+    assert shared_worker.recv() == ["ok", 8, 2]
 
 
 def test_worker_exits_on_eof():

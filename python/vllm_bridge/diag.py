@@ -7,7 +7,7 @@ managers, timeouts) can be exercised without the forward-context system:
   dataclass), :func:`level_name` (takes a ``Level``, so an atom is coerced to it);
 * time: :func:`sleep` (a stand-in for a long forward pass), :func:`count` (a generator);
 * failures: :func:`fail` raises; :func:`opaque` returns an object that can only travel
-  as a reference;
+  as a reference; :func:`log` logs a message;
 * per-session state: :func:`set_var` / :func:`get_var` use a ``ContextVar``;
 * context managers: :func:`recorder` returns one that writes how it was exited to a
   process-wide journal, read with :func:`exit_log`.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import logging
 import os
 import sys
 import time
@@ -64,6 +65,23 @@ def sleep(seconds: float) -> float:
     _check_seconds("seconds", seconds)
     time.sleep(seconds)
     return seconds
+
+
+_LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+
+def log(message: str, level: str = "warning") -> None:
+    """Log ``message`` on the ``vllm_bridge.diag`` logger at ``level`` (``"debug"``,
+    ``"info"``, ``"warning"`` or ``"error"``); a worker forwards warnings and above."""
+    levelno = _LOG_LEVELS.get(level)
+    if levelno is None:
+        raise ValueError(f"level must be one of {sorted(_LOG_LEVELS)}, got {level!r}")
+    logging.getLogger(__name__).log(levelno, "%s", message)
 
 
 def _check_seconds(name: str, value: Any) -> float:

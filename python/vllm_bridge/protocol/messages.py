@@ -135,7 +135,7 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
     if not isinstance(msg, list) or not msg:
         raise RequestError(f"a message must be a non-empty array, got {msg!r:.100}", None)
     kind = msg[0]
-    if kind not in _ARITY:
+    if not isinstance(kind, str) or kind not in _ARITY:
         raise RequestError(f"unknown message kind {kind!r:.60}", rid)
     if len(msg) != _ARITY[kind]:
         raise RequestError(

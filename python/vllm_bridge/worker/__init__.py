@@ -6,4 +6,6 @@ caller failed with an error the worker has no exception object for.
 
 from vllm_bridge.worker.sessions import CallerError
 
+CallerError.__module__ = __name__  # its public name: vllm_bridge.worker.CallerError
+
 __all__ = ["CallerError"]

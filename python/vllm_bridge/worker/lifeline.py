@@ -48,7 +48,7 @@ def _set_pdeathsig() -> bool:
 
 
 def _gone(reason: str) -> None:
-    sys.stderr.write(f"vllm_bridge.worker: {reason}; exiting\n")
+    sys.stderr.write(f"vllm_bridge.worker {os.getpid()}: {reason}; exiting\n")
     sys.stderr.flush()
     os._exit(0)
 

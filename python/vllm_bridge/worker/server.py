@@ -134,10 +134,10 @@ class Worker:
 
     def serve(self) -> int:
         """Announce, then read frames until EOF; returns the exit status."""
-        self.channel.send(_hello(self.instance, self.modules))
-        logging.getLogger().addHandler(LogFrameHandler(self.channel))
         watch_parent()
         self.executor.start()
+        self.channel.send(_hello(self.instance, self.modules))
+        logging.getLogger().addHandler(LogFrameHandler(self.channel))
         while True:
             try:
                 body = read_frame()
@@ -146,7 +146,11 @@ class Worker:
                 body = None
             if body is None:
                 return self._shutdown()
-            self.on_frame(body)
+            try:
+                self.on_frame(body)
+            except Exception as exc:  # a last guard: the reader must keep reading
+                _log.exception("frame of %d bytes could not be handled", len(body))
+                self.channel.error(_lenient_id(body), "protocol", f"frame not handled: {exc}")
 
     def on_frame(self, body: bytes | bytearray) -> None:
         """Handle one frame on the reader thread."""

@@ -1,0 +1,130 @@
+"""The execution model against a real worker: one call at a time in arrival order, pings
+answered while a call runs, cancel of queued calls and of streams, deadlines."""
+
+from __future__ import annotations
+
+from conftest import next_id
+
+D = "vllm_bridge.diag"
+
+
+def send_call(w, path, args, session=None, timeout=30_000) -> int:
+    rid = next_id()
+    w.send(["call", rid, session, timeout, ["m", D, path], args, {}])
+    return rid
+
+
+def wait_running(w, rid) -> dict:
+    """Ping until the worker reports ``rid`` running (bounded by the frame wait)."""
+    for _ in range(10_000):
+        status = w.ping()
+        if status["running"] == rid:
+            return status
+    raise AssertionError(f"call {rid} never ran")
+
+
+def test_pings_are_answered_while_a_long_call_runs(shared_worker):
+    w = shared_worker
+    slow = send_call(w, "sleep", [2.0])
+    status = wait_running(w, slow)
+    # The pong came while the call still ran: its reply has not arrived yet.
+    assert not any(m[1] == slow for m in w.inbox)
+    assert status["queued"] == 0
+    queued = send_call(w, "add", [1, 2])
+    assert w.ping()["queued"] == 1
+    assert w.reply(slow) == ["ok", slow, 2.0]
+    assert w.reply(queued) == ["ok", queued, 3]
+
+
+def test_calls_run_one_at_a_time_in_arrival_order(shared_worker):
+    w = shared_worker
+    assert w.inbox == []
+    ids = [send_call(w, "set_var", [i], session="order") for i in range(20)]
+    replies = [w.recv() for _ in ids]  # in the order they arrive
+    assert [r[1] for r in replies] == ids
+    # Each call saw the value its predecessor set.
+    assert [r[2] for r in replies] == [None] + list(range(19))
+
+
+def test_a_queued_call_that_is_cancelled_is_dropped(shared_worker):
+    w = shared_worker
+    slow = send_call(w, "sleep", [1.0])
+    wait_running(w, slow)
+    dropped = send_call(w, "set_var", ["must not run"], session="cancel-q")
+    kept = send_call(w, "get_var", [], session="cancel-q")
+    w.send(["cancel", dropped])
+    kind, got, err = w.reply(dropped)
+    assert (kind, got, err["type"]) == ("error", dropped, "cancelled")
+    assert w.reply(slow) == ["ok", slow, 1.0]
+    assert w.reply(kept) == ["ok", kept, None]  # the cancelled call never ran
+
+
+def test_a_running_plain_call_still_replies_after_cancel(shared_worker):
+    w = shared_worker
+    slow = send_call(w, "sleep", [0.5])
+    wait_running(w, slow)
+    w.send(["cancel", slow])
+    assert w.reply(slow) == ["ok", slow, 0.5]
+
+
+def test_cancel_of_an_unknown_id_is_ignored(shared_worker):
+    w = shared_worker
+    w.send(["cancel", 987_654_321])
+    assert w.ping()["running"] is None
+    assert w.call(D, "add", 1, 1) == 2
+    assert w.inbox == []
+
+
+def test_a_cancelled_stream_stops_and_closes_its_generator(shared_worker):
+    w = shared_worker
+    w.call(D, "exit_log", True)
+    rid = next_id()
+    w.send(["stream", rid, None, 30_000, ["m", D, "count"], [10_000, 0.01, "cancelled"], {}])
+    assert w.reply(rid) == ["chunk", rid, 0]
+    assert w.reply(rid) == ["chunk", rid, 1]
+    w.send(["cancel", rid])
+    frames = []
+    while True:
+        frame = w.reply(rid)
+        frames.append(frame)
+        if frame[0] != "chunk":
+            break
+    assert frame[0] == "error" and frame[2]["type"] == "cancelled"
+    assert len(frames) < 100  # it stopped long before the end
+    assert w.call(D, "exit_log") == [
+        {"name": "cancelled", "type": "builtins.GeneratorExit", "message": ""}
+    ]
+
+
+def test_a_queued_stream_that_is_cancelled_never_starts(shared_worker):
+    w = shared_worker
+    w.call(D, "exit_log", True)
+    slow = send_call(w, "sleep", [0.5])
+    wait_running(w, slow)
+    rid = next_id()
+    w.send(["stream", rid, None, 30_000, ["m", D, "count"], [3, 0, "never"], {}])
+    w.send(["cancel", rid])
+    assert w.reply(rid)[2]["type"] == "cancelled"
+    assert w.reply(slow)[0] == "ok"
+    assert w.call(D, "exit_log") == []
+
+
+def test_a_call_whose_deadline_passed_in_the_queue_is_not_started(shared_worker):
+    w = shared_worker
+    slow = send_call(w, "sleep", [1.0])
+    wait_running(w, slow)
+    late = send_call(w, "set_var", ["must not run"], session="deadline", timeout=100)
+    patient = send_call(w, "get_var", [], session="deadline", timeout=None)
+    kind, got, err = w.reply(late)
+    assert (kind, got, err["type"]) == ("error", late, "timeout")
+    assert f"call {late} was not started" in err["message"]
+    assert w.reply(slow)[0] == "ok"
+    assert w.reply(patient) == ["ok", patient, None]
+
+
+def test_a_call_sent_with_no_time_left_is_not_started(shared_worker):
+    w = shared_worker
+    for timeout in (0, -5):
+        rid = send_call(w, "set_var", ["must not run"], session="deadline-0", timeout=timeout)
+        assert w.reply(rid)[2]["type"] == "timeout"
+    assert w.call(D, "get_var", session="deadline-0") is None
