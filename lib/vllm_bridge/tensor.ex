@@ -14,7 +14,8 @@ defmodule VllmBridge.Tensor do
   without keeping the frame alive), and encoding hands `data` to the port as it is.
 
   Elements in Elixir (`from_list/3`, `to_list/1`): integers for the integer dtypes,
-  `true`/`false` for `:bool`, floats for the float dtypes (with `:nan`, `:infinity` and
+  `true`/`false` for `:bool` (stored as the bytes 1 and 0, the only bytes a bool tensor
+  may hold), floats for the float dtypes (with `:nan`, `:infinity` and
   `:neg_infinity` for the values Erlang floats cannot hold), and `{re, im}` tuples of such
   floats for the complex dtypes. Converting to `:float16`, `:bfloat16` and `:float32`
   rounds to the nearest value, ties to even, as PyTorch does; beyond the dtype's range the
@@ -109,7 +110,8 @@ defmodule VllmBridge.Tensor do
   Builds a tensor from raw little-endian, C-contiguous `data` (not copied).
 
   Raises `ArgumentError` naming the bad value when `dtype` is unknown, `shape` is not a list
-  of non-negative integers, or the data size is not `product(shape) * itemsize(dtype)`.
+  of non-negative integers, the data size is not `product(shape) * itemsize(dtype)`, or
+  `:bool` data holds a byte other than 0 and 1.
   Option: `:device` (default `"cpu"`).
   """
   @spec new(binary(), dtype(), [non_neg_integer()], keyword()) :: t()
@@ -195,7 +197,27 @@ defmodule VllmBridge.Tensor do
               "#{dtype} (#{size} bytes each) needs #{expected}"
     end
 
+    if dtype == :bool do
+      with {offset, byte} <- bad_bool_byte(data) do
+        raise ArgumentError,
+              "bool tensor data holds the byte #{byte} at offset #{offset}; bool bytes " <>
+                "must be 0 or 1"
+      end
+    end
+
     t
+  end
+
+  @non_bool_bytes for b <- 2..255, do: <<b>>
+
+  @doc false
+  # The first byte of bool data that is neither 0 nor 1, as {offset, byte}, or nil.
+  @spec bad_bool_byte(binary()) :: {non_neg_integer(), byte()} | nil
+  def bad_bool_byte(data) do
+    case :binary.match(data, @non_bool_bytes) do
+      {offset, 1} -> {offset, :binary.at(data, offset)}
+      :nomatch -> nil
+    end
   end
 
   defp check_shape!(shape) do

@@ -226,6 +226,8 @@ defmodule VllmBridge.Codec.PropertyTest do
     dtype = Enum.random(Tensor.dtypes())
     shape = for _ <- 1..(:rand.uniform(4) - 1)//1, do: :rand.uniform(4) - 1
     n = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
-    Tensor.new(:rand.bytes(n), dtype, shape, device: Enum.random(["cpu", "cuda:0"]))
+    data = :rand.bytes(n)
+    data = if dtype == :bool, do: for(<<b <- data>>, into: <<>>, do: <<b &&& 1>>), else: data
+    Tensor.new(data, dtype, shape, device: Enum.random(["cpu", "cuda:0"]))
   end
 end

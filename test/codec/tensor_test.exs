@@ -107,7 +107,13 @@ defmodule VllmBridge.Codec.TensorTest do
       t = Tensor.from_list([true, false, true], :bool)
       assert t.data == <<1, 0, 1>>
       assert Tensor.to_list(t) == [true, false, true]
-      assert Tensor.to_list(Tensor.new(<<0, 2, 255>>, :bool, [3])) == [false, true, true]
+
+      e = assert_raise ArgumentError, fn -> Tensor.new(<<0, 1, 1, 2, 255>>, :bool, [5]) end
+      assert e.message =~ "holds the byte 2 at offset 3; bool bytes must be 0 or 1"
+
+      assert_raise ArgumentError, ~r/the byte 7 at offset 0/, fn ->
+        Codec.encode(%Tensor{dtype: :bool, shape: [1], data: <<7>>})
+      end
 
       assert_raise ArgumentError, ~r/1 is not a bool element \(true or false\)/, fn ->
         Tensor.from_list([1], :bool)
@@ -260,7 +266,8 @@ defmodule VllmBridge.Codec.TensorTest do
           shape <- [[], [0], [3], [2, 3]],
           device <- ["cpu", "cuda:3"] do
         n = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
-        t = Tensor.new(:crypto.strong_rand_bytes(n), dtype, shape, device: device)
+        data = if dtype == :bool, do: :binary.copy(<<1>>, n), else: :rand.bytes(n)
+        t = Tensor.new(data, dtype, shape, device: device)
         assert roundtrip(t) == {:ok, t}
         assert roundtrip({t, %{"t" => [t]}}) == {:ok, {t, %{"t" => [t]}}}
       end
@@ -296,7 +303,8 @@ defmodule VllmBridge.Codec.TensorTest do
         {<<8, 1, 0, 2::64, 0::32>>, "tensor data is 4 bytes but shape [2] of float32 needs 8"},
         {<<1, 2, 0, 0xFFFFFFFFFFFFFFFF::64, 0xFFFFFFFFFFFFFFFF::64>>,
          "but shape [18446744073709551615, 18446744073709551615]"},
-        {<<1, 0, 2, 0xFF, 0xFE, 7>>, "device name is not valid UTF-8"}
+        {<<1, 0, 2, 0xFF, 0xFE, 7>>, "device name is not valid UTF-8"},
+        {<<0, 1, 0, 3::64, 1, 0, 9>>, "bool tensor data holds the byte 9 at offset 2"}
       ]
 
       for {payload, msg} <- cases do

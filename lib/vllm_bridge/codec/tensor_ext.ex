@@ -6,7 +6,8 @@ defmodule VllmBridge.Codec.TensorExt do
   Zero-copy both ways: encoding puts the tensor's data binary into the iodata as it is,
   decoding returns the data as a sub-binary of the payload. The header is checked against
   the bytes present before anything is built: an unknown dtype code, a shape that does not
-  fit, or data of the wrong size is a decode error.
+  fit, data of the wrong size, or bool data with a byte other than 0 and 1 is a decode
+  error.
   """
 
   alias VllmBridge.Codec.Msgpack
@@ -61,6 +62,7 @@ defmodule VllmBridge.Codec.TensorExt do
           )
         end
 
+        if dtype == :bool, do: check_bool(data)
         %Tensor{dtype: dtype, shape: shape, data: data, device: device(dev)}
 
       _ ->
@@ -73,6 +75,11 @@ defmodule VllmBridge.Codec.TensorExt do
 
   def decode(payload),
     do: Msgpack.fail!("truncated tensor header (#{byte_size(payload)} bytes)")
+
+  defp check_bool(data) do
+    with {offset, byte} <- Tensor.bad_bool_byte(data),
+         do: Msgpack.fail!("bool tensor data holds the byte #{byte} at offset #{offset}")
+  end
 
   defp device(""), do: "cpu"
 
