@@ -22,6 +22,8 @@ defmodule VllmBridge.Tensor do
   value becomes an infinity.
   """
 
+  import Bitwise, only: [&&&: 2]
+
   alias VllmBridge.Tensor.Elements
 
   @enforce_keys [:dtype, :shape, :data]
@@ -209,15 +211,31 @@ defmodule VllmBridge.Tensor do
   end
 
   @non_bool_bytes for b <- 2..255, do: <<b>>
+  @chunk 65_536
+  @bool_mask :binary.decode_unsigned(:binary.copy(<<0xFE>>, @chunk))
 
   @doc false
   # The first byte of bool data that is neither 0 nor 1, as {offset, byte}, or nil.
+  # Chunks are checked as big integers against a 0xFE.. mask (about twice as fast as
+  # :binary.match/2 with 254 patterns); only a failing chunk is searched byte-wise.
   @spec bad_bool_byte(binary()) :: {non_neg_integer(), byte()} | nil
-  def bad_bool_byte(data) do
-    case :binary.match(data, @non_bool_bytes) do
-      {offset, 1} -> {offset, :binary.at(data, offset)}
-      :nomatch -> nil
-    end
+  def bad_bool_byte(data), do: bad_bool_byte(data, 0)
+
+  defp bad_bool_byte(<<chunk::binary-size(@chunk), rest::binary>>, offset) do
+    if (:binary.decode_unsigned(chunk) &&& @bool_mask) == 0,
+      do: bad_bool_byte(rest, offset + @chunk),
+      else: first_bad_byte(chunk, offset)
+  end
+
+  defp bad_bool_byte(rest, offset) do
+    if (:binary.decode_unsigned(rest) &&& @bool_mask) == 0,
+      do: nil,
+      else: first_bad_byte(rest, offset)
+  end
+
+  defp first_bad_byte(chunk, offset) do
+    {at, 1} = :binary.match(chunk, @non_bool_bytes)
+    {offset + at, :binary.at(chunk, at)}
   end
 
   defp check_shape!(shape) do

@@ -111,6 +111,16 @@ defmodule VllmBridge.Codec.TensorTest do
       e = assert_raise ArgumentError, fn -> Tensor.new(<<0, 1, 1, 2, 255>>, :bool, [5]) end
       assert e.message =~ "holds the byte 2 at offset 3; bool bytes must be 0 or 1"
 
+      # found in any chunk of a large tensor, at its exact offset
+      n = 200_000
+
+      for at <- [0, 65_535, 65_536, 131_077, n - 1] do
+        data = :binary.copy(<<1>>, at) <> <<0x80>> <> :binary.copy(<<0>>, n - at - 1)
+        assert VllmBridge.Tensor.bad_bool_byte(data) == {at, 0x80}
+      end
+
+      assert VllmBridge.Tensor.bad_bool_byte(:binary.copy(<<1, 0>>, n)) == nil
+
       assert_raise ArgumentError, ~r/the byte 7 at offset 0/, fn ->
         Codec.encode(%Tensor{dtype: :bool, shape: [1], data: <<7>>})
       end
