@@ -70,6 +70,20 @@ def _cmd_forward(config: dict, num_tokens: int) -> dict:
     return out
 
 
+def _cmd_coordinate_then_forward(config: dict, num_tokens: int) -> dict:
+    """The overview's DP example: agree on padded counts, then run the pass with them."""
+    from vllm_bridge import forward_context as fc
+
+    parallel_config = ParallelConfig(**config)
+    _, across, _ = fc.coordinate_batch_across_dp(num_tokens, False, True, parallel_config)
+    padded = int(across[parallel_config.data_parallel_rank])
+    vllm_config = VllmConfig(parallel_config=parallel_config)
+    with fc.set_forward_context({"layer": "meta"}, vllm_config, num_tokens=padded,
+                                num_tokens_across_dp=across):
+        meta = fc.get_forward_context().dp_metadata
+        return {"padded": padded, "across": meta.num_tokens_across_dp_cpu.tolist()}
+
+
 def _run_in_fresh_context(fn: Any, kwargs: dict) -> tuple:
     box: list[tuple] = []
 
@@ -91,6 +105,7 @@ def _rank_main(conn: Connection) -> None:
         "destroy": _cmd_destroy,
         "coordinate": _cmd_coordinate,
         "forward": _cmd_forward,
+        "coordinate_then_forward": _cmd_coordinate_then_forward,
     }
     while True:
         msg = conn.recv()
@@ -288,6 +303,14 @@ def test_set_forward_context_coordinates_dp_metadata(ranks: Ranks) -> None:
         assert out["set_after_exit"] is False
 
 
+def test_padded_counts_from_coordination_feed_set_forward_context(ranks: Ranks) -> None:
+    replies = ranks.both(
+        "coordinate_then_forward",
+        [dict(config=_cfg(0), num_tokens=5), dict(config=_cfg(1), num_tokens=12)],
+    )
+    assert [_ok(r) for r in replies] == [{"padded": 12, "across": [12, 12]}] * 2
+
+
 def test_missing_peer_at_the_all_reduce_fails_then_group_can_be_rejoined(
     ranks: Ranks,
 ) -> None:
@@ -326,4 +349,22 @@ def test_missing_peer_at_init_fails_on_both_sides(ranks: Ranks) -> None:
             assert reply[:2] == ("error", "DPTimeoutError"), reply
             assert f"DP rank {rank}" in reply[2]
     finally:
+        ranks.join_group()
+
+
+def test_a_listener_that_never_answers_is_not_waited_on_forever(ranks: Ranks) -> None:
+    # Something accepts connections on the port but is no rendezvous store (a frozen
+    # rank 0 looks the same): rank 1 must still give up at its timeout.
+    ranks.leave_group()
+    silent = socket.socket()
+    try:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        ranks.send(1, "init", rank=1, world_size=2, port=port, timeout_s=PEER_TIMEOUT_S)
+        reply = ranks.recv(1)
+        assert reply[:2] == ("error", "DPTimeoutError"), reply
+        assert "did not answer as a rendezvous store" in reply[2]
+    finally:
+        silent.close()
         ranks.join_group()

@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -227,25 +228,53 @@ def init_dp_group(
     return info
 
 
+def _open_store(info: DPGroupInfo, timeout: datetime.timedelta, deadline: float) -> dist.Store:
+    """Host (rank 0) or connect to the rendezvous store, giving up at ``deadline``.
+
+    A client whose connection is accepted by something that never answers (a frozen rank 0,
+    a foreign service on the port) can block in the store constructor past its own timeout,
+    so the constructor runs in a helper thread and is abandoned at the deadline.
+    """
+    where = f"{info.master_addr}:{info.master_port}"
+    result: list[Any] = []
+
+    def connect() -> None:
+        try:
+            result.append(
+                dist.TCPStore(
+                    info.master_addr,
+                    info.master_port,
+                    info.world_size,
+                    info.rank == 0,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                )
+            )
+        except (RuntimeError, OSError) as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=connect, name="vllm-bridge-dp-store", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+    if not result:
+        raise DPTimeoutError(
+            f"DP rank {info.rank}: {where} accepted the connection but did not answer as a "
+            f"rendezvous store within {info.timeout_s} s"
+        )
+    if isinstance(result[0], BaseException):
+        raise DPGroupError(
+            f"DP rank {info.rank}: cannot open the rendezvous store at {where}: {result[0]}"
+        ) from result[0]
+    return result[0]
+
+
 def _rendezvous(info: DPGroupInfo) -> dist.Store:
     timeout = datetime.timedelta(seconds=info.timeout_s)
     deadline = time.monotonic() + info.timeout_s
     where = f"{info.master_addr}:{info.master_port}"
     if info.rank != 0:
         _wait_for_master(info.master_addr, info.master_port, deadline, info.rank)
-    try:
-        store = dist.TCPStore(
-            info.master_addr,
-            info.master_port,
-            info.world_size,
-            info.rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-    except (RuntimeError, OSError) as exc:
-        raise DPGroupError(
-            f"DP rank {info.rank}: cannot open the rendezvous store at {where}: {exc}"
-        ) from exc
+    store = _open_store(info, timeout, deadline)
     # A failed init_process_group leaves torch's group counter advanced, and the counter
     # prefixes the rendezvous keys: put it back so a retry meets its peers' keys.
     world = getattr(dist.distributed_c10d, "_world", None)
