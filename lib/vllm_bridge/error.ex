@@ -58,6 +58,62 @@ defmodule VllmBridge.Error do
     struct!(__MODULE__, [type: type, message: message] ++ fields)
   end
 
+  @doc """
+  Builds the error of an `error` reply from the worker's error map (docs/PROTOCOL.md,
+  "Error map"). A `type` outside the closed set becomes `:protocol`, naming it; the
+  `exc_id` (when present) is kept in `details` so that a context manager's `exit` can pass
+  the real exception back.
+  """
+  @spec from_wire(term()) :: t()
+  def from_wire(%{"type" => type} = map) when is_binary(type) do
+    message = if is_binary(map["message"]), do: map["message"], else: inspect(map["message"])
+
+    details =
+      case map["exc_id"] do
+        id when is_integer(id) -> %{exc_id: id}
+        _ -> %{}
+      end
+
+    case wire_type(type) do
+      nil ->
+        new(:protocol, "the worker answered an unknown error type #{inspect(type)}: #{message}",
+          details: Map.put(details, :wire, map)
+        )
+
+      atom ->
+        new(atom, message,
+          python_type: string_or_nil(map["python_type"]),
+          traceback: string_or_nil(map["traceback"]),
+          details: details
+        )
+    end
+  end
+
+  def from_wire(other),
+    do: new(:protocol, "the worker answered a malformed error map: #{inspect(other, limit: 8)}")
+
+  @wire_types Map.new(@types, &{Atom.to_string(&1), &1})
+  defp wire_type(name), do: Map.get(@wire_types, name)
+
+  defp string_or_nil(s) when is_binary(s), do: s
+  defp string_or_nil(_), do: nil
+
+  @doc """
+  The error map a context manager's `exit` carries for this error (docs/PROTOCOL.md,
+  "Context managers"): type, message, Python type, and the `exc_id` when the worker
+  recorded the exception, so that `__exit__` receives the real one.
+  """
+  @spec to_wire(t()) :: map()
+  def to_wire(%__MODULE__{} = e) do
+    %{
+      "type" => Atom.to_string(e.type),
+      "message" => e.message,
+      "python_type" => e.python_type,
+      "traceback" => e.traceback,
+      "exc_id" => Map.get(e.details, :exc_id)
+    }
+  end
+
   @impl true
   def message(%__MODULE__{type: type, message: msg, python_type: nil}), do: "#{type}: #{msg}"
 

@@ -1,146 +1,373 @@
 defmodule VllmBridge.Worker do
   @moduledoc """
-  One Elixir process per Python worker OS process: it owns the Port (`{packet, 4}` on
-  fds 3/4, `:nouse_stdio`), checks the worker's handshake, and routes each reply straight
-  to the caller waiting for it.
+  One Elixir process per Python worker OS process, and the only process that touches its
+  port (see `VllmBridge.Worker.Launcher` for how the process is started and ended).
+
+  Its whole job on the hot path: write a caller's pre-encoded request to the port and
+  record `id => caller` in its table of calls in flight; read a frame's kind and id
+  (`VllmBridge.Wire.peek/1`, not a full decode) and send the frame as it is to the caller,
+  who decodes it. Callers wait in their own `receive`, on a process alias with a monitor
+  on this process, each with its own deadline.
+
+    * **Pipelining.** Several calls may be in flight at once; the Python side runs them one
+      at a time, in order. In a pool, how many is bounded by `VllmBridge.Pool.Slots`, which
+      this process releases as replies come in.
+    * **Death.** When the Python process exits, every call in flight gets
+      `{:error, %VllmBridge.Error{type: :worker_exit}}` at once and this process stops; its
+      supervisor starts a new one (a new Python process, a new `instance`).
+    * **Timeouts.** A caller that times out sends `cancel` through here and forgets the
+      call; the late reply is dropped. If the call is still in the table `cancel_grace` ms
+      later, the Python process is stuck in it and is killed (so it restarts). Calls whose
+      caller died without cancelling are found by a periodic sweep of deadlines.
+    * **Logs.** `log` frames go to `Logger` with the Python logger's name.
+
+  Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:env` (see
+  `VllmBridge.Worker.Launcher.open/1`), `:start_timeout` (ms, default 60 000),
+  `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the Python process is given
+  to exit on EOF before it is killed, default 3 000), and, in a pool, `:pool`, `:index`
+  and `:meta`.
   """
-  use GenServer
+  use GenServer, restart: :permanent
 
-  alias VllmBridge.Codec.Msgpack
-  alias VllmBridge.Error
+  require Logger
 
-  @protocol_version 1
+  alias VllmBridge.{Error, Request, Wire}
+  alias VllmBridge.Pool.{Directory, Slots}
+  alias VllmBridge.Worker.Launcher
+
   @start_timeout 60_000
+  @cancel_grace 5_000
+  @shutdown_grace 3_000
+  @sweep_every 1_000
 
   @typedoc "What the worker announced in its handshake."
   @type hello :: %{optional(String.t()) => term()}
 
-  @doc """
-  Starts a worker linked to the caller. Options: `:python` (interpreter path; default from
-  the `:vllm_bridge, :python` application env), `:env` (extra environment as
-  `[{name, value}]`), `:start_timeout` (ms, default #{@start_timeout}).
-  """
+  @doc "Starts a worker linked to the caller (options above). The handshake runs after."
   @spec start_link(keyword()) :: GenServer.on_start()
   def start_link(opts \\ []) do
     GenServer.start_link(__MODULE__, opts, Keyword.take(opts, [:name]))
   end
 
-  @doc "The handshake the Python process announced."
+  @doc false
+  @spec child_spec(keyword()) :: Supervisor.child_spec()
+  def child_spec(opts) do
+    %{
+      id: {__MODULE__, Keyword.get(opts, :index, 0)},
+      start: {__MODULE__, :start_link, [opts]},
+      restart: :permanent,
+      shutdown: Keyword.get(opts, :shutdown_grace, @shutdown_grace) + 2_000
+    }
+  end
+
+  @doc """
+  Waits until the handshake is done: `{:ok, hello}`, or the reason the worker could not
+  start (a `VllmBridge.Error`).
+  """
+  @spec await_ready(GenServer.server(), timeout()) :: {:ok, hello()} | {:error, Error.t()}
+  def await_ready(worker, timeout \\ @start_timeout + 5_000) do
+    {:ok, GenServer.call(worker, :hello, timeout)}
+  catch
+    :exit, {{:shutdown, {:start_failed, %Error{} = e}}, _} ->
+      {:error, e}
+
+    :exit, {reason, _} ->
+      {:error, Error.new(:worker_exit, "worker start failed: #{inspect(reason)}")}
+  end
+
+  @doc "The handshake the Python process announced (waits for it)."
   @spec hello(GenServer.server()) :: hello()
-  def hello(worker), do: GenServer.call(worker, :hello)
+  def hello(worker), do: GenServer.call(worker, :hello, :infinity)
 
   @doc "The OS pid of the Python process."
   @spec os_pid(GenServer.server()) :: non_neg_integer()
   def os_pid(worker), do: Map.fetch!(hello(worker), "pid")
 
   @doc """
-  Calls `module.name(*args, **kwargs)` in the Python worker and waits up to `timeout` ms.
+  Calls `module.name(*args, **kwargs)` in this worker directly (no pool, no session) and
+  waits up to `timeout` ms. Results decode with `VllmBridge.Codec`.
   """
-  @spec call(GenServer.server(), String.t(), String.t(), list(), map(), timeout()) ::
+  @spec call(GenServer.server(), String.t(), String.t(), list(), map() | keyword(), timeout()) ::
           {:ok, term()} | {:error, Error.t()}
   def call(worker, module, name, args \\ [], kwargs \\ %{}, timeout \\ 5_000) do
-    GenServer.call(worker, {:call, module, name, args, kwargs, timeout}, :infinity)
+    pid = GenServer.whereis(worker)
+    deadline = VllmBridge.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
+
+    with {:ok, parts} <- Wire.encode_invoke({module, name}, args, kwargs) do
+      Request.call(pid, Request.new("call", [Wire.value(nil)], true, parts), deadline, false)
+    end
   end
 
-  @doc "Closes the port; the Python process sees EOF on fd 3 and exits by itself."
+  @doc """
+  Sends `ping` and returns the worker's status map (`"running"`, `"queued"`,
+  `"sessions"`, `"refs"`); answered by the worker's reader thread even while a call runs.
+  """
+  @spec ping(GenServer.server(), timeout()) :: {:ok, map()} | {:error, Error.t()}
+  def ping(worker, timeout \\ 5_000) do
+    deadline = VllmBridge.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
+    Request.call(GenServer.whereis(worker), Request.new("ping", [], false, []), deadline, false)
+  end
+
+  @doc "Closes the port; the Python process sees EOF and exits. The worker stops."
   @spec close(GenServer.server()) :: :ok
-  def close(worker), do: GenServer.call(worker, :close)
+  def close(worker), do: GenServer.call(worker, :close, :infinity)
+
+  @doc "How many calls this worker has in flight (its table), for tests and diagnostics."
+  @spec in_flight(GenServer.server()) :: non_neg_integer()
+  def in_flight(worker), do: GenServer.call(worker, :in_flight)
+
+  # -- server ---------------------------------------------------------------------------
 
   @impl true
   def init(opts) do
-    python =
-      Keyword.get_lazy(opts, :python, fn -> Application.fetch_env!(:vllm_bridge, :python) end)
+    Process.flag(:trap_exit, true)
+    pool = Keyword.get(opts, :pool)
+    index = Keyword.get(opts, :index, 0)
+    meta = Keyword.get(opts, :meta)
 
-    env = for {k, v} <- Keyword.get(opts, :env, []), do: {to_charlist(k), to_charlist(v)}
+    if meta do
+      Slots.put_load(meta, index, Slots.down())
+      Directory.clear_worker(pool, index)
+    end
 
-    unless File.exists?(python) do
-      {:stop, {:python_not_found, python}}
-    else
-      port =
-        Port.open({:spawn_executable, python}, [
-          {:args, ["-m", "vllm_bridge.worker"]},
-          {:packet, 4},
-          {:env, env},
-          :binary,
-          :nouse_stdio,
-          :exit_status
-        ])
+    case Launcher.open(opts) do
+      {:ok, port} ->
+        state = %{
+          port: port,
+          os_pid: Launcher.os_pid(port),
+          hello: nil,
+          instance: nil,
+          pool: pool,
+          index: index,
+          meta: meta,
+          calls: %{},
+          arrivals: 0,
+          start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
+          cancel_grace: Keyword.get(opts, :cancel_grace, @cancel_grace),
+          shutdown_grace: Keyword.get(opts, :shutdown_grace, @shutdown_grace)
+        }
 
-      timeout = Keyword.get(opts, :start_timeout, @start_timeout)
+        {:ok, state, {:continue, :handshake}}
 
-      receive do
-        {^port, {:data, data}} ->
-          case Msgpack.decode(data) do
-            {:ok, ["hello", %{"protocol" => @protocol_version} = hello]} ->
-              {:ok, %{port: port, hello: hello, next_id: 1, calls: %{}}}
+      {:error, e} ->
+        {:stop, {:shutdown, {:start_failed, e}}}
+    end
+  end
 
-            {:ok, ["hello", %{"protocol" => other}]} ->
-              Port.close(port)
-              {:stop, {:protocol_mismatch, expected: @protocol_version, got: other}}
+  @impl true
+  def handle_continue(:handshake, state) do
+    case Launcher.handshake(state.port, state.start_timeout) do
+      {:ok, hello} ->
+        state = %{state | hello: hello, instance: hello["instance"], os_pid: hello["pid"]}
 
-            other ->
-              Port.close(port)
-              {:stop, {:bad_handshake, other}}
-          end
+        if state.meta do
+          Directory.worker_up(state.pool, state.index, self(), state.instance)
+          Slots.put_load(state.meta, state.index, 0)
+          Slots.kick(state.meta)
+        end
 
-        {^port, {:exit_status, status}} ->
-          {:stop, {:worker_exit_during_start, status}}
-      after
-        timeout ->
-          Port.close(port)
-          {:stop, {:start_timeout, timeout}}
-      end
+        Process.send_after(self(), :sweep, @sweep_every)
+        {:noreply, state}
+
+      {:error, e} ->
+        Logger.error("vllm_bridge worker #{label(state)} failed to start: #{e.message}")
+        {:stop, {:shutdown, {:start_failed, e}}, %{state | port: nil}}
     end
   end
 
   @impl true
   def handle_call(:hello, _from, state), do: {:reply, state.hello, state}
+  def handle_call(:in_flight, _from, state), do: {:reply, map_size(state.calls), state}
 
   def handle_call(:close, _from, state) do
-    Port.close(state.port)
-    {:stop, :normal, :ok, state}
-  end
-
-  def handle_call({:call, module, name, args, kwargs, timeout}, from, state) do
-    id = state.next_id
-    frame = Msgpack.encode(["call", id, nil, timeout, ["m", module, name], args, kwargs])
-    Port.command(state.port, frame)
-    {:noreply, %{state | next_id: id + 1, calls: Map.put(state.calls, id, from)}}
+    {:stop, :normal, :ok, shut(state, "the worker was closed")}
   end
 
   @impl true
-  def handle_info({port, {:data, data}}, %{port: port} = state) do
-    case Msgpack.decode(data) do
-      {:ok, [kind, id, payload]} when kind in ["ok", "error"] ->
-        {from, calls} = Map.pop(state.calls, id)
-        if from, do: GenServer.reply(from, reply(kind, payload))
-        {:noreply, %{state | calls: calls}}
+  def handle_info({port, {:data, bin}}, %{port: port} = state) do
+    case Wire.peek(bin) do
+      {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
+        {:noreply, finish(state, id, :reply, bin)}
 
-      _ ->
+      {:chunk, id} when id != nil ->
+        case state.calls do
+          %{^id => {alias, _, _, :live}} -> send(alias, {alias, :chunk, bin})
+          _ -> :ok
+        end
+
+        {:noreply, state}
+
+      {:end, id} when id != nil ->
+        {:noreply, finish(state, id, :end, nil)}
+
+      {:log, _} ->
+        python_log(state, bin)
+        {:noreply, state}
+
+      other ->
+        Logger.warning(
+          "vllm_bridge worker #{label(state)}: frame without a call to answer " <>
+            "(#{inspect(other)}): #{inspect(VllmBridge.Codec.decode(bin), limit: 12)}"
+        )
+
         {:noreply, state}
     end
   end
 
-  def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
-    for {_id, from} <- state.calls do
-      GenServer.reply(
-        from,
-        {:error, Error.new(:worker_exit, "worker exited with status #{status}")}
-      )
-    end
+  def handle_info({:"$vb_req", id, alias, frame, deadline, counted}, state) do
+    if Map.has_key?(state.calls, id) do
+      if alias,
+        do: send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
 
-    {:stop, {:worker_exit, status}, %{state | calls: %{}}}
+      if counted, do: release(state)
+      {:noreply, state}
+    else
+      Port.command(state.port, frame)
+      status = if alias, do: :live, else: :detached
+      calls = Map.put(state.calls, id, {alias, counted, deadline, status})
+      {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
+    end
   end
 
-  defp reply("ok", value), do: {:ok, value}
+  def handle_info({:"$vb_cancel", id}, state), do: {:noreply, cancel(state, id)}
 
-  defp reply("error", %{"type" => "python_exception"} = e),
-    do:
-      {:error,
-       Error.new(:python_exception, e["message"] || "",
-         python_type: e["python_type"],
-         traceback: e["traceback"]
-       )}
+  def handle_info({:"$vb_grace", id}, state) do
+    case state.calls do
+      %{^id => {_, _, _, {:cancelled, since}}} ->
+        Logger.warning(
+          "vllm_bridge worker #{label(state)}: request #{id} still runs " <>
+            "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled; " <>
+            "killing the Python process (os pid #{state.os_pid}) so that the worker restarts"
+        )
 
-  defp reply("error", e), do: {:error, Error.new(:protocol, inspect(e))}
+        Launcher.kill(state.os_pid)
+
+      _ ->
+        :ok
+    end
+
+    {:noreply, state}
+  end
+
+  def handle_info(:sweep, state) do
+    Process.send_after(self(), :sweep, @sweep_every)
+    {:noreply, sweep(state)}
+  end
+
+  def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
+    Logger.error(
+      "vllm_bridge worker #{label(state)}: the Python process (os pid #{state.os_pid}) " <>
+        "exited with status #{status}; #{map_size(state.calls)} call(s) in flight get " <>
+        ":worker_exit and the worker restarts"
+    )
+
+    state = %{state | port: nil}
+
+    {:stop, {:shutdown, {:worker_exit, status}},
+     shut(state, "the Python worker exited with status #{status}")}
+  end
+
+  def handle_info({:EXIT, port, _reason}, %{port: port} = state) when is_port(port) do
+    {:noreply, state}
+  end
+
+  def handle_info(_other, state), do: {:noreply, state}
+
+  @impl true
+  def terminate(_reason, state) do
+    shut(state, "the worker is shutting down")
+    :ok
+  end
+
+  # -- calls in flight --------------------------------------------------------------------
+
+  defp finish(state, id, tag, bin) do
+    case Map.pop(state.calls, id) do
+      {{alias, counted, _, status}, calls} ->
+        if status == :live, do: send(alias, {alias, tag, bin})
+        if counted, do: release(state)
+        %{state | calls: calls}
+
+      {nil, _} ->
+        state
+    end
+  end
+
+  defp release(%{meta: nil}), do: :ok
+  defp release(%{meta: meta, index: index}), do: Slots.release(meta, index)
+
+  defp cancel(state, id) do
+    case state.calls do
+      %{^id => {alias, counted, deadline, :live}} ->
+        Port.command(state.port, Wire.request("cancel", id, []))
+        Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
+        now = System.monotonic_time(:millisecond)
+        %{state | calls: Map.put(state.calls, id, {alias, counted, deadline, {:cancelled, now}})}
+
+      _ ->
+        state
+    end
+  end
+
+  # Calls past their deadline whose caller never cancelled (it died): cancel them now.
+  # And a slot count left over by a caller that died between reserving and sending is
+  # set right when the table has been empty for a whole sweep.
+  defp sweep(state) do
+    now = System.monotonic_time(:millisecond)
+
+    overdue =
+      for {id, {_, _, deadline, :live}} <- state.calls,
+          is_integer(deadline) and deadline + @sweep_every < now,
+          do: id
+
+    state = Enum.reduce(overdue, state, &cancel(&2, &1))
+
+    if state.meta && map_size(state.calls) == 0 && state.arrivals == 0 &&
+         Slots.load(state.meta, state.index) != 0 do
+      Slots.put_load(state.meta, state.index, 0)
+    end
+
+    %{state | arrivals: 0}
+  end
+
+  # Everything in flight gets :worker_exit; the directory forgets this worker; the Python
+  # process is closed (and killed if it lingers).
+  defp shut(state, message) do
+    for {_id, {alias, _, _, :live}} <- state.calls do
+      send(alias, {alias, :worker_exit, message})
+    end
+
+    if state.meta do
+      Directory.worker_down(state.pool, state.index, state.instance)
+      Slots.put_load(state.meta, state.index, Slots.down())
+    end
+
+    if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
+    %{state | calls: %{}, port: nil}
+  end
+
+  defp python_log(state, bin) do
+    case VllmBridge.Codec.decode(bin) do
+      {:ok, ["log", level, name, message]} ->
+        Logger.log(
+          log_level(level),
+          fn -> "[python #{name}] #{message}" end,
+          vllm_worker: label(state),
+          python_logger: name
+        )
+
+      other ->
+        Logger.warning(
+          "vllm_bridge worker #{label(state)}: malformed log frame #{inspect(other)}"
+        )
+    end
+  end
+
+  defp log_level("debug"), do: :debug
+  defp log_level("info"), do: :info
+  defp log_level("warning"), do: :warning
+  defp log_level(_), do: :error
+
+  defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"
+  defp label(%{pool: pool, index: index}), do: "#{inspect(pool)}[#{index}]"
 end

@@ -3,7 +3,8 @@ defmodule Mix.Tasks.Vllm.Demo do
   @moduledoc """
   The main job of the README: `make demo` runs `mix vllm.demo`.
 
-  For now it starts one Python worker, prints its handshake and the result of one call.
+  Starts a pool of one Python worker, prints its handshake and the result of one call
+  made through the public API (`VllmBridge.call/4`), then stops the pool.
   """
   use Mix.Task
 
@@ -11,17 +12,19 @@ defmodule Mix.Tasks.Vllm.Demo do
   @doc false
   def run(_argv) do
     Mix.Task.run("app.start")
-    IO.puts("starting a Python worker (python -m vllm_bridge.worker) ...")
-    {:ok, worker} = VllmBridge.Worker.start_link()
+    IO.puts("starting a pool of one Python worker (python -m vllm_bridge.worker) ...")
+    {:ok, _} = VllmBridge.start_pool(:demo, size: 1)
+    {:ok, [%{pid: worker}]} = VllmBridge.Pool.workers(:demo)
     hello = VllmBridge.Worker.hello(worker)
 
     IO.puts(
       "handshake: protocol #{hello["protocol"]}, os pid #{hello["pid"]}, " <>
-        "python #{hello["python"]}, torch #{hello["torch"]}, device #{hello["device"]}"
+        "python #{hello["python"]}, torch #{hello["torch"]}, device #{hello["device"]}, " <>
+        "instance #{hello["instance"]}, capabilities #{Enum.join(hello["capabilities"] || [], ",")}"
     )
 
-    {:ok, sum} = VllmBridge.Worker.call(worker, "vllm_bridge.diag", "add", [40, 2])
+    {:ok, sum} = VllmBridge.call({"vllm_bridge.diag", "add"}, [40, 2], %{}, pool_name: :demo)
     IO.puts("vllm_bridge.diag.add(40, 2) = #{sum}")
-    :ok = VllmBridge.Worker.close(worker)
+    :ok = VllmBridge.stop_pool(:demo)
   end
 end

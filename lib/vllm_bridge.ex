@@ -1,0 +1,273 @@
+defmodule VllmBridge do
+  @moduledoc """
+  The public entry of the bridge: call Python functions, read attributes, stream
+  generators and use context managers in a pool of Python worker processes.
+
+      {:ok, _} = VllmBridge.start_pool(:default, size: 2)
+      {:ok, 3} = VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2])
+
+  **Targets** are `{"module", "path"}` (a dotted attribute path inside an allow-listed
+  module: a function, a class, `"DPMetadata.make"`, a module attribute) or
+  `{%VllmBridge.Ref{}, "path" | nil}` (an attribute or method of an object held by a
+  worker; `nil` for the object itself).
+
+  **Runtime options** (the last argument, `__runtime__:` in the generated bindings):
+  `timeout`, `timeout_profile`, `stream_timeout`, `session_id`, `pool_name`, `affinity`;
+  see `VllmBridge.Runtime`. The deadline is fixed when the call enters and covers time
+  spent queued.
+
+  **Results** are what `VllmBridge.Codec` decodes: plain values, structs for registered
+  dataclasses, atoms for enum members, `%VllmBridge.Tensor{}`, `%VllmBridge.Ref{}` for
+  objects that cannot travel by value. Every function returns `{:ok, value}` or
+  `{:error, %VllmBridge.Error{}}` (see `VllmBridge.Error` for the types); nothing here
+  raises on a bad argument.
+  """
+
+  alias VllmBridge.{Error, Pool, Ref, Request, Route, Runtime, Session, Wire}
+
+  @typedoc "What to call: a module attribute path, or an attribute of a referenced object."
+  @type target :: {String.t(), String.t()} | {Ref.t(), String.t() | nil}
+
+  @typedoc "A result of the bridge."
+  @type result(t) :: {:ok, t} | {:error, Error.t()}
+
+  # -- pools ------------------------------------------------------------------------------
+
+  @doc "Starts a pool of workers (see `VllmBridge.Pool` and `VllmBridge.Pool.Options`)."
+  @spec start_pool(term(), keyword()) :: result(pid())
+  defdelegate start_pool(name, opts \\ []), to: Pool, as: :start
+
+  @doc "Stops a pool and every Python process of it."
+  @spec stop_pool(term()) :: :ok | {:error, Error.t()}
+  defdelegate stop_pool(name), to: Pool, as: :stop
+
+  # -- calls ------------------------------------------------------------------------------
+
+  @doc """
+  Calls `target(*args, **kwargs)` in a worker. `kwargs` is a map or keyword list with
+  string or atom keys.
+  """
+  @spec call(target(), list(), map() | keyword(), Runtime.opts()) :: result(term())
+  def call(target, args \\ [], kwargs \\ %{}, opts \\ []) do
+    with {:ok, rt} <- Runtime.resolve(opts),
+         {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
+      run(rt, "call", bound_ref(target), {args, kwargs}, parts, true)
+    end
+  end
+
+  @doc "Reads an attribute: a module attribute, a class attribute, or one of a referenced object."
+  @spec get(target(), Runtime.opts()) :: result(term())
+  def get(target, opts \\ []) do
+    with {:ok, rt} <- Runtime.resolve(opts),
+         {:ok, parts} <- Wire.encode_invoke(target, nil, nil) do
+      run(rt, "get", bound_ref(target), nil, parts, true)
+    end
+  end
+
+  @doc """
+  Streams what `target(*args, **kwargs)` yields: `{:ok, enumerable}` whose elements are
+  the chunks. The request is sent when enumeration begins; halting early cancels the
+  generator; errors during enumeration raise `VllmBridge.Error`. See `VllmBridge.Stream`
+  (`timeout` bounds the wait for each chunk, `stream_timeout` the whole stream).
+  """
+  @spec stream(target(), list(), map() | keyword(), Runtime.opts()) :: result(Enumerable.t())
+  def stream(target, args \\ [], kwargs \\ %{}, opts \\ []),
+    do: VllmBridge.Stream.new(target, args, kwargs, opts)
+
+  # -- context managers -------------------------------------------------------------------
+
+  @doc """
+  Calls `target(*args, **kwargs)` and enters the context manager it returns:
+  `{:ok, {handle, value}}`, where `value` is what `__enter__` returned and `handle` (a
+  `%VllmBridge.Ref{}` of type `"context"`) is what `exit/3` needs. The context belongs to
+  the session (`session_id:`) and is exited when the session closes if not before.
+  """
+  @spec enter(target(), list(), map() | keyword(), Runtime.opts()) :: result({Ref.t(), term()})
+  def enter(target, args \\ [], kwargs \\ %{}, opts \\ []) do
+    with {:ok, rt} <- Runtime.resolve(opts),
+         {:ok, parts} <- Wire.encode_invoke(target, args, kwargs),
+         {:ok, [handle, value]} <- run(rt, "enter", bound_ref(target), nil, parts, true) do
+      {:ok, {handle, value}}
+    else
+      {:ok, other} -> {:error, Error.new(:protocol, "enter answered #{inspect(other, limit: 5)}")}
+      {:error, e} -> {:error, e}
+    end
+  end
+
+  @doc """
+  Exits a context entered with `enter/4`: `exc` nil for a clean exit, or the error that
+  ended its body (a `VllmBridge.Error`, any exception, or a message), which `__exit__`
+  receives (the real Python exception when the error came from a call in that session).
+  Returns whether `__exit__` suppressed it.
+  """
+  @spec exit(Ref.t(), nil | Exception.t() | String.t(), Runtime.opts()) :: result(boolean())
+  def exit(handle, exc \\ nil, opts \\ [])
+
+  def exit(%Ref{} = handle, exc, opts) do
+    with {:ok, rt} <- Runtime.resolve(opts),
+         {:ok, exc_map} <- exc_map(exc) do
+      parts = [Wire.value(handle), Wire.value(exc_map)]
+      run(rt, "exit", handle, nil, parts, true)
+    end
+  end
+
+  def exit(other, _exc, _opts),
+    do:
+      {:error,
+       Error.new(
+         :bad_argument,
+         "exit needs a context handle (a Ref), got #{inspect(other, limit: 5)}"
+       )}
+
+  @doc """
+  Enters the context manager `target(*args, **kwargs)` returns, runs `fun.(value)` and
+  always exits: cleanly when `fun` returns (`{:ok, fun_result}`), with the error when it
+  raises, throws or exits (re-raised unless `__exit__` suppressed it, then `{:ok, nil}`).
+  The generated `with_…` bindings use this.
+  """
+  @spec with_context(target(), list(), map() | keyword(), Runtime.opts(), (term() -> result)) ::
+          {:ok, result | nil} | {:error, Error.t()}
+        when result: term()
+  def with_context(target, args, kwargs, opts, fun) when is_function(fun, 1) do
+    with {:ok, {handle, value}} <- enter(target, args, kwargs, opts) do
+      exit_opts = Keyword.drop(opts || [], [:pool_name])
+
+      try do
+        fun.(value)
+      rescue
+        e ->
+          exit_after_failure(handle, e, exit_opts, :error, e, __STACKTRACE__)
+      catch
+        kind, reason ->
+          message = "#{kind}: #{inspect(reason, limit: 8)}"
+          exit_after_failure(handle, message, exit_opts, kind, reason, __STACKTRACE__)
+      else
+        result ->
+          case __MODULE__.exit(handle, nil, exit_opts) do
+            {:ok, _suppressed} -> {:ok, result}
+            {:error, e} -> {:error, e}
+          end
+      end
+    end
+  end
+
+  defp exit_after_failure(handle, exc, opts, kind, reason, stack) do
+    case __MODULE__.exit(handle, exc, opts) do
+      {:ok, true} -> {:ok, nil}
+      _ -> :erlang.raise(kind, reason, stack)
+    end
+  end
+
+  defp exc_map(nil), do: {:ok, nil}
+  defp exc_map(%Error{} = e), do: {:ok, Error.to_wire(e)}
+
+  defp exc_map(e) when is_exception(e),
+    do:
+      {:ok,
+       %{
+         "type" => "python_exception",
+         "message" => Exception.message(e),
+         "python_type" => inspect(e.__struct__),
+         "traceback" => nil,
+         "exc_id" => nil
+       }}
+
+  defp exc_map(message) when is_binary(message),
+    do:
+      {:ok,
+       %{
+         "type" => "python_exception",
+         "message" => message,
+         "python_type" => nil,
+         "traceback" => nil,
+         "exc_id" => nil
+       }}
+
+  defp exc_map(other),
+    do:
+      {:error,
+       Error.new(
+         :bad_argument,
+         "exit's error must be nil, an exception or a message, got #{inspect(other, limit: 5)}"
+       )}
+
+  # -- references and sessions ------------------------------------------------------------
+
+  @doc """
+  Releases references (one or a list) in the workers that hold them; the number released.
+  """
+  @spec release(Ref.t() | [Ref.t()], Runtime.opts()) :: result(non_neg_integer())
+  def release(refs, opts \\ [])
+  def release(%Ref{} = ref, opts), do: release([ref], opts)
+
+  def release(refs, opts) when is_list(refs) do
+    with {:ok, rt} <- Runtime.resolve(opts),
+         :ok <- all_refs(refs) do
+      refs
+      |> Enum.group_by(&{&1.instance, &1.session})
+      |> Enum.reduce_while({:ok, 0}, fn {{_inst, session}, group}, {:ok, n} ->
+        rt = %{rt | session_id: rt.session_id || session}
+
+        case run(rt, "release", hd(group), nil, [Wire.value(group)], false) do
+          {:ok, k} when is_integer(k) ->
+            {:cont, {:ok, n + k}}
+
+          {:ok, other} ->
+            {:halt, {:error, Error.new(:protocol, "release answered #{inspect(other)}")}}
+
+          {:error, e} ->
+            {:halt, {:error, e}}
+        end
+      end)
+    end
+  end
+
+  def release(other, _opts),
+    do:
+      {:error,
+       Error.new(
+         :bad_argument,
+         "release needs a Ref or a list of them, got #{inspect(other, limit: 5)}"
+       )}
+
+  defp all_refs(refs) do
+    case Enum.reject(refs, &match?(%Ref{}, &1)) do
+      [] ->
+        :ok
+
+      [bad | _] ->
+        {:error, Error.new(:bad_argument, "release: not a reference: #{inspect(bad, limit: 5)}")}
+    end
+  end
+
+  @doc """
+  Opens a session (`VllmBridge.Session.open/1` options), runs `fun.(session)` and always
+  closes the session; returns what `fun` returns (or the error of opening). Inside, pass
+  `session_id: session.id` (or the struct) in the runtime options.
+  """
+  @spec with_session((Session.t() -> result), keyword()) :: result | {:error, Error.t()}
+        when result: term()
+  def with_session(fun, opts \\ []) when is_function(fun, 1) do
+    with {:ok, session} <- Session.open(opts) do
+      try do
+        fun.(session)
+      after
+        Session.close(session)
+      end
+    end
+  end
+
+  # -- the common path --------------------------------------------------------------------
+
+  defp bound_ref({%Ref{} = ref, _path}), do: ref
+  defp bound_ref(_), do: nil
+
+  # Route, reserve, send, wait. `timed` says the kind carries a timeout field.
+  defp run(rt, kind, bound, payload, parts, timed) do
+    with {:ok, route} <- Route.resolve(rt, kind, bound, payload),
+         {:ok, pid, _index} <- Route.checkout(route, rt.deadline) do
+      req = Request.new(kind, [Wire.value(route.session)], timed, parts)
+      Request.call(pid, req, rt.deadline, true)
+    end
+  end
+end

@@ -1,0 +1,191 @@
+defmodule VllmBridge.Pool do
+  @moduledoc """
+  Named pools of Python workers.
+
+  Pools come from the application config, started with the application:
+
+      config :vllm_bridge,
+        pools: [
+          default: [size: 2],
+          ranks: [size: 4, worker_env: fn i -> [{"VLLM_DP_RANK", "\#{i}"}] end]
+        ]
+
+  (default: none), or are started and stopped at run time with `start/2` and `stop/1`
+  (`VllmBridge.start_pool/2`, `VllmBridge.stop_pool/1`). Options: `VllmBridge.Pool.Options`.
+
+  A call picks its pool with the runtime option `pool_name:` (default: `:default`, or
+  `config :vllm_bridge, runtime: [pool_name: ...]`). Inside a pool a call goes to the
+  least loaded worker with room (at most `max_in_flight` calls pipelined per worker);
+  when every worker is full it waits in the pool's bounded queue, and past `queue_size`
+  waiters it gets `{:error, %VllmBridge.Error{type: :queue_full}}`. The choice is made in
+  the caller's process with atomics (`VllmBridge.Pool.Slots`): no pool process sits on
+  the path of a call unless it has to queue.
+
+  A worker whose Python process dies is restarted by the pool's supervisor; until its new
+  process has done its handshake the worker takes no calls, and then its full capacity is
+  back. Stopping a pool (or the application) closes every worker's port; a Python
+  process that does not exit on EOF within `shutdown_grace` is killed. If the BEAM itself
+  dies, each Python process sees EOF (and its parent gone) and exits.
+  """
+
+  alias VllmBridge.{Error, Worker}
+  alias VllmBridge.Pool.{Directory, Options, Slots}
+
+  @typedoc "A pool's name (any term; usually an atom)."
+  @type name :: term()
+
+  @doc """
+  Starts pool `name` under the application's supervisor and waits until every worker has
+  done its handshake. A pool of that name must not be running.
+  """
+  @spec start(name(), keyword()) :: {:ok, pid()} | {:error, Error.t()}
+  def start(name, opts \\ []) do
+    with {:ok, opts} <- Options.validate(opts) do
+      spec = {VllmBridge.Pool.Supervisor, {name, opts}}
+
+      case DynamicSupervisor.start_child(VllmBridge.PoolSupervisor, spec) do
+        {:ok, sup} ->
+          await_workers(name, sup, opts[:start_timeout] + 5_000)
+
+        {:error, {:already_started, _}} ->
+          {:error, Error.new(:bad_argument, "pool #{inspect(name)} is already started")}
+
+        {:error, reason} ->
+          {:error, start_error(name, reason)}
+      end
+    end
+  end
+
+  defp await_workers(name, sup, timeout) do
+    failed =
+      sup
+      |> workers_of()
+      |> Enum.find_value(fn pid ->
+        case Worker.await_ready(pid, timeout) do
+          {:ok, _hello} -> nil
+          {:error, e} -> e
+        end
+      end)
+
+    if failed do
+      stop(name)
+      {:error, %{failed | message: "pool #{inspect(name)} did not start: #{failed.message}"}}
+    else
+      {:ok, sup}
+    end
+  end
+
+  defp workers_of(sup) do
+    for {{Worker, i}, pid, _, _} <- Supervisor.which_children(sup), is_pid(pid) do
+      {i, pid}
+    end
+    |> Enum.sort()
+    |> Enum.map(&elem(&1, 1))
+  end
+
+  defp start_error(name, {:shutdown, {:failed_to_start_child, _id, reason}}),
+    do: start_error(name, reason)
+
+  defp start_error(name, {:shutdown, {:start_failed, %Error{} = e}}),
+    do: %{e | message: "pool #{inspect(name)} did not start: #{e.message}"}
+
+  defp start_error(name, reason),
+    do: Error.new(:worker_exit, "pool #{inspect(name)} did not start: #{inspect(reason)}")
+
+  @doc "Stops pool `name` and every Python process of it."
+  @spec stop(name()) :: :ok | {:error, Error.t()}
+  def stop(name) do
+    case Registry.lookup(VllmBridge.Pool.Names, name) do
+      [{sup, _}] ->
+        _ = DynamicSupervisor.terminate_child(VllmBridge.PoolSupervisor, sup)
+        :ok
+
+      [] ->
+        {:error, not_started(name)}
+    end
+  end
+
+  @doc "The names of the pools that are running."
+  @spec names() :: [name()]
+  def names, do: Directory.pools()
+
+  @doc """
+  The workers of pool `name`, by index: pid, OS pid and instance of those serving, `nil`
+  for one that is starting. For diagnostics and tests (a DP rank's OS process, say).
+  """
+  @spec workers(name()) ::
+          {:ok,
+           [
+             %{
+               index: non_neg_integer(),
+               pid: pid(),
+               os_pid: integer(),
+               instance: String.t(),
+               load: integer()
+             }
+             | nil
+           ]}
+          | {:error, Error.t()}
+  def workers(name) do
+    with {:ok, meta} <- meta(name) do
+      {:ok,
+       for i <- 0..(meta.size - 1) do
+         case Directory.worker(name, i) do
+           {pid, instance} ->
+             os_pid =
+               try do
+                 Worker.os_pid(pid)
+               catch
+                 :exit, _ -> nil
+               end
+
+             %{index: i, pid: pid, os_pid: os_pid, instance: instance, load: Slots.load(meta, i)}
+
+           nil ->
+             nil
+         end
+       end}
+    end
+  end
+
+  @doc "Waits up to `timeout` ms until every worker of pool `name` serves again."
+  @spec await_ready(name(), timeout()) :: :ok | {:error, Error.t()}
+  def await_ready(name, timeout \\ 30_000) do
+    deadline = System.monotonic_time(:millisecond) + timeout
+
+    Stream.repeatedly(fn ->
+      case workers(name) do
+        {:ok, ws} -> Enum.all?(ws, & &1)
+        {:error, _} -> false
+      end
+    end)
+    |> Enum.find_value(fn
+      true ->
+        :ok
+
+      false ->
+        if System.monotonic_time(:millisecond) > deadline do
+          {:error, Error.new(:timeout, "pool #{inspect(name)} not ready within #{timeout} ms")}
+        else
+          Process.sleep(20)
+          nil
+        end
+    end)
+  end
+
+  @doc false
+  @spec meta(name()) :: {:ok, VllmBridge.Pool.Meta.t()} | {:error, Error.t()}
+  def meta(name) do
+    case Directory.pool(name) do
+      {:ok, meta} -> {:ok, meta}
+      :error -> {:error, not_started(name)}
+    end
+  end
+
+  defp not_started(name) do
+    Error.new(
+      :bad_argument,
+      "pool #{inspect(name)} is not started (running: #{inspect(Directory.pools())})"
+    )
+  end
+end

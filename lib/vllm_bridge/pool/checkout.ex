@@ -1,0 +1,100 @@
+defmodule VllmBridge.Pool.Checkout do
+  @moduledoc """
+  How a caller gets room on a worker, in its own process: reserve a slot with atomics
+  (`VllmBridge.Pool.Slots`) when one is free and nobody waits; otherwise wait in the
+  pool's queue (`VllmBridge.Pool.Queue`) until it hands over a slot, the deadline passes
+  (`:timeout`) or the queue is full (`:queue_full`).
+
+  Constraints: `:any` worker; `{:prefer, i}` (worker `i` when it has room, else any);
+  `{:only, i}` (wait for worker `i`); `{:fail_fast, i}` (worker `i` now, or `:pool_busy`).
+  """
+
+  alias VllmBridge.{Error, Runtime}
+  alias VllmBridge.Pool.{Meta, Slots}
+
+  @typedoc "Which workers a call may take."
+  @type constraint ::
+          :any
+          | {:prefer, non_neg_integer()}
+          | {:only, non_neg_integer()}
+          | {:fail_fast, non_neg_integer()}
+
+  @doc "Reserves a slot under `constraint` before `deadline`; the worker's index."
+  @spec checkout(Meta.t(), constraint(), integer() | :infinity) ::
+          {:ok, non_neg_integer()} | {:error, Error.t()}
+  def checkout(meta, {:fail_fast, i}, _deadline) do
+    if Slots.reserve(meta, i) do
+      {:ok, i}
+    else
+      {:error,
+       Error.new(
+         :pool_busy,
+         "worker #{i} of pool #{inspect(meta.name)} is busy (#{meta.max_in_flight} call(s) " <>
+           "in flight, or restarting) and affinity is :strict_fail_fast"
+       )}
+    end
+  end
+
+  def checkout(meta, constraint, deadline) do
+    case Slots.waiting(meta) == 0 && fast(meta, constraint) do
+      i when is_integer(i) -> {:ok, i}
+      _ -> wait(meta, constraint, deadline)
+    end
+  end
+
+  defp fast(meta, :any), do: Slots.reserve_any(meta)
+  defp fast(meta, {:only, i}), do: if(Slots.reserve(meta, i), do: i)
+
+  defp fast(meta, {:prefer, i}),
+    do: if(Slots.reserve(meta, i), do: i, else: Slots.reserve_any(meta))
+
+  defp wait(%Meta{queue: queue} = meta, constraint, deadline) do
+    alias = :erlang.alias()
+    mon = Process.monitor(queue)
+    send(queue, {:wait, alias, self(), constraint, deadline})
+
+    result =
+      receive do
+        {^alias, :granted, i} ->
+          {:ok, i}
+
+        {^alias, :full} ->
+          {:error,
+           Error.new(
+             :queue_full,
+             "pool #{inspect(meta.name)}: every worker is busy and #{meta.queue_size} " <>
+               "caller(s) already wait (queue_size)"
+           )}
+
+        {:DOWN, ^mon, :process, _, _} ->
+          stopped(meta)
+      after
+        Runtime.remaining(deadline) ->
+          send(queue, {:withdraw, alias})
+          withdraw(meta, alias, mon)
+          {:error, Error.new(:timeout, "the deadline passed while queued for a worker")}
+      end
+
+    :erlang.unalias(alias)
+    Process.demonitor(mon, [:flush])
+    result
+  end
+
+  # A slot granted just before the queue saw the withdrawal is given back.
+  defp withdraw(meta, alias, mon) do
+    receive do
+      {^alias, :granted, i} ->
+        Slots.release(meta, i)
+        withdraw(meta, alias, mon)
+
+      {^alias, :withdrawn} ->
+        :ok
+
+      {:DOWN, ^mon, :process, _, _} ->
+        :ok
+    end
+  end
+
+  defp stopped(meta),
+    do: {:error, Error.new(:worker_exit, "pool #{inspect(meta.name)} stopped while queued")}
+end

@@ -1,0 +1,108 @@
+defmodule VllmBridge.Pool.Directory do
+  @moduledoc """
+  Where callers look things up without sending a message: one public ETS table (owned by
+  this process, started by the application) holding
+
+    * `{{:pool, name}, %VllmBridge.Pool.Meta{}}` - each started pool;
+    * `{{:worker, name, index}, pid, instance}` - each worker that finished its handshake
+      (removed when it goes down);
+    * `{{:instance, instance}, name, index, pid}` - the same, by handshake instance (how a
+      `%VllmBridge.Ref{}` finds its worker);
+    * `{{:session, id}, %VllmBridge.Session{}}` and `{{:touch, id, index}}` - open sessions
+      and the other workers a session's `:hint` calls ran on.
+
+  Reads are concurrent; each writer owns its rows (a pool's queue its `:pool` row, a
+  worker its `:worker`/`:instance` rows, the session manager the session rows).
+  """
+  use GenServer
+
+  alias VllmBridge.Pool.Meta
+
+  @table __MODULE__
+
+  @doc false
+  @spec start_link(keyword()) :: GenServer.on_start()
+  def start_link(_opts), do: GenServer.start_link(__MODULE__, nil, name: __MODULE__)
+
+  @impl true
+  def init(nil) do
+    :ets.new(@table, [:set, :public, :named_table, read_concurrency: true])
+    {:ok, nil}
+  end
+
+  @doc "The table's name."
+  @spec table() :: atom()
+  def table, do: @table
+
+  @doc "A started pool's meta data."
+  @spec pool(term()) :: {:ok, Meta.t()} | :error
+  def pool(name) do
+    case :ets.lookup(@table, {:pool, name}) do
+      [{_, meta}] -> {:ok, meta}
+      [] -> :error
+    end
+  rescue
+    ArgumentError -> :error
+  end
+
+  @doc "Every started pool's name."
+  @spec pools() :: [term()]
+  def pools, do: :ets.select(@table, [{{{:pool, :"$1"}, :_}, [], [:"$1"]}])
+
+  @doc false
+  @spec put_pool(Meta.t()) :: true
+  def put_pool(%Meta{name: name} = meta), do: :ets.insert(@table, {{:pool, name}, meta})
+
+  @doc false
+  @spec delete_pool(term()) :: true
+  def delete_pool(name), do: :ets.delete(@table, {:pool, name})
+
+  @doc "The live worker at `index` of pool `name`: `{pid, instance}`."
+  @spec worker(term(), non_neg_integer()) :: {pid(), String.t()} | nil
+  def worker(name, index) do
+    case :ets.lookup(@table, {:worker, name, index}) do
+      [{_, pid, instance}] -> {pid, instance}
+      [] -> nil
+    end
+  end
+
+  @doc "The live worker whose handshake instance is `instance`: `{pool, index, pid}`."
+  @spec instance(String.t()) :: {term(), non_neg_integer(), pid()} | nil
+  def instance(instance) do
+    case :ets.lookup(@table, {:instance, instance}) do
+      [{_, name, index, pid}] -> {name, index, pid}
+      [] -> nil
+    end
+  end
+
+  @doc false
+  @spec worker_up(term(), non_neg_integer(), pid(), String.t()) :: true
+  def worker_up(name, index, pid, instance) do
+    :ets.insert(@table, [
+      {{:worker, name, index}, pid, instance},
+      {{:instance, instance}, name, index, pid}
+    ])
+  end
+
+  @doc false
+  # A worker starting over: drop whatever rows a predecessor killed without its
+  # `terminate/2` left behind.
+  @spec clear_worker(term(), non_neg_integer()) :: :ok
+  def clear_worker(name, index) do
+    case :ets.take(@table, {:worker, name, index}) do
+      [{_, _pid, instance}] -> :ets.delete(@table, {:instance, instance})
+      [] -> :ok
+    end
+
+    :ok
+  end
+
+  @doc false
+  @spec worker_down(term(), non_neg_integer(), String.t() | nil) :: :ok
+  def worker_down(name, index, instance) do
+    # Only the rows of this very process: a successor may already be up.
+    :ets.match_delete(@table, {{:worker, name, index}, :_, instance})
+    if instance, do: :ets.delete(@table, {:instance, instance})
+    :ok
+  end
+end

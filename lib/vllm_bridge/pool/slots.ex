@@ -1,0 +1,110 @@
+defmodule VllmBridge.Pool.Slots do
+  @moduledoc """
+  Capacity of a pool's workers, kept in one `:atomics` array so that a caller can pick a
+  worker and reserve room on it without sending a message.
+
+  Element `i + 1` counts the calls in flight on worker `i` (reserved by a caller, released
+  by the worker when the reply is in); element `size + 1` is how many callers wait in the
+  pool's queue (published by `VllmBridge.Pool.Queue`). A worker that is not serving (still
+  starting, or gone) holds a count of `down/0`, so no reservation on it succeeds; it
+  resets its count to 0 once its handshake is done.
+
+  A reservation is `add_get`; one that overshoots `max_in_flight` is undone at once. When
+  callers are waiting, a new caller does not take a freed slot ahead of them: it queues
+  too (`waiting/1`), so the queue is served in order.
+  """
+
+  import Bitwise, only: [<<<: 2]
+
+  alias VllmBridge.Pool.{Directory, Meta}
+
+  @down 1 <<< 40
+
+  @doc "The count a worker that is not serving holds."
+  @spec down() :: pos_integer()
+  def down, do: @down
+
+  @doc "New counters for `size` workers, all down."
+  @spec new(pos_integer()) :: :atomics.atomics_ref()
+  def new(size) do
+    ref = :atomics.new(size + 1, signed: true)
+    for i <- 1..size, do: :atomics.put(ref, i, @down)
+    ref
+  end
+
+  @doc "Tries to reserve room on worker `index`."
+  @spec reserve(Meta.t(), non_neg_integer()) :: boolean()
+  def reserve(%Meta{slots: slots, max_in_flight: max}, index) do
+    if :atomics.add_get(slots, index + 1, 1) <= max do
+      true
+    else
+      :atomics.sub(slots, index + 1, 1)
+      false
+    end
+  end
+
+  @doc "Reserves room on the least loaded worker with room; its index, or nil."
+  @spec reserve_any(Meta.t()) :: non_neg_integer() | nil
+  def reserve_any(%Meta{size: 1} = meta), do: if(reserve(meta, 0), do: 0)
+
+  def reserve_any(%Meta{size: size, slots: slots, max_in_flight: max} = meta) do
+    start = :erlang.unique_integer([:positive]) |> rem(size)
+
+    candidates =
+      for k <- 0..(size - 1),
+          i = rem(start + k, size),
+          load = :atomics.get(slots, i + 1),
+          load < max,
+          do: {load, i}
+
+    candidates
+    |> Enum.sort_by(&elem(&1, 0))
+    |> Enum.find_value(fn {_load, i} -> if reserve(meta, i), do: i end)
+  end
+
+  @doc "Whether worker `index` has room now (no reservation made)."
+  @spec room?(Meta.t(), non_neg_integer()) :: boolean()
+  def room?(%Meta{slots: slots, max_in_flight: max}, index),
+    do: :atomics.get(slots, index + 1) < max
+
+  @doc "Whether any worker has room now (no reservation made)."
+  @spec any_room?(Meta.t()) :: boolean()
+  def any_room?(%Meta{size: size} = meta),
+    do: Enum.any?(0..(size - 1), &room?(meta, &1))
+
+  @doc "Gives back a slot of worker `index`; tells the queue when callers wait."
+  @spec release(Meta.t(), non_neg_integer()) :: :ok
+  def release(%Meta{slots: slots, size: size} = meta, index) do
+    :atomics.sub(slots, index + 1, 1)
+    if :atomics.get(slots, size + 1) > 0, do: kick(meta)
+    :ok
+  end
+
+  @doc "Asks the pool's queue (as the directory knows it now) to hand out free slots."
+  @spec kick(Meta.t()) :: :ok
+  def kick(%Meta{name: name}) do
+    case Directory.pool(name) do
+      {:ok, %Meta{queue: queue}} when is_pid(queue) -> send(queue, :kick)
+      _ -> :ok
+    end
+
+    :ok
+  end
+
+  @doc "How many callers wait in the queue."
+  @spec waiting(Meta.t()) :: non_neg_integer()
+  def waiting(%Meta{slots: slots, size: size}), do: :atomics.get(slots, size + 1)
+
+  @doc false
+  @spec set_waiting(Meta.t(), non_neg_integer()) :: :ok
+  def set_waiting(%Meta{slots: slots, size: size}, n), do: :atomics.put(slots, size + 1, n)
+
+  @doc "The in-flight count of worker `index` (`down/0` or more while it is not serving)."
+  @spec load(Meta.t(), non_neg_integer()) :: integer()
+  def load(%Meta{slots: slots}, index), do: :atomics.get(slots, index + 1)
+
+  @doc false
+  # The worker's own view: up (count 0), down, or corrected when idle.
+  @spec put_load(Meta.t(), non_neg_integer(), integer()) :: :ok
+  def put_load(%Meta{slots: slots}, index, n), do: :atomics.put(slots, index + 1, n)
+end

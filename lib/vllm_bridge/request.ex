@@ -1,0 +1,134 @@
+defmodule VllmBridge.Request do
+  @moduledoc """
+  The caller's side of one request to one worker process: build the frame (fresh id,
+  milliseconds left of the deadline), send it to the worker, wait for the reply in the
+  caller's own `receive` with the caller's own deadline.
+
+  The caller waits on a process alias that is also a monitor of the worker
+  (`:erlang.monitor/3` with `{:alias, ...}`): a reply is sent to the alias, a worker that
+  dies is seen as `:DOWN`, and once the caller gives up the alias is deactivated, so a
+  late reply is dropped by the runtime instead of lingering in the caller's mailbox.
+
+  Messages a worker sends to the alias: `{alias, :reply, frame}`, `{alias, :chunk,
+  frame}`, `{alias, :end, nil}`, `{alias, :worker_exit, message}` and `{alias,
+  :reply_error, %VllmBridge.Error{}}`.
+  """
+
+  alias VllmBridge.{Error, Runtime, Wire}
+
+  @enforce_keys [:kind]
+  defstruct kind: nil, pre: [], timed: true, post: []
+
+  @typedoc """
+  A request before it has an id: `kind`, the encoded fields before the timeout (`pre`,
+  usually the session), whether the kind carries a timeout field, and the encoded fields
+  after it (`post`).
+  """
+  @type t :: %__MODULE__{kind: String.t(), pre: [iodata()], timed: boolean(), post: [iodata()]}
+
+  @typedoc "A request in flight: worker pid, id and the alias/monitor."
+  @type handle :: {pid(), non_neg_integer(), reference()}
+
+  @doc "A request of `kind` with its encoded fields (see `t:t/0`)."
+  @spec new(String.t(), [iodata()], boolean(), [iodata()]) :: t()
+  def new(kind, pre, timed, post),
+    do: %__MODULE__{kind: kind, pre: pre, timed: timed, post: post}
+
+  @doc """
+  Sends `req` to `pid` and waits for its one reply until `deadline`. `counted` says the
+  request holds a pool slot (the worker gives it back).
+  """
+  @spec call(pid() | nil, t(), integer() | :infinity, boolean()) ::
+          {:ok, term()} | {:error, Error.t()}
+  def call(nil, _req, _deadline, _counted),
+    do: {:error, Error.new(:worker_exit, "the worker process is not running")}
+
+  def call(pid, req, deadline, counted) do
+    handle = send_request(pid, req, deadline, counted, :reply_demonitor)
+    await(handle, deadline)
+  end
+
+  @doc """
+  Sends `req` and returns at once; `mode` is the alias mode (`:reply_demonitor` for one
+  reply, `:demonitor` for a stream).
+  """
+  @spec send_request(pid(), t(), integer() | :infinity, boolean(), :reply_demonitor | :demonitor) ::
+          handle()
+  def send_request(pid, %__MODULE__{} = req, deadline, counted, mode) do
+    id = :erlang.unique_integer([:positive])
+    mref = :erlang.monitor(:process, pid, [{:alias, mode}])
+    send(pid, {:"$vb_req", id, mref, frame(req, id, deadline), deadline, counted})
+    {pid, id, mref}
+  end
+
+  @doc "Sends `req` and forgets it (no reply is wanted; the worker drops it)."
+  @spec cast(pid(), t(), integer() | :infinity) :: :ok
+  def cast(pid, %__MODULE__{} = req, deadline) do
+    id = :erlang.unique_integer([:positive])
+    send(pid, {:"$vb_req", id, nil, frame(req, id, deadline), deadline, false})
+    :ok
+  end
+
+  defp frame(%{kind: kind, pre: pre, timed: true, post: post}, id, deadline) do
+    ms =
+      case Runtime.remaining(deadline) do
+        :infinity -> nil
+        left -> left
+      end
+
+    Wire.request(kind, id, pre ++ [Wire.value(ms) | post])
+  end
+
+  defp frame(%{kind: kind, pre: pre, post: post}, id, _deadline),
+    do: Wire.request(kind, id, pre ++ post)
+
+  @doc "Waits for the one reply of a request sent with `send_request/5`."
+  @spec await(handle(), integer() | :infinity) :: {:ok, term()} | {:error, Error.t()}
+  def await({pid, id, mref}, deadline) do
+    receive do
+      {^mref, :reply, bin} -> Wire.decode_reply(bin)
+      {^mref, :worker_exit, message} -> worker_exit(message)
+      {^mref, :reply_error, %Error{} = e} -> {:error, e}
+      {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
+    after
+      Runtime.remaining(deadline) -> give_up({pid, id, mref})
+    end
+  end
+
+  @doc """
+  Gives up on a request: tells the worker to cancel it, deactivates the alias and takes
+  back any reply that made it in before that.
+  """
+  @spec give_up(handle()) :: {:ok, term()} | {:error, Error.t()}
+  def give_up({pid, id, mref}) do
+    send(pid, {:"$vb_cancel", id})
+    Process.demonitor(mref, [:flush])
+
+    receive do
+      {^mref, :reply, bin} -> Wire.decode_reply(bin)
+    after
+      0 ->
+        flush(mref)
+        {:error, Error.new(:timeout, "no reply to request #{id} before its deadline")}
+    end
+  end
+
+  @doc "Drops every message that arrived on `mref` (after the alias is deactivated)."
+  @spec flush(reference()) :: :ok
+  def flush(mref) do
+    receive do
+      {^mref, _, _} -> flush(mref)
+    after
+      0 -> :ok
+    end
+  end
+
+  @doc false
+  @spec worker_exit(String.t()) :: {:error, Error.t()}
+  def worker_exit(message), do: {:error, Error.new(:worker_exit, message)}
+
+  @doc false
+  @spec worker_down(term()) :: {:error, Error.t()}
+  def worker_down(reason),
+    do: worker_exit("the worker process exited (#{inspect(reason, limit: 5)}) during the call")
+end

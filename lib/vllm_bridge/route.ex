@@ -1,0 +1,166 @@
+defmodule VllmBridge.Route do
+  @moduledoc """
+  Where one request goes, decided in the caller's process from its resolved runtime
+  options (`VllmBridge.Runtime`):
+
+    * bound to a reference (a target `{%Ref{}, path}`, the handle of `exit`, the refs of
+      `release`): the worker whose handshake instance the reference carries, whatever the
+      affinity (`:strict_fail_fast` still fails at once when it is busy). A reference from a
+      worker process that is gone is `:session_lost`;
+    * in a session (`session_id:`): the session's worker, under the affinity of
+      `VllmBridge.Session`; a session whose worker restarted is `:session_lost`;
+    * otherwise: any worker of the pool `pool_name:` names.
+
+  `checkout/2` then reserves room (`VllmBridge.Pool.Checkout`) and checks that the worker
+  it got is still the process the session or reference belongs to.
+  """
+
+  alias VllmBridge.{Error, Ref, Runtime, Session}
+  alias VllmBridge.Pool.{Checkout, Directory, Meta, Slots}
+
+  @enforce_keys [:meta, :constraint]
+  defstruct [:meta, :constraint, session: nil, expect: nil, sess: nil]
+
+  @typedoc """
+  `session` is the session id sent on the wire; `expect` the instance a reference-bound
+  request needs; `sess` the open session, when there is one.
+  """
+  @type t :: %__MODULE__{
+          meta: Meta.t(),
+          constraint: Checkout.constraint(),
+          session: String.t() | nil,
+          expect: String.t() | nil,
+          sess: Session.t() | nil
+        }
+
+  @doc """
+  Decides the route of a request of `kind`; `bound` is the reference it is bound to (or
+  nil), `payload` its arguments (looked at only for `:hint`, to see whether they hold
+  references).
+  """
+  @spec resolve(Runtime.t(), String.t(), Ref.t() | nil, term()) ::
+          {:ok, t()} | {:error, Error.t()}
+  def resolve(%Runtime{} = rt, _kind, %Ref{} = ref, _payload) do
+    case Directory.instance(ref.instance) do
+      {pool, index, _pid} ->
+        with {:ok, meta} <- pool_meta(pool, lost_ref(ref)) do
+          constraint =
+            if rt.affinity == :strict_fail_fast, do: {:fail_fast, index}, else: {:only, index}
+
+          {:ok,
+           %__MODULE__{
+             meta: meta,
+             constraint: constraint,
+             session: rt.session_id || ref.session,
+             expect: ref.instance
+           }}
+        end
+
+      nil ->
+        {:error, lost_ref(ref)}
+    end
+  end
+
+  def resolve(%Runtime{session_id: id} = rt, kind, nil, payload) when is_binary(id) do
+    with {:ok, s} <- Session.lookup(id),
+         :ok <- same_pool(rt, s),
+         {:ok, meta} <- pool_meta(s.pool, Session.lost(s)),
+         {:ok, _pid} <- Session.home(s) do
+      constraint =
+        case rt.affinity do
+          :strict_queue ->
+            {:only, s.worker}
+
+          :strict_fail_fast ->
+            {:fail_fast, s.worker}
+
+          :hint ->
+            if kind in ["call", "get", "stream"] and not has_ref?(payload),
+              do: {:prefer, s.worker},
+              else: {:only, s.worker}
+        end
+
+      {:ok, %__MODULE__{meta: meta, constraint: constraint, session: id, sess: s}}
+    end
+  end
+
+  def resolve(%Runtime{pool_name: pool}, _kind, nil, _payload) do
+    with {:ok, meta} <- VllmBridge.Pool.meta(pool) do
+      {:ok, %__MODULE__{meta: meta, constraint: :any}}
+    end
+  end
+
+  @doc """
+  Reserves room on a worker of the route before `deadline`: the worker's pid and index.
+  """
+  @spec checkout(t(), integer() | :infinity) ::
+          {:ok, pid(), non_neg_integer()} | {:error, Error.t()}
+  def checkout(%__MODULE__{meta: meta} = route, deadline) do
+    with {:ok, i} <- Checkout.checkout(meta, route.constraint, deadline) do
+      case Directory.worker(meta.name, i) do
+        {pid, instance} ->
+          case verify(route, i, instance) do
+            :ok ->
+              {:ok, pid, i}
+
+            {:error, e} ->
+              Slots.release(meta, i)
+              {:error, e}
+          end
+
+        nil ->
+          Slots.release(meta, i)
+
+          {:error, Error.new(:worker_exit, "worker #{i} of pool #{inspect(meta.name)} went down")}
+      end
+    end
+  end
+
+  defp verify(%{expect: expect}, _i, instance) when is_binary(expect) and expect != instance,
+    do: {:error, Error.new(:session_lost, "the worker of instance #{expect} is gone")}
+
+  defp verify(%{sess: %Session{worker: home} = s}, i, instance) do
+    cond do
+      i == home and instance != s.instance -> {:error, Session.lost(s)}
+      i != home -> Session.touched(s, i, instance)
+      true -> :ok
+    end
+  end
+
+  defp verify(_route, _i, _instance), do: :ok
+
+  defp same_pool(%Runtime{pool_given?: true, pool_name: p}, %Session{pool: q}) when p != q do
+    {:error,
+     Error.new(
+       :bad_argument,
+       "pool_name #{inspect(p)} differs from the pool #{inspect(q)} of the session"
+     )}
+  end
+
+  defp same_pool(_rt, _s), do: :ok
+
+  defp pool_meta(pool, lost) do
+    case Directory.pool(pool) do
+      {:ok, meta} -> {:ok, meta}
+      :error -> {:error, lost}
+    end
+  end
+
+  defp lost_ref(%Ref{} = ref) do
+    Error.new(
+      :session_lost,
+      "reference #{ref.id} (#{ref.type}) comes from worker instance #{ref.instance}, " <>
+        "which is gone (its worker restarted or its pool stopped)"
+    )
+  end
+
+  @doc "Whether a term holds a `%VllmBridge.Ref{}` anywhere (lists, maps, tuples, structs)."
+  @spec has_ref?(term()) :: boolean()
+  def has_ref?(%Ref{}), do: true
+  def has_ref?(%VllmBridge.Tensor{}), do: false
+  def has_ref?(%_{} = struct), do: struct |> Map.from_struct() |> has_ref?()
+  def has_ref?([h | t]), do: has_ref?(h) or has_ref?(t)
+  def has_ref?(m) when is_map(m), do: Enum.any?(m, fn {k, v} -> has_ref?(k) or has_ref?(v) end)
+  def has_ref?(t) when is_tuple(t), do: t |> Tuple.to_list() |> has_ref?()
+  def has_ref?(_), do: false
+end

@@ -1,0 +1,210 @@
+defmodule VllmBridge.Runtime do
+  @moduledoc """
+  The runtime options of one call (`__runtime__:` in the generated bindings), resolved
+  once when the call enters the bridge.
+
+  | option | values | default |
+  |---|---|---|
+  | `:timeout` | ms (non-negative integer) or `:infinity` | the profile's |
+  | `:timeout_profile` | `:default`, `:ml_inference`, `:batch_job`, `:streaming` | `:default` |
+  | `:stream_timeout` | ms or `:infinity` | the profile's |
+  | `:session_id` | a session id (string), a `%VllmBridge.Session{}`, or `nil` | `nil` |
+  | `:pool_name` | the name of a started pool | `:default` |
+  | `:affinity` | `:hint`, `:strict_queue`, `:strict_fail_fast` | `:strict_queue` |
+
+  Profiles (`timeout` / `stream_timeout`): `:default` 120 000 / 1 800 000,
+  `:ml_inference` 600 000 / 1 800 000, `:batch_job` `:infinity` / `:infinity`,
+  `:streaming` 120 000 / 1 800 000.
+
+  Precedence for `timeout` (and likewise `stream_timeout`): the call's own `:timeout`, then
+  the profile the call names, then `config :vllm_bridge, runtime: [timeout: ...]`, then the
+  configured profile (`config :vllm_bridge, runtime: [timeout_profile: ...]`, default
+  `:default`). Every other option falls back to the same `:runtime` config, then to the
+  table's default.
+
+  **One deadline.** `resolve/2` fixes the call's deadline (monotonic ms) from the moment it
+  runs: `timeout` for a call, `stream_timeout` for a stream (the whole stream). Time spent
+  queued comes out of it, and the worker is told the milliseconds left when the request
+  is sent.
+
+  **Affinity** says where a call in a session may run (see `VllmBridge.Session`). The
+  default is `:strict_queue`, not `:hint`: a call such as `get_forward_context()` reads
+  session state without carrying any, and only the caller knows that; `:hint` is an
+  opt-in for calls known to be state-free.
+
+  Unknown options and bad values are refused with `{:error, %VllmBridge.Error{type:
+  :bad_argument}}` naming them.
+  """
+
+  alias VllmBridge.Error
+
+  @profiles %{
+    default: {120_000, 1_800_000},
+    ml_inference: {600_000, 1_800_000},
+    batch_job: {:infinity, :infinity},
+    streaming: {120_000, 1_800_000}
+  }
+
+  @keys [:timeout, :timeout_profile, :stream_timeout, :session_id, :pool_name, :affinity]
+  @affinities [:hint, :strict_queue, :strict_fail_fast]
+
+  defstruct timeout: 120_000,
+            stream_timeout: 1_800_000,
+            profile: :default,
+            deadline: :infinity,
+            session_id: nil,
+            pool_name: :default,
+            pool_given?: false,
+            affinity: :strict_queue
+
+  @typedoc "Milliseconds, or `:infinity`."
+  @type ms :: non_neg_integer() | :infinity
+
+  @typedoc "A resolved call: `deadline` is in `System.monotonic_time(:millisecond)` units."
+  @type t :: %__MODULE__{
+          timeout: ms(),
+          stream_timeout: ms(),
+          profile: atom(),
+          deadline: integer() | :infinity,
+          session_id: String.t() | nil,
+          pool_name: term(),
+          pool_given?: boolean(),
+          affinity: :hint | :strict_queue | :strict_fail_fast
+        }
+
+  @typedoc "Runtime options as a caller writes them."
+  @type opts :: keyword()
+
+  @doc "The option names `resolve/2` accepts."
+  @spec keys() :: [atom()]
+  def keys, do: @keys
+
+  @doc "The timeout profiles: name => `{timeout, stream_timeout}`."
+  @spec profiles() :: %{atom() => {ms(), ms()}}
+  def profiles, do: @profiles
+
+  @doc """
+  Resolves `opts` against the application config and fixes the deadline: `kind` `:call`
+  uses `timeout`, `:stream` uses `stream_timeout`.
+  """
+  @spec resolve(opts() | nil, :call | :stream) :: {:ok, t()} | {:error, Error.t()}
+  def resolve(opts, kind \\ :call)
+
+  def resolve(nil, kind), do: resolve([], kind)
+
+  def resolve(opts, kind) when is_list(opts) do
+    now = System.monotonic_time(:millisecond)
+
+    with :ok <- check_keyword(opts, "runtime option"),
+         defaults = Application.get_env(:vllm_bridge, :runtime, []),
+         :ok <- check_keyword(defaults, "config :vllm_bridge, :runtime"),
+         {:ok, rt} <- build(opts, defaults) do
+      budget = if kind == :stream, do: rt.stream_timeout, else: rt.timeout
+      {:ok, %{rt | deadline: deadline(now, budget)}}
+    end
+  end
+
+  def resolve(other, _kind),
+    do: bad("runtime options must be a keyword list, got #{inspect(other, limit: 8)}")
+
+  @doc "Milliseconds left until `deadline` (0 once passed), or `:infinity`."
+  @spec remaining(integer() | :infinity) :: ms()
+  def remaining(:infinity), do: :infinity
+
+  def remaining(deadline) do
+    left = deadline - System.monotonic_time(:millisecond)
+    if left > 0, do: left, else: 0
+  end
+
+  @doc "The deadline `ms` after monotonic time `now`."
+  @spec deadline(integer(), ms()) :: integer() | :infinity
+  def deadline(_now, :infinity), do: :infinity
+  def deadline(now, ms), do: now + ms
+
+  # -- resolution -------------------------------------------------------------------------
+
+  defp build(opts, defaults) do
+    with {:ok, profile} <- pick(:timeout_profile, opts, defaults, :default),
+         {:ok, {p_timeout, p_stream}} <- profile(profile),
+         {:ok, timeout} <- timeout(:timeout, opts, defaults, p_timeout),
+         {:ok, stream_timeout} <- timeout(:stream_timeout, opts, defaults, p_stream),
+         {:ok, session_id} <- pick(:session_id, opts, defaults, nil),
+         {:ok, session_id} <- session_id(session_id),
+         {:ok, pool} <- pick(:pool_name, opts, defaults, :default),
+         {:ok, affinity} <- pick(:affinity, opts, defaults, :strict_queue),
+         :ok <- affinity(affinity) do
+      {:ok,
+       %__MODULE__{
+         timeout: timeout,
+         stream_timeout: stream_timeout,
+         profile: profile,
+         session_id: session_id,
+         pool_name: pool,
+         pool_given?: Keyword.has_key?(opts, :pool_name),
+         affinity: affinity
+       }}
+    end
+  end
+
+  defp pick(key, opts, defaults, default) do
+    case Keyword.fetch(opts, key) do
+      {:ok, v} -> {:ok, v}
+      :error -> {:ok, Keyword.get(defaults, key, default)}
+    end
+  end
+
+  # The call's own value, then the profile the call names, then the configured value,
+  # then the (configured or default) profile's.
+  defp timeout(key, opts, defaults, from_profile) do
+    value =
+      cond do
+        Keyword.has_key?(opts, key) -> Keyword.fetch!(opts, key)
+        Keyword.has_key?(opts, :timeout_profile) -> from_profile
+        Keyword.has_key?(defaults, key) -> Keyword.fetch!(defaults, key)
+        true -> from_profile
+      end
+
+    case value do
+      :infinity -> {:ok, :infinity}
+      ms when is_integer(ms) and ms >= 0 -> {:ok, ms}
+      bad -> bad("#{key} must be a non-negative integer (ms) or :infinity, got #{inspect(bad)}")
+    end
+  end
+
+  defp profile(name) do
+    case Map.fetch(@profiles, name) do
+      {:ok, pair} ->
+        {:ok, pair}
+
+      :error ->
+        bad(
+          "timeout_profile must be one of #{inspect(Map.keys(@profiles))}, got #{inspect(name)}"
+        )
+    end
+  end
+
+  defp session_id(nil), do: {:ok, nil}
+  defp session_id(id) when is_binary(id), do: {:ok, id}
+  defp session_id(%{__struct__: VllmBridge.Session, id: id}) when is_binary(id), do: {:ok, id}
+
+  defp session_id(other),
+    do:
+      bad("session_id must be a string or a VllmBridge.Session, got #{inspect(other, limit: 5)}")
+
+  defp affinity(a) when a in @affinities, do: :ok
+
+  defp affinity(other),
+    do: bad("affinity must be one of #{inspect(@affinities)}, got #{inspect(other)}")
+
+  defp check_keyword([], _where), do: :ok
+
+  defp check_keyword([{key, _} | rest], where) when key in @keys, do: check_keyword(rest, where)
+
+  defp check_keyword([{key, _} | _], where) when is_atom(key),
+    do: bad("unknown #{where} #{inspect(key)}; known: #{inspect(@keys)}")
+
+  defp check_keyword(other, where),
+    do: bad("#{where}s must be a keyword list, got #{inspect(other, limit: 8)}")
+
+  defp bad(message), do: {:error, Error.new(:bad_argument, message)}
+end

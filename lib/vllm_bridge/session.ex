@@ -1,0 +1,238 @@
+defmodule VllmBridge.Session do
+  @moduledoc """
+  A session pins a caller's state (its forward context, its references, its entered
+  context managers) to one worker of a pool.
+
+      {:ok, s} = VllmBridge.Session.open(pool_name: :ranks, worker: 2)   # DP rank 2
+      VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, session_id: s.id)
+      :ok = VllmBridge.Session.close(s)
+
+  or `VllmBridge.with_session(fn s -> ... end, opts)`, which always closes.
+
+  Opening sends nothing: it picks the worker (`worker: index`, or the least loaded) and
+  remembers its handshake instance. The worker creates the session's state on first use.
+  Closing sends `close` to that worker (and to any other worker a `:hint` call of the
+  session ran on), which exits the session's entered contexts and drops its references.
+  If the process that opened the session (its owner) dies first, the session is closed
+  for it.
+
+  **Affinity** (runtime option `affinity:`) decides what a session's call does when its
+  worker is busy (`max_in_flight` calls in flight, or restarting):
+
+    * `:strict_queue` (the default) - wait for the session's worker;
+    * `:strict_fail_fast` - fail at once with `{:error, %Error{type: :pool_busy}}`;
+    * `:hint` - prefer the session's worker but run elsewhere when it is busy. Only a call
+      that carries no session state may move: a call whose target, args or kwargs hold a
+      `%VllmBridge.Ref{}` (a `get` or call on a reference, `exit`, `release`), and every
+      `enter`, stays on the session's worker. A call that *reads* session state without
+      carrying any (`get_forward_context()`) cannot be told apart: use `:hint` only for
+      calls you know to be state-free. A moved call still runs under the session's id on
+      the other worker; whatever it leaves there is released when the session closes.
+
+  **Restarts.** A session lives on one worker process. Once that process is gone (the
+  worker restarted with a new instance), every call in the session gets
+  `{:error, %Error{type: :session_lost}}`; close it and open a new one.
+  """
+
+  alias VllmBridge.{Error, Request, Runtime, Wire}
+  alias VllmBridge.Pool.{Directory, Slots}
+  alias VllmBridge.Session.Manager
+
+  @enforce_keys [:id, :pool, :worker, :instance, :owner]
+  defstruct [:id, :pool, :worker, :instance, :owner]
+
+  @type t :: %__MODULE__{
+          id: String.t(),
+          pool: term(),
+          worker: non_neg_integer(),
+          instance: String.t(),
+          owner: pid()
+        }
+
+  @open_keys [:pool_name, :worker, :owner, :id]
+
+  @doc """
+  Opens a session. Options: `pool_name:` (default the configured runtime pool,
+  `:default`), `worker:` (index of the worker, e.g. a DP rank; default the least loaded),
+  `owner:` (the process whose death closes it; default the caller), `id:` (a string;
+  default a fresh random one).
+  """
+  @spec open(keyword()) :: {:ok, t()} | {:error, Error.t()}
+  def open(opts \\ []) do
+    with :ok <- check_keys(opts),
+         {:ok, pool} <- pool_name(opts),
+         {:ok, meta} <- VllmBridge.Pool.meta(pool),
+         {:ok, index} <- pick(meta, Keyword.get(opts, :worker)),
+         {:ok, instance} <- instance(pool, index),
+         {:ok, id} <- new_id(Keyword.get(opts, :id)),
+         {:ok, owner} <- owner(Keyword.get(opts, :owner, self())) do
+      session = %__MODULE__{id: id, pool: pool, worker: index, instance: instance, owner: owner}
+      Manager.register(session)
+    end
+  end
+
+  @doc """
+  Closes a session (a struct or its id): sends `close` to its worker (and to the other
+  workers its `:hint` calls ran on), waits up to `timeout` ms for them, and forgets it.
+  Closing a session whose worker restarted only forgets it. Unknown ids are `:bad_argument`.
+  """
+  @spec close(t() | String.t(), timeout()) :: :ok | {:error, Error.t()}
+  def close(session, timeout \\ 5_000)
+  def close(%__MODULE__{id: id}, timeout), do: close(id, timeout)
+
+  def close(id, timeout) when is_binary(id) do
+    case Manager.forget(id) do
+      {:ok, targets} ->
+        deadline = Runtime.deadline(System.monotonic_time(:millisecond), timeout)
+
+        targets
+        |> Enum.map(fn {pid, _} ->
+          Request.send_request(pid, close_request(id), deadline, false, :reply_demonitor)
+        end)
+        |> Enum.map(&Request.await(&1, deadline))
+        |> Enum.find(:ok, &match?({:error, %Error{type: type}} when type != :worker_exit, &1))
+        |> case do
+          :ok -> :ok
+          {:error, e} -> {:error, e}
+        end
+
+      :error ->
+        {:error, Error.new(:bad_argument, "unknown session #{inspect(id)} (not open, or closed)")}
+    end
+  end
+
+  def close(other, _timeout),
+    do: {:error, Error.new(:bad_argument, "not a session: #{inspect(other, limit: 5)}")}
+
+  @doc "The open session with this id."
+  @spec lookup(String.t()) :: {:ok, t()} | {:error, Error.t()}
+  def lookup(id) do
+    case :ets.lookup(Directory.table(), {:session, id}) do
+      [{_, session}] ->
+        {:ok, session}
+
+      [] ->
+        {:error,
+         Error.new(
+           :bad_argument,
+           "unknown session_id #{inspect(id)} (open it with VllmBridge.Session.open/1)"
+         )}
+    end
+  end
+
+  @doc """
+  The session's worker now, if it is still the process the session was opened on:
+  `{:ok, pid}`, or `:session_lost`.
+  """
+  @spec home(t()) :: {:ok, pid()} | {:error, Error.t()}
+  def home(%__MODULE__{pool: pool, worker: index, instance: instance} = s) do
+    case Directory.worker(pool, index) do
+      {pid, ^instance} -> {:ok, pid}
+      _ -> {:error, lost(s)}
+    end
+  end
+
+  @doc false
+  @spec lost(t()) :: Error.t()
+  def lost(%__MODULE__{} = s) do
+    Error.new(
+      :session_lost,
+      "session #{inspect(s.id)} lived on worker #{s.worker} of pool #{inspect(s.pool)} " <>
+        "(instance #{s.instance}), which restarted or stopped; its state is gone"
+    )
+  end
+
+  @doc false
+  # A :hint call of the session ran on another worker: remember it, to close it there too.
+  @spec touched(t(), non_neg_integer(), String.t()) :: :ok
+  def touched(%__MODULE__{id: id}, index, instance) do
+    :ets.insert(Directory.table(), {{:touch, id, index}, instance})
+    :ok
+  end
+
+  @doc false
+  @spec close_request(String.t()) :: Request.t()
+  def close_request(id), do: Request.new("close", [Wire.value(id)], false, [])
+
+  defp check_keys(opts) when is_list(opts) do
+    case Enum.find(opts, fn
+           {k, _} -> k not in @open_keys
+           _ -> true
+         end) do
+      nil ->
+        :ok
+
+      other ->
+        {:error,
+         Error.new(
+           :bad_argument,
+           "unknown session option #{inspect(other)}; known: #{inspect(@open_keys)}"
+         )}
+    end
+  end
+
+  defp check_keys(other),
+    do:
+      {:error,
+       Error.new(:bad_argument, "session options must be a keyword list, got #{inspect(other)}")}
+
+  defp pool_name(opts) do
+    case Keyword.fetch(opts, :pool_name) do
+      {:ok, name} ->
+        {:ok, name}
+
+      :error ->
+        {:ok, Keyword.get(Application.get_env(:vllm_bridge, :runtime, []), :pool_name, :default)}
+    end
+  end
+
+  defp pick(meta, nil) do
+    loads =
+      for i <- 0..(meta.size - 1), load = Slots.load(meta, i), load < Slots.down(), do: {load, i}
+
+    case Enum.sort(loads) do
+      [{_, i} | _] ->
+        {:ok, i}
+
+      [] ->
+        {:error, Error.new(:worker_exit, "no worker of pool #{inspect(meta.name)} is serving")}
+    end
+  end
+
+  defp pick(meta, i) when is_integer(i) and i >= 0 and i < meta.size, do: {:ok, i}
+
+  defp pick(meta, other) do
+    {:error,
+     Error.new(
+       :bad_argument,
+       "worker must be an index in 0..#{meta.size - 1} of pool #{inspect(meta.name)}, got #{inspect(other)}"
+     )}
+  end
+
+  defp instance(pool, index) do
+    case Directory.worker(pool, index) do
+      {_pid, instance} ->
+        {:ok, instance}
+
+      nil ->
+        {:error,
+         Error.new(
+           :worker_exit,
+           "worker #{index} of pool #{inspect(pool)} is not serving (restarting)"
+         )}
+    end
+  end
+
+  defp new_id(nil), do: {:ok, "s-" <> Base.encode16(:rand.bytes(8), case: :lower)}
+  defp new_id(id) when is_binary(id) and byte_size(id) > 0, do: {:ok, id}
+
+  defp new_id(other),
+    do:
+      {:error,
+       Error.new(:bad_argument, "a session id must be a non-empty string, got #{inspect(other)}")}
+
+  defp owner(pid) when is_pid(pid), do: {:ok, pid}
+
+  defp owner(other),
+    do: {:error, Error.new(:bad_argument, "owner must be a pid, got #{inspect(other)}")}
+end

@@ -1,0 +1,104 @@
+defmodule VllmBridge.Stream do
+  @moduledoc """
+  A Python iterator or generator as an Elixir `Enumerable` (`VllmBridge.stream/4`).
+
+  The request (`stream`) is sent when enumeration begins, from the enumerating process,
+  and the stream's deadline (`stream_timeout`) is fixed then; each chunk must arrive
+  within `timeout` ms of the previous one (and before the deadline). Each chunk is one
+  element. Halting early (`Enum.take/2`, a `throw`, an exception in the consumer) sends
+  `cancel`: the generator stops at its next chunk boundary and is closed, and the chunks
+  still on their way are dropped. An error during enumeration (a Python exception, a
+  timeout, the worker dying) raises `VllmBridge.Error`.
+  """
+
+  alias VllmBridge.{Error, Request, Route, Runtime, Wire}
+
+  @doc false
+  @spec new(Wire.target(), list(), map() | keyword(), Runtime.opts()) ::
+          {:ok, Enumerable.t()} | {:error, Error.t()}
+  def new(target, args, kwargs, opts) do
+    with {:ok, _checked} <- Runtime.resolve(opts, :stream),
+         {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
+      bound = bound_ref(target)
+
+      {:ok,
+       Stream.resource(
+         fn -> start(bound, args, kwargs, parts, opts) end,
+         &next/1,
+         &stop/1
+       )}
+    end
+  end
+
+  defp bound_ref({%VllmBridge.Ref{} = ref, _}), do: ref
+  defp bound_ref(_), do: nil
+
+  defp start(bound, args, kwargs, parts, opts) do
+    with {:ok, rt} <- Runtime.resolve(opts, :stream),
+         {:ok, route} <- Route.resolve(rt, "stream", bound, {args, kwargs}),
+         {:ok, pid, _i} <- Route.checkout(route, rt.deadline) do
+      req = Request.new("stream", [Wire.value(route.session)], true, parts)
+      handle = Request.send_request(pid, req, rt.deadline, true, :demonitor)
+      %{handle: handle, deadline: rt.deadline, idle: rt.timeout, done: false}
+    else
+      {:error, %Error{} = e} -> raise e
+    end
+  end
+
+  defp next(%{done: true} = st), do: {:halt, st}
+
+  defp next(%{handle: {_pid, id, mref}} = st) do
+    receive do
+      {^mref, :chunk, bin} ->
+        case Wire.decode_reply(bin) do
+          {:ok, value} -> {[value], st}
+          {:error, e} -> raise e
+        end
+
+      {^mref, :end, _} ->
+        {:halt, %{st | done: true}}
+
+      {^mref, :reply, bin} ->
+        finished(st)
+
+        case Wire.decode_reply(bin) do
+          {:error, e} ->
+            raise e
+
+          {:ok, other} ->
+            raise Error.new(:protocol, "stream #{id} answered ok #{inspect(other, limit: 5)}")
+        end
+
+      {^mref, :worker_exit, message} ->
+        finished(st)
+        raise Error.new(:worker_exit, message)
+
+      {^mref, :reply_error, %Error{} = e} ->
+        finished(st)
+        raise e
+
+      {:DOWN, ^mref, :process, _, reason} ->
+        {:error, e} = Request.worker_down(reason)
+        raise e
+    after
+      wait(st) ->
+        raise Error.new(:timeout, "stream #{id}: no chunk within its timeout or stream_timeout")
+    end
+  end
+
+  defp wait(%{deadline: deadline, idle: idle}), do: min(Runtime.remaining(deadline), idle)
+
+  defp finished(%{handle: {_pid, _id, mref}}) do
+    Process.demonitor(mref, [:flush])
+    Request.flush(mref)
+  end
+
+  defp stop(%{done: true} = st), do: finished(st)
+
+  defp stop(%{handle: {pid, id, mref}} = st) do
+    send(pid, {:"$vb_cancel", id})
+    finished(st)
+    _ = mref
+    :ok
+  end
+end

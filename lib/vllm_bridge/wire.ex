@@ -1,0 +1,170 @@
+defmodule VllmBridge.Wire do
+  @moduledoc """
+  The messages of docs/PROTOCOL.md as frames: building requests from pre-encoded parts,
+  reading just the kind and id of a worker frame (`peek/1`, what the worker process needs to
+  route it) and decoding a reply into a result (done by the caller).
+
+  Values go through `VllmBridge.Codec.encode/1` and `decode/1` only. The one piece of
+  msgpack written here is the array header of a request (`0x90 + n` for the short arrays
+  of the protocol) so that the parts of a request can be encoded at different times: the
+  arguments in the caller before anything is reserved, the id and the milliseconds left
+  just before the frame is sent. `peek/1` reads the first two elements of a reply by hand
+  (fixarray, short str, unsigned int or nil) and falls back to the full decoder for any
+  other shape.
+  """
+
+  alias VllmBridge.{Codec, Error, Ref}
+
+  @typedoc "What `peek/1` finds: the message kind and its id (nil when none)."
+  @type head ::
+          {:ok | :error | :chunk | :end | :pong, non_neg_integer() | nil}
+          | {:log, nil}
+          | {:hello, nil}
+          | {:unknown, nil}
+
+  @typedoc "A call target: a module attribute path, or an attribute of a referenced object."
+  @type target :: {String.t(), String.t()} | {Ref.t(), String.t() | nil}
+
+  # -- requests ---------------------------------------------------------------------------
+
+  @doc """
+  One request body: `kind`, `id`, then the already encoded `fields` (at most 14, which
+  covers every message of the protocol).
+  """
+  @spec request(String.t(), non_neg_integer(), [iodata()]) :: binary()
+  def request(kind, id, fields) when length(fields) <= 13 do
+    IO.iodata_to_binary([0x92 + length(fields), Codec.encode(kind), Codec.encode(id) | fields])
+  end
+
+  @doc "Encodes one value of a request (raises `ArgumentError` naming what cannot travel)."
+  @spec value(term()) :: iodata()
+  def value(term), do: Codec.encode(term)
+
+  @doc """
+  Encodes the target, args and kwargs of a `call`/`stream`/`enter` (or only the target
+  for `get`): `{:ok, iodata}` or a `:bad_argument` error naming the value that cannot
+  travel. Runs in the caller's process, before anything is reserved or sent.
+  """
+  @spec encode_invoke(term(), list() | nil, map() | keyword() | nil) ::
+          {:ok, [iodata()]} | {:error, Error.t()}
+  def encode_invoke(target, args, kwargs) do
+    with {:ok, t} <- target(target),
+         {:ok, parts} <- encode_args(args, kwargs) do
+      {:ok, [Codec.encode(t) | parts]}
+    end
+  rescue
+    e in ArgumentError -> {:error, Error.new(:bad_argument, Exception.message(e))}
+  end
+
+  defp encode_args(nil, nil), do: {:ok, []}
+
+  defp encode_args(args, kwargs) when is_list(args) do
+    with {:ok, kw} <- kwargs(kwargs) do
+      {:ok, [Codec.encode(args), Codec.encode(kw)]}
+    end
+  end
+
+  defp encode_args(args, _kwargs),
+    do: bad("args must be a list, got #{inspect(args, limit: 5)}")
+
+  @doc "The wire form of a target (`[\"m\", module, path]` or `[\"r\", ref, path]`)."
+  @spec target(term()) :: {:ok, list()} | {:error, Error.t()}
+  def target({module, path}) when is_binary(module) and is_binary(path),
+    do: {:ok, ["m", module, path]}
+
+  def target({%Ref{} = ref, path}) when is_binary(path) or is_nil(path),
+    do: {:ok, ["r", ref, path]}
+
+  def target(other) do
+    bad(
+      "a target must be {\"module\", \"path\"} or {%VllmBridge.Ref{}, \"path\" | nil}, got " <>
+        inspect(other, limit: 5)
+    )
+  end
+
+  defp kwargs(nil), do: {:ok, %{}}
+  defp kwargs(kw) when kw == %{} or kw == [], do: {:ok, %{}}
+
+  defp kwargs(kw) when is_map(kw) or is_list(kw) do
+    Enum.reduce_while(kw, {:ok, %{}}, fn
+      {k, v}, {:ok, acc} when is_atom(k) -> {:cont, {:ok, Map.put(acc, Atom.to_string(k), v)}}
+      {k, v}, {:ok, acc} when is_binary(k) -> {:cont, {:ok, Map.put(acc, k, v)}}
+      other, _ -> {:halt, bad("a keyword argument must be {name, value}, got #{inspect(other)}")}
+    end)
+  end
+
+  defp kwargs(other),
+    do: bad("kwargs must be a map or a keyword list, got #{inspect(other, limit: 5)}")
+
+  # -- replies ----------------------------------------------------------------------------
+
+  @doc """
+  The kind and id of a frame from the worker, reading only its first bytes. Frames of
+  any other shape fall back to a full decode; undecodable ones are `{:unknown, nil}`.
+  """
+  @spec peek(binary()) :: head()
+  def peek(<<0x93, 0xA2, "ok", rest::binary>>), do: {:ok, id(rest)}
+  def peek(<<0x93, 0xA5, "error", rest::binary>>), do: {:error, id(rest)}
+  def peek(<<0x93, 0xA5, "chunk", rest::binary>>), do: {:chunk, id(rest)}
+  def peek(<<0x92, 0xA3, "end", rest::binary>>), do: {:end, id(rest)}
+  def peek(<<0x93, 0xA4, "pong", rest::binary>>), do: {:pong, id(rest)}
+  def peek(<<0x94, 0xA3, "log", _::binary>>), do: {:log, nil}
+  def peek(<<0x92, 0xA5, "hello", _::binary>>), do: {:hello, nil}
+  def peek(other), do: slow_peek(other)
+
+  defp id(<<0::1, n::7, _::binary>>), do: n
+  defp id(<<0xCC, n::8, _::binary>>), do: n
+  defp id(<<0xCD, n::16, _::binary>>), do: n
+  defp id(<<0xCE, n::32, _::binary>>), do: n
+  defp id(<<0xCF, n::64, _::binary>>), do: n
+  defp id(_), do: nil
+
+  @kinds %{
+    "ok" => :ok,
+    "error" => :error,
+    "chunk" => :chunk,
+    "end" => :end,
+    "pong" => :pong,
+    "log" => :log,
+    "hello" => :hello
+  }
+
+  defp slow_peek(bin) do
+    case Codec.decode(bin) do
+      {:ok, [kind | rest]} when is_map_key(@kinds, kind) ->
+        id =
+          case rest do
+            [id | _] when is_integer(id) and id >= 0 -> id
+            _ -> nil
+          end
+
+        if kind in ["log", "hello"], do: {Map.fetch!(@kinds, kind), nil}, else: {@kinds[kind], id}
+
+      _ ->
+        {:unknown, nil}
+    end
+  end
+
+  @doc """
+  Decodes an `ok` or `error` reply (the caller does this, not the worker process):
+  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`.
+  """
+  @spec decode_reply(binary()) :: {:ok, term()} | {:error, Error.t()}
+  def decode_reply(bin) do
+    case Codec.decode(bin) do
+      {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
+        {:ok, value}
+
+      {:ok, ["error", _id, map]} ->
+        {:error, Error.from_wire(map)}
+
+      {:ok, other} ->
+        {:error, Error.new(:protocol, "unexpected reply #{inspect(other, limit: 8)}")}
+
+      {:error, reason} ->
+        {:error, Error.new(:protocol, "undecodable reply: #{reason}")}
+    end
+  end
+
+  defp bad(message), do: {:error, Error.new(:bad_argument, message)}
+end

@@ -1,0 +1,181 @@
+defmodule VllmBridge.Worker.Launcher do
+  @moduledoc """
+  Starting and ending one Python worker OS process: the port (`{:spawn_executable,
+  python}`, `-m vllm_bridge.worker [--allow M ...] [--max-refs N]`, `{:packet, 4}`,
+  `:binary`, `:nouse_stdio`, `:exit_status`), the handshake with its version check and
+  start timeout, and making sure the process is gone (EOF first, `kill -9` if it lingers).
+  """
+
+  alias VllmBridge.{Codec, Error}
+
+  @protocol_version 1
+
+  @doc "The protocol version this side speaks (docs/PROTOCOL.md)."
+  @spec protocol_version() :: pos_integer()
+  def protocol_version, do: @protocol_version
+
+  @doc """
+  Opens the port. Options: `:python` (the interpreter; default the `:vllm_bridge, :python`
+  application env), `:worker_module` (default `"vllm_bridge.worker"`), `:allow` (module
+  allow-list, `[]` for the worker's default), `:max_refs`, `:env` (`[{name, value}]`).
+  """
+  @spec open(keyword()) :: {:ok, port()} | {:error, Error.t()}
+  def open(opts) do
+    python =
+      Keyword.get_lazy(opts, :python, fn -> Application.fetch_env!(:vllm_bridge, :python) end)
+
+    cond do
+      not is_binary(python) ->
+        {:error, Error.new(:bad_argument, "python must be a path, got #{inspect(python)}")}
+
+      not File.regular?(python) ->
+        {:error, Error.new(:bad_argument, "python executable #{inspect(python)} does not exist")}
+
+      true ->
+        args =
+          ["-m", Keyword.get(opts, :worker_module, "vllm_bridge.worker")] ++
+            Enum.flat_map(Keyword.get(opts, :allow, []), &["--allow", &1]) ++
+            max_refs_args(Keyword.get(opts, :max_refs))
+
+        env = for {k, v} <- Keyword.get(opts, :env, []), do: {to_charlist(k), to_charlist(v)}
+
+        port =
+          Port.open({:spawn_executable, python}, [
+            {:args, args},
+            {:env, env},
+            {:packet, 4},
+            :binary,
+            :nouse_stdio,
+            :exit_status
+          ])
+
+        {:ok, port}
+    end
+  end
+
+  defp max_refs_args(nil), do: []
+  defp max_refs_args(n), do: ["--max-refs", Integer.to_string(n)]
+
+  @doc """
+  Waits up to `timeout` ms for the worker's `hello` and checks it: protocol version,
+  pid and instance. On failure the port is closed and the process killed.
+  """
+  @spec handshake(port(), timeout()) :: {:ok, map()} | {:error, Error.t()}
+  def handshake(port, timeout) do
+    os_pid = os_pid(port)
+
+    result =
+      receive do
+        {^port, {:data, data}} -> check_hello(Codec.decode(data))
+        {^port, {:exit_status, status}} -> {:exited, status}
+      after
+        timeout ->
+          {:error,
+           Error.new(
+             :worker_exit,
+             "the Python worker (os pid #{os_pid}) sent no handshake within #{timeout} ms " <>
+               "(start_timeout)"
+           )}
+      end
+
+    case result do
+      {:ok, hello} ->
+        {:ok, hello}
+
+      {:exited, status} ->
+        {:error,
+         Error.new(
+           :worker_exit,
+           "the Python worker exited with status #{status} before its handshake " <>
+             "(see its stderr above)"
+         )}
+
+      {:error, e} ->
+        close(port, os_pid, 0)
+        {:error, e}
+    end
+  end
+
+  defp check_hello({:ok, ["hello", %{"protocol" => @protocol_version} = hello]}) do
+    case hello do
+      %{"pid" => pid, "instance" => inst} when is_integer(pid) and is_binary(inst) ->
+        {:ok, hello}
+
+      _ ->
+        {:error,
+         Error.new(:protocol, "the worker's hello lacks pid or instance: #{inspect(hello)}")}
+    end
+  end
+
+  defp check_hello({:ok, ["hello", %{"protocol" => other}]}) do
+    {:error,
+     Error.new(
+       :protocol,
+       "the worker speaks protocol version #{inspect(other)}, this side speaks " <>
+         "#{@protocol_version}; refusing it"
+     )}
+  end
+
+  defp check_hello({:ok, other}),
+    do: {:error, Error.new(:protocol, "expected a hello, got #{inspect(other, limit: 8)}")}
+
+  defp check_hello({:error, reason}),
+    do: {:error, Error.new(:protocol, "undecodable handshake: #{reason}")}
+
+  @doc "The OS pid behind a port (nil once it is closed)."
+  @spec os_pid(port()) :: non_neg_integer() | nil
+  def os_pid(port) do
+    case Port.info(port, :os_pid) do
+      {:os_pid, pid} -> pid
+      _ -> nil
+    end
+  end
+
+  @doc """
+  Closes the port (the worker sees EOF and exits) and waits up to `grace` ms for the OS
+  process to be gone; kills it with SIGKILL if it is still there.
+  """
+  @spec close(port(), non_neg_integer() | nil, non_neg_integer()) :: :ok
+  def close(port, os_pid, grace) do
+    try do
+      Port.close(port)
+    rescue
+      ArgumentError -> :ok
+    end
+
+    if os_pid && not await_exit(os_pid, grace), do: kill(os_pid)
+    :ok
+  end
+
+  @doc "Sends SIGKILL to an OS process."
+  @spec kill(non_neg_integer()) :: :ok
+  def kill(os_pid) when is_integer(os_pid) do
+    System.cmd("kill", ["-KILL", Integer.to_string(os_pid)], stderr_to_stdout: true)
+    :ok
+  end
+
+  @doc "Whether an OS process exists and is not a zombie (Linux `/proc`)."
+  @spec alive?(non_neg_integer()) :: boolean()
+  def alive?(os_pid) do
+    case File.read("/proc/#{os_pid}/stat") do
+      {:ok, stat} -> not (stat |> String.split(") ") |> List.last() |> String.starts_with?("Z"))
+      {:error, _} -> false
+    end
+  end
+
+  @doc "Waits up to `ms` for an OS process to be gone; true when it is."
+  @spec await_exit(non_neg_integer(), non_neg_integer()) :: boolean()
+  def await_exit(os_pid, ms) do
+    cond do
+      not alive?(os_pid) ->
+        true
+
+      ms <= 0 ->
+        false
+
+      true ->
+        Process.sleep(min(ms, 10))
+        await_exit(os_pid, ms - 10)
+    end
+  end
+end
