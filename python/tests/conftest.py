@@ -181,6 +181,8 @@ class WorkerProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
 
 def _value(reply: Any, rid: int) -> Any:
@@ -208,8 +210,9 @@ def wire_fds(r_in: int, w_out: int) -> Callable[[], None]:
     return wire
 
 
-def spawn_worker(extra_args: list[str] | None = None) -> WorkerProc:
-    """Start ``python -m vllm_bridge.worker`` with its fds 3 and 4 wired to pipes."""
+def spawn_worker(extra_args: list[str] | None = None, stderr: int | None = None) -> WorkerProc:
+    """Start ``python -m vllm_bridge.worker`` with its fds 3 and 4 wired to pipes
+    (``stderr=subprocess.PIPE`` captures its log output)."""
     r_in, w_in = os.pipe()  # test -> worker
     r_out, w_out = os.pipe()  # worker -> test
     proc = subprocess.Popen(
@@ -217,6 +220,7 @@ def spawn_worker(extra_args: list[str] | None = None) -> WorkerProc:
         preexec_fn=wire_fds(r_in, w_out),
         pass_fds=(3, 4),
         close_fds=True,
+        stderr=stderr,
     )
     os.close(r_in)
     os.close(w_out)

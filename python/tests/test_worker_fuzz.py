@@ -18,7 +18,14 @@ from vllm_bridge.protocol import Atom, Ref, packb, unpackb
 
 D = "vllm_bridge.diag"
 BATCH = 50
-ERROR_TYPES = {"python_exception", "bad_argument", "protocol", "timeout", "cancelled", "session_lost"}
+ERROR_TYPES = {
+    "python_exception",
+    "bad_argument",
+    "protocol",
+    "timeout",
+    "cancelled",
+    "session_lost",
+}
 
 
 def seeds(instance: str) -> list[bytes]:

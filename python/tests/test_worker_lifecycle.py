@@ -42,6 +42,22 @@ def test_eof_ends_the_worker_while_a_call_runs():
     assert w.proc.wait(timeout=FRAME_WAIT) == 0
 
 
+def test_eof_exits_the_contexts_still_entered_in_their_own_sessions():
+    """The recorder resets a ContextVar token on exit, which fails (and is logged) unless
+    the exit runs in the session's own context."""
+    w = spawn_worker(stderr=subprocess.PIPE)
+    try:
+        for name, session in (("a", "eof-1"), ("b", "eof-1"), ("c", "eof-2")):
+            w.call(D, "recorder", name, session=session, via="enter")
+        w.close()
+        assert w.proc.wait(timeout=FRAME_WAIT) == 0
+        log = w.proc.stderr.read().decode()
+        assert "fd 3 closed; exited 3 contexts of 2 sessions" in log
+        assert "failed" not in log, log
+    finally:
+        w.stop()
+
+
 MIDDLE = textwrap.dedent(
     """
     import os, subprocess, sys, threading, time

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+import struct
 
 import msgpack
 import pytest
-from conftest import WorkerCallError, next_id, same, spawn_worker
+import torch
+from conftest import WorkerCallError, next_id, same, spawn_worker, tensor_bytes
 
 from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.cudagraph import CUDAGraphMode
@@ -215,6 +217,20 @@ def test_malformed_frames_get_an_error_and_the_worker_keeps_serving(
     assert (kind, got, err["type"]) == ("error", request_id, error_type)
     assert needle in err["message"]
     assert shared_worker.call(D, "add", 2, 3) == 5
+
+
+@pytest.mark.parametrize("numel", [6, 1 << 16])  # inline, and written from its own memory
+def test_a_tensor_on_the_workers_device_comes_back_by_value(shared_worker, numel):
+    """On a GPU machine the result is a CUDA tensor: copied to the host, device recorded."""
+    device = shared_worker.hello["device"]
+    t = torch.arange(numel, dtype=torch.float32).reshape(2, -1).t()  # not contiguous
+    rid = next_id()
+    shared_worker.send(["call", rid, None, 30_000, ["m", D, "to_device"], [t], {}])
+    body = shared_worker.recv_raw()
+    name = b"" if device == "cpu" else device.encode()
+    header = bytes((8, 2, len(name))) + name + struct.pack(">QQ", *t.shape)
+    payload = header + tensor_bytes(t.contiguous())
+    assert body == msgpack.packb(["ok", rid, msgpack.ExtType(3, payload)])
 
 
 def test_frames_are_read_whole_even_when_large(shared_worker):

@@ -44,6 +44,13 @@ def test_each_session_has_its_own_context(shared_worker):
     close(w, "iso-1")
     assert w.call(D, "get_var", session="iso-1") is None  # a closed session starts afresh
     assert w.call(D, "get_var", session="iso-2") == "two"
+    # An entered context (the recorder sets the variable, as the forward context does)
+    # is seen by later calls of its own session only, until it is exited.
+    handle, _ = w.call(D, "recorder", "inside", session="iso-2", via="enter")
+    assert w.call(D, "get_var", session="iso-2") == "inside"
+    assert w.call(D, "get_var", session="iso-1") is None
+    assert exit_ctx(w, "iso-2", handle)[0] == "ok"
+    assert w.call(D, "get_var", session="iso-2") == "two"
     close(w, "iso-2")
 
 

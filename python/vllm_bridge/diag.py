@@ -3,7 +3,7 @@
 These exist so that the plumbing (framing, codec, dispatch, sessions, streaming, context
 managers, timeouts) can be exercised without the forward-context system:
 
-* values: :func:`echo`, :func:`add`, :class:`Level` (an enum), :class:`Sample` (a
+* values: :func:`echo`, :func:`add`, :func:`to_device`, :class:`Level` (an enum), :class:`Sample` (a
   dataclass), :func:`level_name` (takes a ``Level``, so an atom is coerced to it);
 * time: :func:`sleep` (a stand-in for a long forward pass), :func:`count` (a generator);
 * failures: :func:`fail` raises; :func:`opaque` returns an object that can only travel
@@ -48,6 +48,16 @@ def default_device() -> str:
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.current_device()}"
     return "cpu"
+
+
+def to_device(tensor: Any, device: str | None = None) -> Any:
+    """``tensor`` moved to ``device`` (default: this worker's :func:`default_device`);
+    a stand-in for a forward pass whose output lives on the GPU."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    return tensor.to(device or default_device())
 
 
 def echo(value: Any) -> Any:
@@ -205,23 +215,34 @@ def exit_log(clear: bool = False) -> list[dict[str, Any]]:
 
 
 class ExitRecorder:
-    """A context manager that records how it was exited (see :func:`exit_log`)."""
+    """A context manager that records how it was exited (see :func:`exit_log`).
+
+    Like the forward context, it sets a ``ContextVar`` on entry (:func:`get_var` returns
+    its name while it is entered) and resets it on exit, which only works in the context
+    it was entered in: exited anywhere else, ``__exit__`` raises ``ValueError``.
+    """
 
     def __init__(self, name: str, suppress: bool = False) -> None:
         self.name = name
         self.suppress = suppress
+        self._token: contextvars.Token[Any] | None = None
 
     def __enter__(self) -> str:
+        self._token = _VAR.set(self.name)
         return self.name
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         _record(self.name, exc)
+        if self._token is not None:
+            token, self._token = self._token, None
+            _VAR.reset(token)
         return self.suppress
 
 
 def recorder(name: str, suppress: bool = False) -> ExitRecorder:
-    """A context manager entering as ``name`` that records its exit; it suppresses the
-    exception it exits with when ``suppress`` is true."""
+    """A context manager entering as ``name`` that records its exit (see
+    :class:`ExitRecorder`); it suppresses the exception it exits with when ``suppress``
+    is true."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {name!r}")
     return ExitRecorder(name, bool(suppress))

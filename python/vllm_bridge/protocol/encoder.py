@@ -164,8 +164,6 @@ class _Pass:
             return self.ext(ExtCode.TUPLE, list(obj))
         if type(obj) is int:  # only big integers reach here
             return msgpack.ExtType(ExtCode.BIGINT, bigint_payload(obj))
-        if isinstance(obj, bool):
-            return bool(obj)
         if isinstance(obj, int):
             return int(obj)
         if isinstance(obj, float):

@@ -27,19 +27,29 @@ class Channel:
         self.fd = fd
         self._lock = threading.Lock()
         self._local = threading.local()
+        #: Set once the peer is known to be gone: writes are dropped from then on.
+        self.closed = False
+
+    def close(self) -> None:
+        """Drop every later write (the port is gone; shutdown must not stop on EPIPE)."""
+        self.closed = True
 
     def send(self, msg: Any, make_ref: MakeRef | None = None) -> None:
         """Encode ``msg`` (outside the lock) and write it as one frame."""
         self.write(self.encoder.encode(msg, make_ref))
 
     def write(self, segments: list[Segment]) -> None:
-        """Write one frame made of ``segments``; exit the process if the peer is gone."""
+        """Write one frame made of ``segments``; exit the process if the peer is gone
+        (unless :meth:`close` was called: then the frame is dropped)."""
+        if self.closed:
+            return
         with self._lock:
             self._local.writing = True
             try:
                 write_segments(segments, self.fd)
             except (BrokenPipeError, ConnectionResetError):
-                _peer_gone()
+                if not self.closed:
+                    _peer_gone()
             finally:
                 self._local.writing = False
 

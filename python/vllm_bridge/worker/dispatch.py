@@ -60,11 +60,15 @@ class Dispatcher:
         """The error reply of a request that is not run (its deadline passed)."""
         return self.channel.encoder.encode(["error", req.id, error_map(exc)])
 
-    def close_all(self) -> None:
-        """Exit every session's contexts (newest first) and drop all references."""
-        for session in self.sessions.all():
+    def close_all(self) -> tuple[int, int]:
+        """Close every session as ``close`` does; returns (sessions, contexts exited)."""
+        sessions = self.sessions.all()
+        contexts = 0
+        for session in sessions:
             self.sessions.pop(session.name)
-            self._exit_all(session)
+            contexts += len(session.contexts)
+            session.context.run(self._exit_all, session)
+        return len(sessions), contexts
 
     # -- per kind ------------------------------------------------------------------------
 

@@ -202,11 +202,21 @@ class Worker:
                 )
 
     def _shutdown(self) -> int:
-        self.executor.stop(final=self.dispatcher.close_all)
+        self.channel.close()  # the port is gone: replies and log frames have no reader
+
+        def close_sessions() -> None:
+            sessions, contexts = self.dispatcher.close_all()
+            sys.stderr.write(
+                f"vllm_bridge.worker {os.getpid()}: fd 3 closed; exited {contexts} contexts "
+                f"of {sessions} sessions\n"
+            )
+
+        self.executor.stop(final=close_sessions)
         self.executor.thread.join(EXIT_GRACE_SECONDS)
         if self.executor.thread.is_alive():
             sys.stderr.write(
-                f"vllm_bridge.worker: fd 3 closed while request {self.executor.running_id} "
+                f"vllm_bridge.worker {os.getpid()}: fd 3 closed while request "
+                f"{self.executor.running_id} "
                 "runs; exiting without waiting for it\n"
             )
             sys.stderr.flush()

@@ -15,6 +15,7 @@ Refusals raise :class:`~vllm_bridge.protocol.errors.BadArgument` naming the targ
 from __future__ import annotations
 
 import importlib
+import sys
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -41,6 +42,9 @@ class TargetResolver:
             raise BadArgument(
                 f"module {name!r} is not in the worker's allow-list ({', '.join(self.modules)})"
             )
+        module = sys.modules.get(name)
+        if module is not None:
+            return module
         try:
             return importlib.import_module(name)
         except Exception as exc:
