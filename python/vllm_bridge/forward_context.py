@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from vllm_bridge import batchsize as _batchsize
-from vllm_bridge._checks import check_bool, check_int, check_optional_int
+from vllm_bridge._checks import (
+    as_count_tensor,
+    check_bool,
+    check_instance,
+    check_int,
+    check_list_of,
+    check_optional_int,
+)
 from vllm_bridge.batchsize import (
     configure_batchsize_tracking,
     get_batchsize_stats,
@@ -130,22 +137,6 @@ class BatchDescriptor:
         )
 
 
-def _as_count_tensor(name: str, value: Any) -> torch.Tensor:
-    """A 1-D CPU integer tensor from a tensor or a list of ints."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
-            raise ValueError(
-                f"{name} must be a 1-D integer tensor, got {value.dtype} of shape "
-                f"{tuple(value.shape)}"
-            )
-        return value.cpu()
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            check_int(f"{name} entry", item, minimum=0)
-        return torch.tensor(value, dtype=torch.int32)
-    raise TypeError(f"{name} must be a tensor or a list of ints, got {value!r}")
-
-
 def _compute_sp_num_tokens(
     num_tokens_across_dp_cpu: torch.Tensor, sequence_parallel_size: int
 ) -> list[int]:
@@ -154,7 +145,7 @@ def _compute_sp_num_tokens(
     Each DP rank's count is ceil-divided by ``sequence_parallel_size`` and repeated that many
     times, e.g. ``[5, 3]`` with sp 2 gives ``[3, 3, 2, 2]``.
     """
-    counts = _as_count_tensor("num_tokens_across_dp_cpu", num_tokens_across_dp_cpu)
+    counts = as_count_tensor("num_tokens_across_dp_cpu", num_tokens_across_dp_cpu)
     check_int("sequence_parallel_size", sequence_parallel_size, minimum=1)
     per_sp = (counts + sequence_parallel_size - 1) // sequence_parallel_size
     return per_sp.repeat_interleave(sequence_parallel_size).tolist()
@@ -206,8 +197,7 @@ class DPMetadata:
             ValueError: DP is off, the model is marked non-MoE, the counts have the wrong
                 length, or this rank's entry differs from ``num_tokens``.
         """
-        if not isinstance(parallel_config, ParallelConfig):
-            raise TypeError(f"parallel_config must be a ParallelConfig, got {parallel_config!r}")
+        check_instance("parallel_config", parallel_config, ParallelConfig)
         check_int("num_tokens", num_tokens, minimum=0)
         if num_tokens_across_dp_cpu is None:
             raise ValueError("num_tokens_across_dp_cpu is required, got None")
@@ -218,7 +208,7 @@ class DPMetadata:
             )
         if parallel_config.is_moe_model is False:
             raise ValueError("DPMetadata is only built for MoE models; is_moe_model is False")
-        counts = _as_count_tensor("num_tokens_across_dp_cpu", num_tokens_across_dp_cpu)
+        counts = as_count_tensor("num_tokens_across_dp_cpu", num_tokens_across_dp_cpu)
         dp_size = parallel_config.data_parallel_size
         dp_rank = parallel_config.data_parallel_rank
         values = counts.tolist()
@@ -344,33 +334,19 @@ class ForwardContext:
                 f"Invalid cudagraph runtime mode: {mode.name}; a forward pass runs under "
                 "NONE, PIECEWISE or FULL"
             )
-        if not isinstance(self.no_compile_layers, dict):
-            raise TypeError(f"no_compile_layers must be a dict, got {self.no_compile_layers!r}")
+        check_instance("no_compile_layers", self.no_compile_layers, dict)
         # Cheap exact-type tests first (this runs on every forward pass); the full check
         # only runs to raise the error.
         if type(self.virtual_engine) is not int or self.virtual_engine < 0:
             check_int("virtual_engine", self.virtual_engine, minimum=0)
-        if self.dp_metadata is not None and not isinstance(self.dp_metadata, DPMetadata):
-            raise TypeError(f"dp_metadata must be a DPMetadata or None, got {self.dp_metadata!r}")
-        if self.batch_descriptor is not None and not isinstance(
-            self.batch_descriptor, BatchDescriptor
-        ):
-            raise TypeError(
-                f"batch_descriptor must be a BatchDescriptor or None, got {self.batch_descriptor!r}"
-            )
-        if self.ubatch_slices is not None and not (
-            isinstance(self.ubatch_slices, list)
-            and all(isinstance(s, UBatchSlice) for s in self.ubatch_slices)
-        ):
-            raise TypeError(
-                f"ubatch_slices must be a list of UBatchSlice or None, got {self.ubatch_slices!r}"
-            )
+        check_instance("dp_metadata", self.dp_metadata, DPMetadata, optional=True)
+        check_instance("batch_descriptor", self.batch_descriptor, BatchDescriptor, optional=True)
+        check_list_of("ubatch_slices", self.ubatch_slices, UBatchSlice, optional=True)
         if type(self.skip_compiled) is not bool:
             check_bool("skip_compiled", self.skip_compiled)
         if type(self.moe_layer_index) is not int or self.moe_layer_index < 0:
             check_int("moe_layer_index", self.moe_layer_index, minimum=0)
-        if not isinstance(self.additional_kwargs, dict):
-            raise TypeError(f"additional_kwargs must be a dict, got {self.additional_kwargs!r}")
+        check_instance("additional_kwargs", self.additional_kwargs, dict)
 
 
 # The current forward context of this thread / contextvars.Context (None: none set).
@@ -435,8 +411,7 @@ def create_forward_context(
         TypeError / ValueError: a bad argument, including a runtime mode other than NONE,
             PIECEWISE or FULL.
     """
-    if not isinstance(vllm_config, VllmConfig):
-        raise TypeError(f"vllm_config must be a VllmConfig, got {vllm_config!r}")
+    check_instance("vllm_config", vllm_config, VllmConfig)
     compilation = vllm_config.compilation_config
     return ForwardContext(
         no_compile_layers=compilation.static_forward_context,
@@ -460,10 +435,7 @@ def override_forward_context(forward_context: ForwardContext | None) -> Iterator
     This is used to override the forward context for a specific forward pass. ``None``
     clears it. The previous context comes back on exit, also when the body raises.
     """
-    if forward_context is not None and not isinstance(forward_context, ForwardContext):
-        raise TypeError(
-            f"forward_context must be a ForwardContext or None, got {forward_context!r}"
-        )
+    check_instance("forward_context", forward_context, ForwardContext, optional=True)
     previous = _forward_context_var.get()
     _forward_context_var.set(forward_context)
     try:
@@ -525,8 +497,7 @@ def set_forward_context(
     this thread / session. On exit (also on error) restores the previous context and, with
     batch-size tracking on and attention metadata given, records the pass's time.
     """
-    if not isinstance(vllm_config, VllmConfig):
-        raise TypeError(f"vllm_config must be a VllmConfig, got {vllm_config!r}")
+    check_instance("vllm_config", vllm_config, VllmConfig)
     if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 0):
         check_optional_int("num_tokens", num_tokens, minimum=0)
     if cudagraph_runtime_mode.__class__ is not CUDAGraphMode:
