@@ -14,7 +14,8 @@ from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.diag import Level, Sample
 from vllm_bridge.forward_context import BatchDescriptor
-from vllm_bridge.protocol import Atom, Ref, packb
+from vllm_bridge.protocol import Atom, Ref, packb, unpackb
+from vllm_bridge.protocol.tensors import CODE_TO_DTYPE
 
 D = "vllm_bridge.diag"
 
@@ -217,6 +218,43 @@ def test_malformed_frames_get_an_error_and_the_worker_keeps_serving(
     assert (kind, got, err["type"]) == ("error", request_id, error_type)
     assert needle in err["message"]
     assert shared_worker.call(D, "add", 2, 3) == 5
+
+
+def _echo_values() -> list:
+    float_bits = (
+        0x7FF8000000000000,  # NaN
+        0x7FF8000000000001,  # NaN with a payload
+        0xFFF0000000000000,  # -inf
+        0x7FF0000000000000,  # +inf
+        0x8000000000000000,  # -0.0
+        0x0000000000000001,  # smallest subnormal
+    )
+    floats = [struct.unpack(">d", struct.pack(">Q", bits))[0] for bits in float_bits]
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
+    tensors = [
+        (raw % 2).to(torch.bool) if dtype == torch.bool else raw.view(dtype)
+        for dtype in CODE_TO_DTYPE.values()
+    ]
+    odd = [
+        torch.empty((0, 3), dtype=torch.bfloat16),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.arange(12, dtype=torch.int8).reshape(3, 4).t(),  # not contiguous
+        raw.view(torch.bfloat16)[::3],  # not contiguous, NaN patterns included
+        torch.arange(1 << 15, dtype=torch.float64),  # large: written from its memory
+    ]
+    big = [2**64, -(2**64) - 1, 2**200 + 1, 2**63 - 1, -(2**63)]
+    other = [Atom("full"), (1, (Atom("x"), [])), Sample("s", Level.HIGH, (2.5,)), Level.LOW]
+    return [*floats, *tensors, *odd, *big, *other]
+
+
+def test_every_extension_type_comes_back_bit_exact_through_echo(shared_worker):
+    for value in _echo_values():
+        rid = next_id()
+        shared_worker.send(["call", rid, None, 30_000, ["m", D, "echo"], [value], {}])
+        body = shared_worker.recv_raw()
+        assert body == packb(["ok", rid, value]), repr(value)[:80]
+        assert same(unpackb(body)[2], value.contiguous() if torch.is_tensor(value) else value)
 
 
 @pytest.mark.parametrize("numel", [6, 1 << 16])  # inline, and written from its own memory
