@@ -14,6 +14,13 @@ from vllm_bridge.ubatch import (
 )
 
 
+def test_start_stop_pairs_become_slices() -> None:
+    s = UBatchSlice((0, 2), [2, 6])  # type: ignore[arg-type]
+    assert s == UBatchSlice(slice(0, 2), slice(2, 6))
+    with pytest.raises(TypeError, match=r"token_slice must be a slice, got \(1, 2, 3\)"):
+        UBatchSlice((0, 2), (1, 2, 3))  # type: ignore[arg-type]
+
+
 def test_slice_sizes_and_emptiness() -> None:
     s = UBatchSlice(slice(1, 3), slice(5, 10))
     assert (s.num_tokens, s.num_reqs, s.is_empty()) == (5, 2, False)

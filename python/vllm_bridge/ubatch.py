@@ -29,6 +29,9 @@ __all__ = [
 class UBatchSlice:
     """One micro-batch: its requests and its tokens, both as ``slice(start, stop)``.
 
+    A ``(start, stop)`` pair is accepted for either field and stored as a slice (a caller
+    across the bridge has no slice type to send).
+
     Attributes:
         request_slice: Indices of the requests whose tokens overlap ``token_slice``.
         token_slice: The micro-batch's token positions in the batch.
@@ -40,6 +43,9 @@ class UBatchSlice:
     def __post_init__(self) -> None:
         for name in ("request_slice", "token_slice"):
             value = getattr(self, name)
+            if isinstance(value, (tuple, list)) and len(value) == 2:
+                value = slice(value[0], value[1])
+                setattr(self, name, value)
             if not isinstance(value, slice):
                 raise TypeError(f"UBatchSlice.{name} must be a slice, got {value!r}")
             check_int(f"UBatchSlice.{name}.start", value.start, minimum=0)
