@@ -48,14 +48,14 @@ def test_calls_run_one_at_a_time_in_arrival_order(shared_worker):
 
 def test_a_queued_call_that_is_cancelled_is_dropped(shared_worker):
     w = shared_worker
-    slow = send_call(w, "sleep", [1.0])
+    slow = send_call(w, "sleep", [2.0])  # long enough for the next three frames to arrive
     wait_running(w, slow)
     dropped = send_call(w, "set_var", ["must not run"], session="cancel-q")
     kept = send_call(w, "get_var", [], session="cancel-q")
     w.send(["cancel", dropped])
     kind, got, err = w.reply(dropped)
     assert (kind, got, err["type"]) == ("error", dropped, "cancelled")
-    assert w.reply(slow) == ["ok", slow, 1.0]
+    assert w.reply(slow) == ["ok", slow, 2.0]
     assert w.reply(kept) == ["ok", kept, None]  # the cancelled call never ran
 
 
@@ -99,7 +99,7 @@ def test_a_cancelled_stream_stops_and_closes_its_generator(shared_worker):
 def test_a_queued_stream_that_is_cancelled_never_starts(shared_worker):
     w = shared_worker
     w.call(D, "exit_log", True)
-    slow = send_call(w, "sleep", [0.5])
+    slow = send_call(w, "sleep", [2.0])
     wait_running(w, slow)
     rid = next_id()
     w.send(["stream", rid, None, 30_000, ["m", D, "count"], [3, 0, "never"], {}])

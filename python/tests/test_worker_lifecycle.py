@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from conftest import FRAME_WAIT, WorkerProc, next_id, spawn_worker
@@ -132,7 +133,7 @@ def test_workers_exit_when_their_parent_dies_even_during_a_long_call():
         middle.wait()
         for w in workers:
             wait_for_eof(w.from_worker)
-            assert _gone(w.hello["pid"])
+            assert _wait_gone(w.hello["pid"])
         stderr = middle.stderr.read().decode()
         assert stderr.count("is gone; exiting") == 1, stderr
         assert f"worker {workers[1].hello['pid']}: parent process" in stderr
@@ -145,6 +146,16 @@ def test_workers_exit_when_their_parent_dies_even_during_a_long_call():
             w.close()
             if not _gone(w.hello["pid"]):
                 os.kill(w.hello["pid"], signal.SIGKILL)
+
+
+def _wait_gone(pid: int) -> bool:
+    """Wait (up to FRAME_WAIT) for ``pid`` to end: its fds close before it is reaped."""
+    deadline = time.monotonic() + FRAME_WAIT
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _gone(pid: int) -> bool:
