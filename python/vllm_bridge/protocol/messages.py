@@ -72,7 +72,6 @@ class Exit(Request):
 
     handle: Ref | None = None
     exc: dict[str, Any] | None = None
-    special: bool = True
 
 
 @dataclass

@@ -35,7 +35,6 @@ from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.protocol.framing import FrameError, read_frame
 from vllm_bridge.protocol.messages import (
     Control,
-    Exit,
     Invoke,
     Request,
     RequestError,
@@ -171,7 +170,7 @@ class Worker:
         if isinstance(req, Control):
             self._control(req)
             return
-        if isinstance(req, (Invoke, Exit)):
+        if isinstance(req, Invoke):
             req.special = decoded.special
         self.executor.submit(req)
 
