@@ -120,12 +120,14 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def init(opts) do
-    Process.flag(:trap_exit, true)
     pool = Keyword.get(opts, :pool)
     index = Keyword.get(opts, :index, 0)
     meta = Keyword.get(opts, :meta)
 
     if meta do
+      # In a pool, shutting down must run terminate/2 (callers told, Python process gone).
+      # A standalone worker dies with its linked owner, and its port closes with it.
+      Process.flag(:trap_exit, true)
       Slots.put_load(meta, index, Slots.down())
       Directory.clear_worker(pool, index)
     end

@@ -1,0 +1,124 @@
+defmodule VllmBridge.Runtime.WorkerTest do
+  @moduledoc """
+  One worker process and its port: the handshake (version check, start timeout, a worker
+  that dies before it), `log` frames, `ping` while a call runs, and a Python process that
+  dies with calls in flight.
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+
+  import ExUnit.CaptureLog
+  import VllmBridge.RuntimeHelpers
+
+  alias VllmBridge.{Error, Pool, Worker}
+
+  setup_all do
+    {:ok, w} = Worker.start_link(cancel_grace: 60_000)
+    {:ok, hello} = Worker.await_ready(w)
+    on_exit(fn -> if Process.alive?(w), do: Worker.close(w) end)
+    %{w: w, hello: hello}
+  end
+
+  defp fake(mode, extra \\ []) do
+    [
+      worker_module: "runtime_fake_worker",
+      worker_env: [{"PYTHONPATH", support_dir()}, {"FAKE_WORKER_MODE", mode}]
+    ] ++ extra
+  end
+
+  describe "handshake" do
+    test "a worker speaking another protocol version is refused by name" do
+      assert {:error, %Error{type: :protocol, message: msg}} =
+               VllmBridge.start_pool(:fake_version, fake("version"))
+
+      assert msg =~ "protocol version 99"
+      assert msg =~ ":fake_version"
+      assert Pool.names() |> Enum.member?(:fake_version) == false
+    end
+
+    test "a worker that never says hello fails after start_timeout" do
+      assert {:error, %Error{type: :worker_exit, message: msg}} =
+               VllmBridge.start_pool(:fake_silent, fake("silent", start_timeout: 300))
+
+      assert msg =~ "no handshake within 300 ms"
+    end
+
+    test "a worker that exits before its handshake is reported with its status" do
+      assert {:error, %Error{type: :worker_exit, message: msg}} =
+               VllmBridge.start_pool(:fake_crash, fake("crash"))
+
+      assert msg =~ "exited with status 3 before its handshake"
+    end
+
+    test "a missing interpreter is a bad argument naming it" do
+      assert {:error, %Error{type: :bad_argument, message: msg}} =
+               VllmBridge.start_pool(:no_python, python: "/nonexistent/python3")
+
+      assert msg =~ "/nonexistent/python3"
+    end
+  end
+
+  describe "a running worker" do
+    test "the hello carries version, pid, instance, capabilities and modules", %{hello: hello} do
+      assert hello["protocol"] == 1
+      assert hello["instance"] =~ ~r/^[0-9a-f]{16}$/
+      assert "cancel" in hello["capabilities"] and "stream" in hello["capabilities"]
+      assert "vllm_bridge.diag" in hello["modules"]
+    end
+
+    test "Python log records arrive in Logger with the logger's name", %{w: w} do
+      log =
+        capture_log(fn ->
+          assert {:ok, nil} =
+                   Worker.call(w, "vllm_bridge.diag", "log", ["disk almost full", "error"])
+
+          # The log frame precedes the reply on the wire, but Logger is asynchronous.
+          Logger.flush()
+        end)
+
+      assert log =~ "[python vllm_bridge.diag] disk almost full"
+    end
+
+    test "ping is answered while a call runs, naming it", %{w: w} do
+      task = Task.async(fn -> Worker.call(w, "vllm_bridge.diag", "sleep", [0.5]) end)
+
+      status =
+        wait_until(fn ->
+          case Worker.ping(w) do
+            {:ok, %{"running" => id} = s} when is_integer(id) -> s
+            _ -> nil
+          end
+        end)
+
+      assert status["queued"] == 0
+      assert Task.await(task) == {:ok, 0.5}
+      assert {:ok, %{"running" => nil}} = Worker.ping(w)
+    end
+  end
+
+  test "when the Python process dies, every call in flight gets :worker_exit" do
+    Process.flag(:trap_exit, true)
+    {:ok, w} = Worker.start_link()
+    os_pid = Worker.os_pid(w)
+    parent = self()
+
+    tasks =
+      for s <- [30, 31, 32] do
+        Task.async(fn ->
+          send(parent, :sent)
+          Worker.call(w, "vllm_bridge.diag", "sleep", [s], %{}, 60_000)
+        end)
+      end
+
+    for _ <- tasks, do: assert_receive(:sent)
+    wait_until(fn -> Worker.in_flight(w) == 3 end)
+    System.cmd("kill", ["-9", "#{os_pid}"])
+
+    for t <- tasks do
+      assert {:error, %Error{type: :worker_exit, message: msg}} = Task.await(t)
+      assert msg =~ "exited with status"
+    end
+
+    assert_receive {:EXIT, ^w, {:shutdown, {:worker_exit, _}}}
+  end
+end

@@ -1,0 +1,87 @@
+defmodule VllmBridge.RuntimeHelpers do
+  @moduledoc false
+  # Helpers for the runtime tests (test/runtime): waiting for a condition, OS processes.
+
+  alias VllmBridge.Pool
+  alias VllmBridge.Worker.Launcher
+
+  @doc "Polls `fun` until it returns a truthy value (returned) or `ms` pass (flunks)."
+  def wait_until(fun, ms \\ 30_000, what \\ "condition") do
+    deadline = System.monotonic_time(:millisecond) + ms
+    do_wait(fun, deadline, ms, what)
+  end
+
+  defp do_wait(fun, deadline, ms, what) do
+    case fun.() do
+      result when result not in [nil, false] ->
+        result
+
+      _ ->
+        if System.monotonic_time(:millisecond) > deadline do
+          ExUnit.Assertions.flunk("#{what} did not hold within #{ms} ms")
+        else
+          Process.sleep(10)
+          do_wait(fun, deadline, ms, what)
+        end
+    end
+  end
+
+  @doc "The serving workers of a pool, waiting until all of them serve."
+  def workers!(pool) do
+    :ok = Pool.await_ready(pool, 60_000)
+    {:ok, ws} = Pool.workers(pool)
+    ws
+  end
+
+  @doc "Whether an OS process is alive (and not a zombie)."
+  def os_alive?(os_pid), do: Launcher.alive?(os_pid)
+
+  @doc "The absolute path of test/support (for PYTHONPATH)."
+  def support_dir, do: Path.expand(".", __DIR__)
+
+  @doc """
+  Occupies one slot of a worker until `unhold/1`: a task enumerating a slow stream (one
+  chunk every 20 ms). Returns once the pool's load has gone up by one, i.e. the slot is
+  taken (a worker runs one call at a time, so a stream pipelined behind another is queued
+  in Python and sends no chunk until the one before it ends). Unhold in the order held.
+  """
+  def hold(opts \\ []) do
+    pool = Keyword.get(opts, :pool_name, :default)
+    before = total_load(pool)
+
+    task =
+      Task.async(fn ->
+        {:ok, s} = VllmBridge.stream({"vllm_bridge.diag", "count"}, [1_000_000, 0.02], %{}, opts)
+
+        Enum.reduce_while(s, :more, fn _x, _acc ->
+          receive do
+            :release -> {:halt, :released}
+          after
+            0 -> {:cont, :more}
+          end
+        end)
+      end)
+
+    wait_until(fn -> total_load(pool) > before end, 60_000, "hold/1: the slot taken")
+    task
+  end
+
+  @doc "The sum of the loads of a pool's serving workers."
+  def total_load(pool) do
+    {:ok, ws} = Pool.workers(pool)
+    ws |> Enum.reject(&is_nil/1) |> Enum.map(& &1.load) |> Enum.sum()
+  end
+
+  @doc "Ends a `hold/1` (the stream is cancelled); returns how it ended."
+  def unhold(task) do
+    send(task.pid, :release)
+    Task.await(task, 30_000)
+  end
+
+  @doc "Starts a pool for a test module and stops it when the module is done."
+  def start_pool!(name, opts) do
+    {:ok, _} = VllmBridge.start_pool(name, opts)
+    ExUnit.Callbacks.on_exit(fn -> VllmBridge.stop_pool(name) end)
+    name
+  end
+end
