@@ -128,3 +128,18 @@ def test_a_call_sent_with_no_time_left_is_not_started(shared_worker):
         rid = send_call(w, "set_var", ["must not run"], session="deadline-0", timeout=timeout)
         assert w.reply(rid)[2]["type"] == "timeout"
     assert w.call(D, "get_var", session="deadline-0") is None
+
+
+def test_the_reading_role_goes_back_and_forth_between_long_and_short_calls(shared_worker):
+    """A long call hands reading to the watcher (pings answered); afterwards the execution
+    thread reads again (a burst of short calls), and the next long call hands over again."""
+    w = shared_worker
+    for round_ in range(3):
+        slow = send_call(w, "sleep", [0.3])
+        status = wait_running(w, slow)
+        assert status["running"] == slow
+        assert w.reply(slow) == ["ok", slow, 0.3]
+        burst = [send_call(w, "add", [round_, i]) for i in range(100)]
+        assert [w.reply(rid) for rid in burst] == [["ok", rid, round_ + i] for i, rid in
+                                                     enumerate(burst)]
+        assert w.ping()["running"] is None

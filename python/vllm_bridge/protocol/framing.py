@@ -55,6 +55,81 @@ def read_frame(fd: int = READ_FD) -> bytearray | None:
     return body
 
 
+class FrameReader:
+    """Reads frames from ``fd`` through a buffer: one ``read`` brings in every small frame
+    that has arrived, not one syscall per header and one per body.
+
+    A body is returned as a fresh ``bytearray`` of its own (decoded tensors may keep
+    pointing into it). A body of ``large`` bytes or more is read straight into its own
+    buffer instead of through the shared one, so it is copied only once.
+
+    Not thread-safe: one thread reads at a time (the worker hands the reading role over
+    under a lock, see :mod:`vllm_bridge.worker.executor`).
+    """
+
+    def __init__(self, fd: int = READ_FD, chunk: int = 65536, large: int = 1 << 20) -> None:
+        self.fd = fd
+        self._chunk = chunk
+        self._large = large
+        self._buf = bytearray()
+        self._pos = 0
+
+    def has_frame(self) -> bool:
+        """True when a whole frame is already buffered (reading it will not block)."""
+        avail = len(self._buf) - self._pos
+        if avail < 4:
+            return False
+        (length,) = _HEADER.unpack_from(self._buf, self._pos)
+        return avail - 4 >= length
+
+    def _fill(self, need: int) -> bool:
+        """Buffer at least ``need`` unread bytes; False on EOF with nothing unread."""
+        while len(self._buf) - self._pos < need:
+            if self._pos and self._pos == len(self._buf):
+                self._buf.clear()
+                self._pos = 0
+            data = os.read(self.fd, max(self._chunk, need - (len(self._buf) - self._pos)))
+            if not data:
+                unread = len(self._buf) - self._pos
+                if unread == 0:
+                    return False
+                raise FrameError(f"EOF after {unread} bytes of an expected {need}")
+            self._buf += data
+        return True
+
+    def read_frame(self) -> bytearray | None:
+        """The next frame body; ``None`` when the peer closed the stream between frames."""
+        if not self._fill(4):
+            return None
+        (length,) = _HEADER.unpack_from(self._buf, self._pos)
+        self._pos += 4
+        unread = len(self._buf) - self._pos
+        if length > unread and length >= self._large:
+            body = bytearray(length)
+            body[:unread] = memoryview(self._buf)[self._pos :]
+            self._buf.clear()
+            self._pos = 0
+            view = memoryview(body)
+            got = unread
+            while got < length:
+                n = os.readv(self.fd, [view[got:]])
+                if n == 0:
+                    raise FrameError(f"EOF after {got} of {length} bytes")
+                got += n
+            return body
+        if length > unread and not self._fill(length):
+            raise FrameError(f"EOF before a body of {length} bytes")
+        body = self._buf[self._pos : self._pos + length]
+        self._pos += length
+        if self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        elif self._pos >= self._chunk:
+            del self._buf[: self._pos]
+            self._pos = 0
+        return body
+
+
 def write_frame(body: bytes, fd: int = WRITE_FD) -> None:
     """Write one frame (header and body) to ``fd``, retrying short writes."""
     write_segments([body], fd)
@@ -69,6 +144,12 @@ def write_segments(segments: Sequence[bytes | memoryview], fd: int = WRITE_FD) -
     Raises:
         FrameError: the body is longer than a ``{packet, 4}`` frame can be.
     """
+    if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < 65536:
+        # The common small reply: one write of header and body together.
+        view = memoryview(_HEADER.pack(len(segments[0])) + segments[0])
+        while view.nbytes:
+            view = view[os.write(fd, view) :]
+        return
     views = [s if isinstance(s, memoryview) else memoryview(s) for s in segments]
     views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
     length = sum(v.nbytes for v in views)

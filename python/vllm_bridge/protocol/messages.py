@@ -23,7 +23,7 @@ class RequestError(ProtocolError):
         self.request_id = request_id
 
 
-@dataclass
+@dataclass(slots=True)
 class ModuleTarget:
     """``["m", module, path]``: an attribute path inside an allow-listed module."""
 
@@ -31,7 +31,7 @@ class ModuleTarget:
     path: str
 
 
-@dataclass
+@dataclass(slots=True)
 class RefTarget:
     """``["r", ref, path_or_nil]``: an attribute path of a referenced object."""
 
@@ -42,7 +42,7 @@ class RefTarget:
 Target = ModuleTarget | RefTarget
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """Fields every request to the execution thread has."""
 
@@ -55,7 +55,7 @@ class Request:
     cancelled: bool = field(default=False, compare=False)
 
 
-@dataclass
+@dataclass(slots=True)
 class Invoke(Request):
     """``call``, ``stream``, ``enter`` (with arguments) and ``get`` (without)."""
 
@@ -66,7 +66,7 @@ class Invoke(Request):
     special: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class Exit(Request):
     """``exit``: leave an entered context; ``exc`` is nil or the caller's error map."""
 
@@ -74,19 +74,19 @@ class Exit(Request):
     exc: dict[str, Any] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Release(Request):
     """``release``: drop references of the session."""
 
     refs: list[Ref] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class Close(Request):
     """``close``: exit the session's contexts (newest first) and drop its references."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Control:
     """``ping``, ``cancel`` and ``hello``: handled by the reader thread at once."""
 

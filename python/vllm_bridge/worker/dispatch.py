@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from msgpack import packb as _packb
+
 from vllm_bridge.protocol.decoder import materialize
 from vllm_bridge.protocol.encoder import Segment, segments_length
 from vllm_bridge.protocol.errors import BadArgument, BridgeError, Cancelled, error_map
@@ -98,8 +100,11 @@ class Dispatcher:
                 raise BadArgument(
                     f"{where} is a {qualified_name(type(obj))}, not callable (read it with get)"
                 )
-            args, kwargs = coerce_arguments(obj, args, kwargs, where)
-            result = obj(*args, **kwargs)
+            if args or kwargs:
+                args, kwargs = coerce_arguments(obj, args, kwargs, where)
+                result = obj(*args, **kwargs)
+            else:
+                result = obj()
         if req.kind == "call":
             return self._reply(req, session, "ok", result)
         if req.kind == "stream":
@@ -238,6 +243,12 @@ class Dispatcher:
 
         If the reply cannot be encoded, the references made for it are dropped again.
         """
+        t = type(value)
+        if t is bool or t is float or t is str or value is None or (
+            t is int and -(1 << 63) <= value < (1 << 64)
+        ):
+            # Plain msgpack and no reference: the encoder's machinery is not needed.
+            return [_packb([kind, req.id, value], use_bin_type=True)]
         created: list[int] = []
 
         def make_ref(obj: Any) -> Ref:

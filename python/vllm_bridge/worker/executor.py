@@ -1,14 +1,29 @@
-"""The execution thread: requests run one at a time, in arrival order.
+"""The execution thread, and who reads fd 3 when.
 
-The reader thread :meth:`Executor.submit`\\ s requests and may :meth:`Executor.cancel` them:
-a queued request is taken out of the queue (the reader answers it), a running one is
-marked (a stream stops at its next chunk). A request whose deadline passed before it
-reaches the front of the queue is answered with a ``timeout`` error and not started.
+Requests run one at a time, in arrival order, on one execution thread. Reading frames is
+a *role* that two threads pass between them under one lock:
+
+* while the execution thread is idle it reads fd 3 itself: a request it reads runs at
+  once, on the thread that read it, with no hand-over between threads (the common case:
+  one short call after another);
+* the *watcher* (:meth:`Executor.watch`, the main thread) looks every ``poll`` seconds;
+  when it sees the same request running at two looks in a row, it takes the role and
+  reads: it answers ``ping`` at once, records ``cancel``\\ s and queues requests, so a long
+  call never blocks liveness;
+* when the execution thread finds its queue empty while the watcher reads, it asks for
+  the role back (a byte on a wake-up pipe interrupts the watcher's ``select``) and reads
+  again itself.
+
+A request whose deadline passed before its turn is answered with a ``timeout`` error and
+not started. A queued request can be cancelled (it is dropped; the caller answers it); a
+running one is only marked (a stream stops at its next chunk).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
 from collections import deque
@@ -16,19 +31,31 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_bridge.protocol.errors import DeadlineExceeded
+from vllm_bridge.protocol.framing import FrameError, FrameReader
 from vllm_bridge.protocol.messages import Request
 
 _log = logging.getLogger("vllm_bridge.worker")
 
+#: Seconds between two looks of the watcher at the running request.
+POLL_SECONDS = 0.002
+
+# Who reads fd 3: nobody (the execution thread runs what it read), the execution thread,
+# or the watcher.
+_NOBODY, _EXEC, _WATCH = 0, 1, 2
+
 
 class Executor:
-    """One execution thread fed by a FIFO queue."""
+    """One execution thread; the reading role shared with the watcher."""
 
     def __init__(
         self,
         handle: Callable[[Request], Any],
         expired: Callable[[Request, DeadlineExceeded], Any],
         write: Callable[[Any], None],
+        on_frame: Callable[[bytearray], Request | None],
+        reader: FrameReader,
+        on_eof: Callable[[], None] = lambda: None,
+        poll: float = POLL_SECONDS,
     ) -> None:
         """
         Args:
@@ -36,19 +63,35 @@ class Executor:
             expired: The reply of a request whose deadline passed before it started.
             write: Sends a reply. The final reply is sent after the request stops
                 counting as running, so a ``pong`` never names a request already answered.
+            on_frame: Handles one frame body on the thread that read it: answers what
+                needs no execution (``ping``, ``cancel``, refusals) and returns the
+                request to run, or ``None``.
+            reader: The buffered reader of fd 3.
+            on_eof: Called once, by the thread that reads EOF (or a broken stream).
+            poll: Seconds between two looks of the watcher.
         """
         self._handle = handle
         self._expired = expired
         self._write = write
+        self._on_frame = on_frame
+        self._reader = reader
+        self._on_eof = on_eof
+        self._poll = poll
         self._queue: deque[Request] = deque()
         self._cond = threading.Condition()
         self._running: Request | None = None
+        self._started = 0  # requests started so far: the watcher's clock
+        self._role = _NOBODY
+        self._want_back = False
         self._stopping = False
         self._final: Callable[[], None] | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
         self.thread = threading.Thread(target=self._run, name="vllm-bridge-exec", daemon=True)
 
-    def start(self) -> None:
-        """Start the execution thread."""
+    def start(self, final: Callable[[], None] | None = None) -> None:
+        """Start the execution thread; ``final`` runs on it once it stops."""
+        self._final = final
         self.thread.start()
 
     @property
@@ -62,11 +105,16 @@ class Executor:
         """Number of requests waiting."""
         return len(self._queue)
 
+    @property
+    def stopping(self) -> bool:
+        """True once EOF was read or :meth:`stop` was called."""
+        return self._stopping
+
     def submit(self, request: Request) -> None:
         """Queue ``request`` behind those already queued."""
         with self._cond:
             self._queue.append(request)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def cancel(self, request_id: int) -> Request | None:
         """Cancel the request with this id.
@@ -84,42 +132,153 @@ class Executor:
                 self._running.cancelled = True
         return None
 
-    def stop(self, final: Callable[[], None] | None = None) -> None:
-        """Drop the queue; after the running request (if any), run ``final`` and end."""
+    def stop(self) -> None:
+        """Drop the queue; after the running request (if any) the thread runs ``final``."""
         with self._cond:
             self._queue.clear()
             self._stopping = True
-            self._final = final
-            self._cond.notify()
+            self._cond.notify_all()
+        self._wake()
+
+    # -- the execution thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            while True:
+                request = self._next()
+                if request is None:
+                    break
+                self._execute(request)
+        finally:
+            if self._final is not None:
+                self._final()
+
+    def _execute(self, request: Request) -> None:
+        reply = None
+        try:
+            late = None if request.deadline is None else time.monotonic() - request.deadline
+            if late is not None and late >= 0:
+                reply = self._expired(
+                    request,
+                    DeadlineExceeded(
+                        f"{request.kind} {request.id} was not started: its deadline "
+                        f"passed {late * 1000:.0f} ms before its turn came"
+                    ),
+                )
+            else:
+                reply = self._handle(request)
+        except Exception:  # the handler answers its own errors; this is a last guard
+            _log.exception("request %s %s failed outside its handler", request.kind, request.id)
+        finally:
+            with self._cond:
+                self._running = None
+        if reply is not None:
+            self._write(reply)
+
+    def _begin(self, request: Request) -> Request:
+        # Under the lock.
+        self._running = request
+        self._started += 1
+        return request
+
+    def _next(self) -> Request | None:
+        """The next request to run: from the queue, or read from fd 3 by this thread."""
+        with self._cond:
+            while True:
+                if self._stopping:
+                    return None
+                if self._queue:
+                    self._want_back = False
+                    return self._begin(self._queue.popleft())
+                if self._role == _NOBODY:
+                    self._role = _NOBODY
+                    break
+                if self._role == _WATCH and not self._want_back:
+                    self._want_back = True
+                    self._wake()
+                self._cond.wait()
+        while True:
+            body = self._read()
+            if body is None:
+                return None
+            request = self._on_frame(body)
+            if request is None:
+                continue
+            with self._cond:
+                if self._stopping:
+                    return None
+                self._role = _NOBODY
+                return self._begin(request)
+
+    # -- the watcher ----------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """Run the watcher on this thread until EOF or :meth:`stop`."""
+        seen = -1
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
                 if self._stopping:
-                    final = self._final
-                    break
-                request = self._running = self._queue.popleft()
-            reply = None
-            try:
-                late = None if request.deadline is None else time.monotonic() - request.deadline
-                if late is not None and late >= 0:
-                    reply = self._expired(
-                        request,
-                        DeadlineExceeded(
-                            f"{request.kind} {request.id} was not started: its deadline "
-                            f"passed {late * 1000:.0f} ms before its turn came"
-                        ),
-                    )
-                else:
-                    reply = self._handle(request)
-            except Exception:  # the handler answers its own errors; this is a last guard
-                _log.exception("request %s %s failed outside its handler", request.kind, request.id)
-            finally:
-                with self._cond:
-                    self._running = None
-            if reply is not None:
-                self._write(reply)
-        if final is not None:
-            final()
+                    return
+                take = (
+                    self._role == _NOBODY
+                    and self._running is not None
+                    and self._started == seen
+                )
+                seen = self._started
+                if take:
+                    self._role = _WATCH
+            if not take:
+                time.sleep(self._poll)
+            elif not self._read_as_watcher():
+                return
+
+    def _read_as_watcher(self) -> bool:
+        """Read frames until the execution thread wants the role back (True) or EOF (False)."""
+        while True:
+            if not self._reader.has_frame():
+                ready, _, _ = select.select([self._reader.fd, self._wake_r], [], [])
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 512)
+            else:
+                ready = [self._reader.fd]
+            if self._reader.fd in ready:
+                body = self._read()
+                if body is None:
+                    return False
+                request = self._on_frame(body)
+                if request is not None:
+                    self.submit(request)
+            with self._cond:
+                if self._stopping:
+                    return False
+                if self._want_back:
+                    self._want_back = False
+                    self._role = _NOBODY
+                    self._cond.notify_all()
+                    return True
+
+    # -- both -------------------------------------------------------------------------------
+
+    def _read(self) -> bytearray | None:
+        """One frame; on EOF or a broken stream: stop (once) and return ``None``."""
+        try:
+            body = self._reader.read_frame()
+        except FrameError as exc:
+            _log.error("input stream broken: %s", exc)
+            body = None
+        if body is None:
+            with self._cond:
+                first = not self._stopping
+                self._queue.clear()
+                self._stopping = True
+                self._cond.notify_all()
+            self._wake()
+            if first:
+                self._on_eof()
+        return body
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass

@@ -1,12 +1,13 @@
 """The worker process: ``python -m vllm_bridge.worker [--allow MODULE ...] [--max-refs N]``.
 
-Threads:
+Threads (see :mod:`~vllm_bridge.worker.executor` for how they share fd 3):
 
-* the main thread is the *reader*: it reads frames from fd 3, decodes and checks them,
-  answers ``ping`` (and ``hello``) at once, records ``cancel``\\ s, refuses malformed
-  frames, and queues every other request;
-* the *execution* thread (:mod:`~vllm_bridge.worker.executor`) runs queued requests one
-  at a time (:mod:`~vllm_bridge.worker.dispatch`);
+* the *execution* thread runs requests one at a time (:mod:`~vllm_bridge.worker.dispatch`)
+  and, while idle, reads fd 3 itself;
+* the main thread is the *watcher*: during a long request it reads fd 3, answers
+  ``ping`` (and ``hello``) at once, records ``cancel``\\ s and queues requests;
+* whichever thread reads a frame decodes and checks it, answers what needs no execution
+  and refuses malformed frames (:meth:`Worker.on_frame`);
 * the *lifeline* thread (:mod:`~vllm_bridge.worker.lifeline`) ends the process when
   its parent is gone.
 
@@ -32,7 +33,7 @@ from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.protocol.decoder import Decoder
 from vllm_bridge.protocol.encoder import Encoder
 from vllm_bridge.protocol.errors import BadArgument
-from vllm_bridge.protocol.framing import FrameError, read_frame
+from vllm_bridge.protocol.framing import FrameReader
 from vllm_bridge.protocol.messages import (
     Control,
     Invoke,
@@ -128,51 +129,55 @@ class Worker:
             self.sessions, TargetResolver(modules), self.registry, self.channel
         )
         self.executor = Executor(
-            self.dispatcher.handle, self.dispatcher.refuse, self.channel.write
+            self.dispatcher.handle,
+            self.dispatcher.refuse,
+            self.channel.write,
+            self.on_frame,
+            FrameReader(),
+            # The port is gone: replies and log frames have no reader any more.
+            on_eof=self.channel.close,
         )
 
     def serve(self) -> int:
-        """Announce, then read frames until EOF; returns the exit status."""
+        """Announce, then serve until EOF; returns the exit status."""
         watch_parent()
-        self.executor.start()
         self.channel.send(_hello(self.instance, self.modules))
         logging.getLogger().addHandler(LogFrameHandler(self.channel))
-        while True:
-            try:
-                body = read_frame()
-            except FrameError as exc:
-                _log.error("input stream broken: %s", exc)
-                body = None
-            if body is None:
-                return self._shutdown()
-            try:
-                self.on_frame(body)
-            except Exception as exc:  # a last guard: the reader must keep reading
-                _log.exception("frame of %d bytes could not be handled", len(body))
-                self.channel.error(_lenient_id(body), "protocol", f"frame not handled: {exc}")
+        self.executor.start(final=self._close_sessions)
+        self.executor.watch()
+        return self._shutdown()
 
-    def on_frame(self, body: bytes | bytearray) -> None:
-        """Handle one frame on the reader thread."""
+    def on_frame(self, body: bytes | bytearray) -> Request | None:
+        """Handle one frame on the thread that read it: the request to run, or ``None``
+        when the frame was answered here (a control message, a refusal)."""
+        try:
+            return self._on_frame(body)
+        except Exception as exc:  # a last guard: reading must go on
+            _log.exception("frame of %d bytes could not be handled", len(body))
+            self.channel.error(_lenient_id(body), "protocol", f"frame not handled: {exc}")
+            return None
+
+    def _on_frame(self, body: bytes | bytearray) -> Request | None:
         now = time.monotonic()
         try:
             decoded = self.decoder.decode(body)
         except BadArgument as exc:
             self.channel.error(_lenient_id(body), "bad_argument", str(exc))
-            return
+            return None
         except Exception as exc:
             self.channel.error(None, "protocol", f"undecodable frame: {type(exc).__name__}: {exc}")
-            return
+            return None
         try:
             req = parse_request(decoded.value, now)
         except RequestError as exc:
             self.channel.error(exc.request_id, "protocol", str(exc))
-            return
+            return None
         if isinstance(req, Control):
             self._control(req)
-            return
+            return None
         if isinstance(req, Invoke):
             req.special = decoded.special
-        self.executor.submit(req)
+        return req
 
     def _control(self, req: Control) -> None:
         if req.kind == "ping":
@@ -200,17 +205,17 @@ class Worker:
                     f"speaks version {PROTOCOL_VERSION}",
                 )
 
+    def _close_sessions(self) -> None:
+        # Last thing the execution thread does, once the stream has ended.
+        sessions, contexts = self.dispatcher.close_all()
+        sys.stderr.write(
+            f"vllm_bridge.worker {os.getpid()}: fd 3 closed; exited {contexts} contexts "
+            f"of {sessions} sessions\n"
+        )
+
     def _shutdown(self) -> int:
-        self.channel.close()  # the port is gone: replies and log frames have no reader
-
-        def close_sessions() -> None:
-            sessions, contexts = self.dispatcher.close_all()
-            sys.stderr.write(
-                f"vllm_bridge.worker {os.getpid()}: fd 3 closed; exited {contexts} contexts "
-                f"of {sessions} sessions\n"
-            )
-
-        self.executor.stop(final=close_sessions)
+        self.channel.close()
+        self.executor.stop()
         self.executor.thread.join(EXIT_GRACE_SECONDS)
         if self.executor.thread.is_alive():
             sys.stderr.write(

@@ -56,7 +56,17 @@ class TargetResolver:
         """The object a target names, and a description of it for messages."""
         if isinstance(target, ModuleTarget):
             obj = self.module(target.module)
-            return self.walk(obj, target.path, target.module), f"{target.module}.{target.path}"
+            path = target.path
+            if path and "." not in path and not path.startswith("__"):
+                # One step (the common case): the checks of walk() without its strings.
+                try:
+                    obj = getattr(obj, path)
+                except AttributeError:
+                    raise BadArgument(f"{target.module} has no attribute {path!r}") from None
+                if isinstance(obj, types.ModuleType):
+                    self._check_module(obj, f"{target.module}.{path}")
+                return obj, f"{target.module}.{path}"
+            return self.walk(obj, path, target.module), f"{target.module}.{path}"
         if isinstance(target, RefTarget):
             obj = sessions.resolve(session, target.ref)
             where = f"reference {target.ref.ref_id} ({target.ref.type_name})"
