@@ -19,6 +19,8 @@ defmodule VllmBridge.WorkerSkeletonTest do
 
   test "a Python exception comes back as an error and the worker keeps serving" do
     {:ok, w} = Worker.start_link()
+    # The call's 5 s deadline must not also cover torch's import on a loaded machine.
+    {:ok, _hello} = Worker.await_ready(w)
 
     assert {:error, %VllmBridge.Error{type: :python_exception, python_type: "ValueError"} = e} =
              Worker.call(w, "vllm_bridge.diag", "sleep", [-1])

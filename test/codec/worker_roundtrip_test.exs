@@ -20,6 +20,7 @@ defmodule VllmBridge.Codec.WorkerRoundtripTest do
   setup_all do
     :ok = Codec.Registry.register(Sample)
     {:ok, w} = Worker.start_link()
+    {:ok, _hello} = Worker.await_ready(w)
     on_exit(fn -> close(w) end)
     %{w: w}
   end
