@@ -101,7 +101,7 @@ defmodule VllmBridge.Bindings do
   """
   @spec with_context(Args.spec(), list(), function()) :: {:ok, term()} | {:error, Error.t()}
   def with_context(spec, args, fun) when is_function(fun, 1) or is_function(fun, 2) do
-    with {:ok, py_args, kwargs, runtime} <- Args.split(spec, args),
+    with {:ok, py_args, kwargs, runtime} <- Args.split(with_spec(spec), args, 1),
          :ok <- runtime_list(spec, args, runtime) do
       case Keyword.get(runtime, :session_id) do
         nil ->
@@ -124,7 +124,7 @@ defmodule VllmBridge.Bindings do
     {:error,
      Error.new(
        :bad_argument,
-       "#{spec.name}/#{length(args) + 1}: the last argument must be a function of 1 or 2 " <>
+       "#{with_spec(spec).name}/#{length(args) + 1}: the last argument must be a function of 1 or 2 " <>
          "arguments (the entered value, and the session), got #{inspect(other, limit: 5)}"
      )}
   end
@@ -135,6 +135,12 @@ defmodule VllmBridge.Bindings do
     VllmBridge.with_context(spec.target, py_args, kwargs, runtime, body)
   end
 
+  # The spec of the with_ form: its name, for messages.
+  defp with_spec(spec) do
+    {module, [name]} = spec.name |> String.split(".") |> Enum.split(-1)
+    %{spec | name: Enum.join(module ++ ["with_" <> name], ".")}
+  end
+
   defp runtime_list(_spec, _args, runtime) when is_list(runtime), do: :ok
 
   defp runtime_list(spec, args, runtime),
@@ -142,7 +148,7 @@ defmodule VllmBridge.Bindings do
       {:error,
        Error.new(
          :bad_argument,
-         "#{spec.name}/#{length(args) + 1}: __runtime__ must be a keyword list, got " <>
+         "#{with_spec(spec).name}/#{length(args) + 1}: __runtime__ must be a keyword list, got " <>
            inspect(runtime, limit: 5)
        )}
 

@@ -93,6 +93,8 @@ defmodule VllmBridge.Bindings.ArgsTest do
   test "wrong arity" do
     bad!([1], "takes 2..5 arguments, got 1")
     bad!([1, :x, 2, nil, [], []], "takes 2..5 arguments, got 6")
+    assert {:error, %Error{message: m}} = Args.split(%{@spec_f | name: "Test.with_f"}, [1], 1)
+    assert m == "Test.with_f/2: takes 2..5 arguments before the function, got 1"
   end
 
   test "types are checked, positionally and by name" do

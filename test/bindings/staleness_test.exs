@@ -51,6 +51,20 @@ defmodule VllmBridge.Bindings.StalenessTest do
         do: assert(IO.iodata_to_binary(Code.format_string!(text)) <> "\n" == text, path)
   end
 
+  test "mix vllm.gen.bindings --check passes on the committed files (live and from the manifests)" do
+    Mix.shell(Mix.Shell.Process)
+    on_exit(fn -> Mix.shell(Mix.Shell.IO) end)
+
+    for argv <- [["--check"], ["--check", "--from-manifests"]] do
+      Mix.Task.rerun("vllm.gen.bindings", argv)
+      assert_received {:mix_shell, :info, ["bindings are up to date (19 files)"]}
+    end
+
+    assert_raise Mix.Error, ~r"--chek : Unknown option", fn ->
+      Mix.Task.rerun("vllm.gen.bindings", ["--chek"])
+    end
+  end
+
   test "a changed, a missing and a stale file are all reported, and write/2 repairs them", %{
     files: files
   } do

@@ -24,7 +24,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_decode_mode %{
     name: "Vllm.Cudagraph.CUDAGraphMode.decode_mode",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}}
     ],
@@ -61,7 +61,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_has_full_cudagraphs %{
     name: "Vllm.Cudagraph.CUDAGraphMode.has_full_cudagraphs",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}}
     ],
@@ -98,7 +98,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_has_mode %{
     name: "Vllm.Cudagraph.CUDAGraphMode.has_mode",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}},
       {:mode, :required,
@@ -147,7 +147,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_has_piecewise_cudagraphs %{
     name: "Vllm.Cudagraph.CUDAGraphMode.has_piecewise_cudagraphs",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}}
     ],
@@ -186,7 +186,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_max_cudagraph_mode %{
     name: "Vllm.Cudagraph.CUDAGraphMode.max_cudagraph_mode",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}}
     ],
@@ -223,7 +223,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_mixed_mode %{
     name: "Vllm.Cudagraph.CUDAGraphMode.mixed_mode",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}}
     ],
@@ -260,7 +260,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_requires_piecewise_compilation %{
     name: "Vllm.Cudagraph.CUDAGraphMode.requires_piecewise_compilation",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}}
     ],
@@ -299,7 +299,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_separate_routine %{
     name: "Vllm.Cudagraph.CUDAGraphMode.separate_routine",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}}
     ],
@@ -336,7 +336,7 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @binding_valid_runtime_modes %{
     name: "Vllm.Cudagraph.CUDAGraphMode.valid_runtime_modes",
     params: [
-      {:self, :required,
+      {:cuda_graph_mode, :required,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}}
     ],

@@ -39,7 +39,7 @@ defmodule Vllm.ForwardContext.BatchDescriptor do
 
   @binding_relax_for_mixed_batch_cudagraphs %{
     name: "Vllm.ForwardContext.BatchDescriptor.relax_for_mixed_batch_cudagraphs",
-    params: [{:self, :required, {:struct, Vllm.ForwardContext.BatchDescriptor}}],
+    params: [{:batch_descriptor, :required, {:struct, Vllm.ForwardContext.BatchDescriptor}}],
     target: {"vllm_bridge.forward_context", "BatchDescriptor.relax_for_mixed_batch_cudagraphs"}
   }
 

@@ -33,7 +33,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
   @binding_chunked_sizes %{
     name: "Vllm.ForwardContext.DPMetadata.chunked_sizes",
     params: [
-      {:self, :required, {:struct, Vllm.ForwardContext.DPMetadata}},
+      {:dp_metadata, :required, {:struct, Vllm.ForwardContext.DPMetadata}},
       {:sequence_parallel_size, :required, :int},
       {:max_chunk_size_per_rank, :required, :int},
       {:chunk_idx, :required, :int}
@@ -157,7 +157,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
   @binding_cu_tokens_across_sp %{
     name: "Vllm.ForwardContext.DPMetadata.cu_tokens_across_sp",
     params: [
-      {:self, :required, {:struct, Vllm.ForwardContext.DPMetadata}},
+      {:dp_metadata, :required, {:struct, Vllm.ForwardContext.DPMetadata}},
       {:sp_size, :required, :int}
     ],
     target: {"vllm_bridge.forward_context", "DPMetadata.cu_tokens_across_sp"}
@@ -198,7 +198,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   @binding_get_chunk_sizes_across_dp_rank %{
     name: "Vllm.ForwardContext.DPMetadata.get_chunk_sizes_across_dp_rank",
-    params: [{:self, :required, {:struct, Vllm.ForwardContext.DPMetadata}}],
+    params: [{:dp_metadata, :required, {:struct, Vllm.ForwardContext.DPMetadata}}],
     target: {"vllm_bridge.forward_context", "DPMetadata.get_chunk_sizes_across_dp_rank"}
   }
 
@@ -292,7 +292,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
   @binding_sp_local_sizes %{
     name: "Vllm.ForwardContext.DPMetadata.sp_local_sizes",
     params: [
-      {:self, :required, {:struct, Vllm.ForwardContext.DPMetadata}},
+      {:dp_metadata, :required, {:struct, Vllm.ForwardContext.DPMetadata}},
       {:sequence_parallel_size, :required, :int}
     ],
     target: {"vllm_bridge.forward_context", "DPMetadata.sp_local_sizes"}

@@ -33,7 +33,7 @@ defmodule Vllm.Ubatch.UBatchSlice do
 
   @binding_is_empty %{
     name: "Vllm.Ubatch.UBatchSlice.is_empty",
-    params: [{:self, :required, {:struct, Vllm.Ubatch.UBatchSlice}}],
+    params: [{:u_batch_slice, :required, {:struct, Vllm.Ubatch.UBatchSlice}}],
     target: {"vllm_bridge.ubatch", "UBatchSlice.is_empty"}
   }
 
@@ -64,7 +64,7 @@ defmodule Vllm.Ubatch.UBatchSlice do
 
   @binding_num_reqs %{
     name: "Vllm.Ubatch.UBatchSlice.num_reqs",
-    params: [{:self, :required, {:struct, Vllm.Ubatch.UBatchSlice}}],
+    params: [{:u_batch_slice, :required, {:struct, Vllm.Ubatch.UBatchSlice}}],
     target: {"vllm_bridge.ubatch", "UBatchSlice.num_reqs.fget"}
   }
 
@@ -95,7 +95,7 @@ defmodule Vllm.Ubatch.UBatchSlice do
 
   @binding_num_tokens %{
     name: "Vllm.Ubatch.UBatchSlice.num_tokens",
-    params: [{:self, :required, {:struct, Vllm.Ubatch.UBatchSlice}}],
+    params: [{:u_batch_slice, :required, {:struct, Vllm.Ubatch.UBatchSlice}}],
     target: {"vllm_bridge.ubatch", "UBatchSlice.num_tokens.fget"}
   }
 

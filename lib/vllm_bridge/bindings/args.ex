@@ -34,11 +34,12 @@ defmodule VllmBridge.Bindings.Args do
 
   @doc """
   Splits a call's Elixir arguments: `{:ok, python_args, python_kwargs, runtime_opts}`, or a
-  `:bad_argument` error naming what is wrong.
+  `:bad_argument` error naming what is wrong. `more` is the number of arguments the
+  Elixir function takes after these (the function of a `with_…` form), for messages.
   """
-  @spec split(spec(), list()) ::
+  @spec split(spec(), list(), non_neg_integer()) ::
           {:ok, list(), %{String.t() => term()}, keyword()} | {:error, Error.t()}
-  def split(spec, args) do
+  def split(spec, args, more \\ 0) do
     fixed =
       Enum.filter(spec.params, fn {_, mode, _} -> mode in [:required, :required_keyword] end)
 
@@ -64,11 +65,11 @@ defmodule VllmBridge.Bindings.Args do
           {args, []}
       end
 
-    where = "#{spec.name}/#{arity}"
+    where = "#{spec.name}/#{arity + more}"
     {fixed_values, optional_values} = Enum.split(given, n)
     optional_given = Enum.take(positional, length(optional_values))
 
-    with :ok <- check_arity(where, arity, n, n + m + 1),
+    with :ok <- check_arity(where, arity, n, n + m + 1, more),
          :ok <- check_opts(where, opts),
          {:ok, by_name, runtime} <- named(where, spec, opts, optional_given),
          :ok <- check_types(where, Enum.zip(fixed, fixed_values)),
@@ -97,10 +98,12 @@ defmodule VllmBridge.Bindings.Args do
   def keyword?([{k, _} | rest]) when is_atom(k), do: keyword?(rest)
   def keyword?(_), do: false
 
-  defp check_arity(_where, arity, min, max) when arity >= min and arity <= max, do: :ok
+  defp check_arity(_where, arity, min, max, _more) when arity >= min and arity <= max, do: :ok
 
-  defp check_arity(where, arity, min, max),
-    do: bad("#{where}: takes #{min}..#{max} arguments, got #{arity}")
+  defp check_arity(where, arity, min, max, more) do
+    before = if more > 0, do: " before the function", else: ""
+    bad("#{where}: takes #{min}..#{max} arguments#{before}, got #{arity}")
+  end
 
   defp check_opts(where, opts) do
     cond do

@@ -144,7 +144,12 @@ defmodule VllmBridge.Bindings.Gen.Model do
     base = %{
       name: "#{inspect(fun.module)}.#{fun.name}",
       target: fun.target,
-      params: Enum.map(fun.params, &{String.to_atom(&1.py), &1.mode, &1.type})
+      # A required parameter goes positionally: messages name it as the Elixir argument.
+      params:
+        Enum.map(fun.params, fn p ->
+          name = if p.mode == :required, do: p.var, else: p.py
+          {String.to_atom(name), p.mode, p.type}
+        end)
     }
 
     if fun.var_keyword, do: Map.put(base, :var_keyword, true), else: base
