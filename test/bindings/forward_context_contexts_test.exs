@@ -101,6 +101,10 @@ defmodule VllmBridge.Bindings.ForwardContextContextsTest do
     assert {:ok, %Ctx{ubatch_slices: nil}} =
              FC.create_forward_context(nil, @cfg, 0, nil, :none, nil, [])
 
+    # [] as the value of ubatch_slices: put the options after it.
+    assert {:ok, %Ctx{ubatch_slices: []}} =
+             FC.create_forward_context(nil, @cfg, 0, nil, :none, nil, [], [])
+
     assert {:error, %Error{type: :bad_argument, message: m}} =
              FC.create_forward_context(nil, @cfg, 0, nil, :none, nil, uniform: true)
 
