@@ -58,7 +58,15 @@ defmodule VllmBridge.Bindings.GenDocsTest do
     assert value == text <> "\n"
   end
 
-  test "nil docstrings" do
+  test "nil docstrings; parts/1 keeps the sections apart" do
     assert Docs.convert(nil) == {"", %{}}
+
+    assert Docs.parts("Raises:\n    KeyError: missing.\n\nYields:\n    Numbers.") == %{
+             body: "",
+             described: %{},
+             sections: [{"Raises", "  * `KeyError` - missing."}, {"Yields", "Numbers."}]
+           }
+
+    assert Docs.convert("Yields:\n    Numbers.") == {"## Yields\n\nNumbers.", %{}}
   end
 end

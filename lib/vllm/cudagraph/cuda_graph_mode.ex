@@ -114,11 +114,6 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   @doc """
   True when `mode` (a plain mode) is used for decode or for mixed batches.
 
-  ## Raises
-
-    * `TypeError` - `mode` is not a CUDAGraphMode.
-    * `ValueError` - `mode` is a two-routine mode (only plain modes can be looked up).
-
   ## Parameters
 
     * `cuda_graph_mode` (`Vllm.Cudagraph.CUDAGraphMode.t()`) - the instance
@@ -127,6 +122,11 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
   ## Returns
 
   `boolean()`
+
+  ## Raises
+
+    * `TypeError` - `mode` is not a CUDAGraphMode.
+    * `ValueError` - `mode` is a two-routine mode (only plain modes can be looked up).
 
   Binds `vllm_bridge.cudagraph.CUDAGraphMode.has_mode`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """

@@ -54,11 +54,6 @@ defmodule Vllm.Cudagraph.Module do
   Elixir atom arrives as such a name) or a plain mode's int value (0, 1, 2). `name`
   (the parameter being converted) is used in error messages.
 
-  ## Raises
-
-    * `ValueError` - the name or int names no member.
-    * `TypeError` - `value` is none of the accepted kinds.
-
   ## Parameters
 
     * `value` (`Vllm.Cudagraph.CUDAGraphMode.t() | String.t() | integer()`)
@@ -67,6 +62,11 @@ defmodule Vllm.Cudagraph.Module do
   ## Returns
 
   `Vllm.Cudagraph.CUDAGraphMode.t()`
+
+  ## Raises
+
+    * `ValueError` - the name or int names no member.
+    * `TypeError` - `value` is none of the accepted kinds.
 
   Binds `vllm_bridge.cudagraph.cudagraph_mode_from`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """

@@ -69,18 +69,6 @@ defmodule Vllm.Dp.Module do
   padding is allowed (and always when micro-batching); the cudagraph mode is the minimum
   over ranks, so one rank running eagerly makes all run eagerly.
 
-  ## Returns
-
-  `(should_ubatch, num_tokens_across_dp, synced_cudagraph_mode)`: whether all ranks
-  micro-batch; a CPU int32 tensor of each rank's token count (after padding), or
-  `None` when DP is off; the cudagraph mode every rank runs with.
-
-  ## Raises
-
-    * `ValueError / TypeError` - bad arguments, or ranks that disagree on allow_dp_padding.
-    * `DPGroupError` - no DP group, or one that does not match `parallel_config`.
-    * `DPTimeoutError` - a peer did not take part within the group's timeout.
-
   ## Parameters
 
     * `num_tokens_unpadded` (`integer()`) - Number of tokens without accounting for padding.
@@ -95,6 +83,16 @@ defmodule Vllm.Dp.Module do
   ## Returns
 
   `{boolean(), VllmBridge.Tensor.t() | nil, integer()}`
+
+  `(should_ubatch, num_tokens_across_dp, synced_cudagraph_mode)`: whether all ranks
+  micro-batch; a CPU int32 tensor of each rank's token count (after padding), or
+  `None` when DP is off; the cudagraph mode every rank runs with.
+
+  ## Raises
+
+    * `ValueError / TypeError` - bad arguments, or ranks that disagree on allow_dp_padding.
+    * `DPGroupError` - no DP group, or one that does not match `parallel_config`.
+    * `DPTimeoutError` - a peer did not take part within the group's timeout.
 
   Binds `vllm_bridge.dp.coordinate_batch_across_dp`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
@@ -351,11 +349,6 @@ defmodule Vllm.Dp.Module do
   `expected_size` / `expected_rank` are the caller's config, checked against the
   joined group so a misconfigured rank fails clearly instead of deadlocking.
 
-  ## Raises
-
-    * `DPGroupError` - no group joined, the group does not match, or it broke earlier.
-    * `DPTimeoutError` - a peer did not take part within the group's timeout.
-
   ## Parameters
 
     * `tensor` (`VllmBridge.Tensor.t()`)
@@ -365,6 +358,11 @@ defmodule Vllm.Dp.Module do
   ## Returns
 
   `VllmBridge.Tensor.t()`
+
+  ## Raises
+
+    * `DPGroupError` - no group joined, the group does not match, or it broke earlier.
+    * `DPTimeoutError` - a peer did not take part within the group's timeout.
 
   Binds `vllm_bridge.dp.dp_all_reduce`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
@@ -444,16 +442,6 @@ defmodule Vllm.Dp.Module do
   `VLLM_DP_MASTER_PORT`, `VLLM_DP_BACKEND` and `VLLM_DP_TIMEOUT_S` (default 60).
   Calling it again with the same settings returns the current group.
 
-  ## Returns
-
-  The joined group's `DPGroupInfo`.
-
-  ## Raises
-
-    * `ValueError / TypeError` - a missing or bad setting (the message names it).
-    * `DPTimeoutError` - the peers did not all join within `timeout_s` seconds.
-    * `DPGroupError` - this process is already in a different group.
-
   ## Parameters
 
     * `rank` (`integer() | nil`, default `nil`)
@@ -466,6 +454,14 @@ defmodule Vllm.Dp.Module do
   ## Returns
 
   `Vllm.Dp.DPGroupInfo.t()`
+
+  The joined group's `DPGroupInfo`.
+
+  ## Raises
+
+    * `ValueError / TypeError` - a missing or bad setting (the message names it).
+    * `DPTimeoutError` - the peers did not all join within `timeout_s` seconds.
+    * `DPGroupError` - this process is already in a different group.
 
   Binds `vllm_bridge.dp.init_dp_group`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """

@@ -52,10 +52,6 @@ defmodule Vllm.ForwardContext.DPMetadata do
   (with a count of at least 1) so that all ranks stay in lockstep. `local_sizes`
   is reset to `None` on exit, also when the body raises.
 
-  ## Yields
-
-  The per-rank sizes (also in `self.local_sizes`).
-
   ## Parameters
 
     * `dp_metadata` (`Vllm.ForwardContext.DPMetadata.t()`) - the instance
@@ -66,6 +62,8 @@ defmodule Vllm.ForwardContext.DPMetadata do
   ## Returns
 
   `{:ok, {handle, value}}`: the context manager is entered (in the call's session) and `value` (`[integer()]`) is what it yields; leave it with `VllmBridge.exit(handle, nil, session_id: ...)`. `with_chunked_sizes/5` enters, runs a function and always exits.
+
+  The per-rank sizes (also in `self.local_sizes`).
 
   Binds `vllm_bridge.forward_context.DPMetadata.chunked_sizes`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
@@ -208,10 +206,6 @@ defmodule Vllm.ForwardContext.DPMetadata do
   @doc """
   The current chunk's per-rank sizes; only valid inside a sizes context.
 
-  ## Raises
-
-    * `RuntimeError` - called outside `chunked_sizes` / `sp_local_sizes`.
-
   ## Parameters
 
     * `dp_metadata` (`Vllm.ForwardContext.DPMetadata.t()`) - the instance
@@ -219,6 +213,10 @@ defmodule Vllm.ForwardContext.DPMetadata do
   ## Returns
 
   `[integer()] | nil`
+
+  ## Raises
+
+    * `RuntimeError` - called outside `chunked_sizes` / `sp_local_sizes`.
 
   Binds `vllm_bridge.forward_context.DPMetadata.get_chunk_sizes_across_dp_rank`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
@@ -251,10 +249,6 @@ defmodule Vllm.ForwardContext.DPMetadata do
   @doc """
   Build DP metadata for this rank's `num_tokens` and every rank's counts.
 
-  ## Raises
-
-    * `ValueError` - DP is off, the model is marked non-MoE, the counts have the wrong length, or this rank's entry differs from `num_tokens`.
-
   ## Parameters
 
     * `parallel_config` (`Vllm.Config.ParallelConfig.t()`)
@@ -264,6 +258,10 @@ defmodule Vllm.ForwardContext.DPMetadata do
   ## Returns
 
   `Vllm.ForwardContext.DPMetadata.t()`
+
+  ## Raises
+
+    * `ValueError` - DP is off, the model is marked non-MoE, the counts have the wrong length, or this rank's entry differs from `num_tokens`.
 
   Binds `vllm_bridge.forward_context.DPMetadata.make`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """

@@ -361,18 +361,6 @@ defmodule Vllm.ForwardContext.Module do
   padding is allowed (and always when micro-batching); the cudagraph mode is the minimum
   over ranks, so one rank running eagerly makes all run eagerly.
 
-  ## Returns
-
-  `(should_ubatch, num_tokens_across_dp, synced_cudagraph_mode)`: whether all ranks
-  micro-batch; a CPU int32 tensor of each rank's token count (after padding), or
-  `None` when DP is off; the cudagraph mode every rank runs with.
-
-  ## Raises
-
-    * `ValueError / TypeError` - bad arguments, or ranks that disagree on allow_dp_padding.
-    * `DPGroupError` - no DP group, or one that does not match `parallel_config`.
-    * `DPTimeoutError` - a peer did not take part within the group's timeout.
-
   ## Parameters
 
     * `num_tokens_unpadded` (`integer()`) - Number of tokens without accounting for padding.
@@ -387,6 +375,16 @@ defmodule Vllm.ForwardContext.Module do
   ## Returns
 
   `{boolean(), VllmBridge.Tensor.t() | nil, integer()}`
+
+  `(should_ubatch, num_tokens_across_dp, synced_cudagraph_mode)`: whether all ranks
+  micro-batch; a CPU int32 tensor of each rank's token count (after padding), or
+  `None` when DP is off; the cudagraph mode every rank runs with.
+
+  ## Raises
+
+    * `ValueError / TypeError` - bad arguments, or ranks that disagree on allow_dp_padding.
+    * `DPGroupError` - no DP group, or one that does not match `parallel_config`.
+    * `DPTimeoutError` - a peer did not take part within the group's timeout.
 
   Binds `vllm_bridge.forward_context.coordinate_batch_across_dp` (defined in `vllm_bridge.dp`). Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
@@ -616,10 +614,6 @@ defmodule Vllm.ForwardContext.Module do
   `vllm_config.compilation_config`; `slot_mapping` and `additional_kwargs` default
   to empty dicts.
 
-  ## Raises
-
-    * `TypeError / ValueError` - a bad argument, including a runtime mode other than NONE, PIECEWISE or FULL.
-
   ## Parameters
 
     * `attn_metadata` (`term()`)
@@ -636,6 +630,10 @@ defmodule Vllm.ForwardContext.Module do
   ## Returns
 
   `Vllm.ForwardContext.t()`
+
+  ## Raises
+
+    * `TypeError / ValueError` - a bad argument, including a runtime mode other than NONE, PIECEWISE or FULL.
 
   Binds `vllm_bridge.forward_context.create_forward_context`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
@@ -1018,13 +1016,13 @@ defmodule Vllm.ForwardContext.Module do
   @doc """
   Get the current forward context.
 
-  ## Raises
-
-    * `RuntimeError` - no forward context is set in this thread / session.
-
   ## Returns
 
   `Vllm.ForwardContext.t()`
+
+  ## Raises
+
+    * `RuntimeError` - no forward context is set in this thread / session.
 
   Binds `vllm_bridge.forward_context.get_forward_context`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """

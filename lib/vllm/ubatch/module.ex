@@ -149,12 +149,6 @@ defmodule Vllm.Ubatch.Module do
   @doc """
   Split a batch into micro-batches, unpadded and padded.
 
-  ## Returns
-
-  `(None, None)` when `should_ubatch` is False; otherwise `(slices, padded)`
-  where `slices` end at the last real token and `padded` stretch the last
-  micro-batch to `num_tokens_padded` tokens and `num_reqs_padded` requests.
-
   ## Parameters
 
     * `should_ubatch` (`boolean()`) - The DP ranks' agreed decision; when False nothing is split.
@@ -167,6 +161,10 @@ defmodule Vllm.Ubatch.Module do
   ## Returns
 
   `{[Vllm.Ubatch.UBatchSlice.t()] | nil, [Vllm.Ubatch.UBatchSlice.t()] | nil}`
+
+  `(None, None)` when `should_ubatch` is False; otherwise `(slices, padded)`
+  where `slices` end at the last real token and `padded` stretch the last
+  micro-batch to `num_tokens_padded` tokens and `num_reqs_padded` requests.
 
   Binds `vllm_bridge.ubatch.maybe_create_ubatch_slices`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """

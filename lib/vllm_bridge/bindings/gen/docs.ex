@@ -5,8 +5,9 @@ defmodule VllmBridge.Bindings.Gen.Docs do
     * reST inline markup: ``` ``code`` ``` -> `` `code` ``, `` :func:`name` `` -> `` `name` ``;
     * Google-style sections: `Args:` / `Arguments:` / `Parameters:` / `Attributes:` are
       taken out and returned by name (the generator puts each description next to its
-      parameter or field); other sections (`Returns:`, `Raises:`, `Yields:`, ...) become
-      `## ` headings, their `name: text` items a list;
+      parameter or field); other sections (`Returns:`, `Raises:`, `Yields:`, ...) are
+      returned apart (`parts/1`) or as `## ` headings after the prose (`convert/1`), their
+      `name: text` items a list;
     * reST simple tables (`=== ===` rules) are kept verbatim in a code block; `::` ending a
       paragraph becomes `:` (the indented block after it is markdown code already).
   """
@@ -14,23 +15,48 @@ defmodule VllmBridge.Bindings.Gen.Docs do
   @item_sections ~w(Args Arguments Parameters Attributes)
   @sections ~w(Returns Yields Raises Note Notes Example Examples Warning Warnings See)
 
+  @typedoc "A converted docstring: prose, `Args:`-style descriptions by name, other sections."
+  @type parts :: %{
+          body: String.t(),
+          described: %{String.t() => String.t()},
+          sections: [{String.t(), String.t()}]
+        }
+
   @doc """
   Converts a docstring: `{markdown, descriptions}` where `descriptions` maps the names of
-  the `Args:`/`Attributes:` items to their text.
+  the `Args:`/`Attributes:` items to their text, and the other sections follow the prose
+  as `## ` headings.
   """
   @spec convert(String.t() | nil) :: {String.t(), %{String.t() => String.t()}}
-  def convert(nil), do: {"", %{}}
-
   def convert(doc) do
-    {lines, described} = doc |> inline() |> String.split("\n") |> sections([], %{})
-    text = lines |> tables() |> Enum.join("\n") |> String.replace(~r/\n{3,}/, "\n\n")
-    {String.trim(text), described}
+    %{body: body, described: described, sections: sections} = parts(doc)
+
+    headed = Enum.map(sections, fn {name, md} -> "## #{name}\n\n#{md}" end)
+    {[body | headed] |> Enum.reject(&(&1 == "")) |> Enum.join("\n\n"), described}
   end
 
-  @doc "The first sentence (or line) of a markdown text, for one-line summaries."
-  @spec summary(String.t()) :: String.t()
-  def summary(markdown) do
-    markdown |> String.split("\n\n") |> hd() |> String.replace("\n", " ") |> String.trim()
+  @doc "Converts a docstring into its parts (see `t:parts/0`), sections in their order."
+  @spec parts(String.t() | nil) :: parts()
+  def parts(nil), do: %{body: "", described: %{}, sections: []}
+
+  def parts(doc) do
+    {lines, described, sections} = doc |> inline() |> String.split("\n") |> sections([], %{}, [])
+
+    %{
+      body: markdown(lines),
+      described: described,
+      sections: for({name, block} <- Enum.reverse(sections), do: {name, markdown(block)})
+    }
+  end
+
+  # Blank lines around dropped, the first line's indentation (a list item's) kept.
+  defp markdown(lines) do
+    lines
+    |> tables()
+    |> Enum.join("\n")
+    |> String.replace(~r/\n{3,}/, "\n\n")
+    |> String.replace(~r/\A(?:[ \t]*\n)+/, "")
+    |> String.trim_trailing()
   end
 
   @doc ~S'Elixir source of a heredoc holding `text` (`\`, `#{` and `"""` escaped).'
@@ -56,20 +82,20 @@ defmodule VllmBridge.Bindings.Gen.Docs do
   end
 
   # Google-style sections: lines of `Name:` alone, then an indented block.
-  defp sections([], acc, described), do: {Enum.reverse(acc), described}
+  defp sections([], acc, described, found), do: {Enum.reverse(acc), described, found}
 
-  defp sections([line | rest], acc, described) do
+  defp sections([line | rest], acc, described, found) do
     case Regex.run(~r/^(\w+):\s*$/, line) do
       [_, name] when name in @item_sections ->
         {block, rest} = indented(rest)
-        sections(rest, acc, Map.merge(described, Map.new(items(block))))
+        sections(rest, acc, Map.merge(described, Map.new(items(block))), found)
 
       [_, name] when name in @sections ->
         {block, rest} = indented(rest)
-        sections(rest, Enum.reverse(["## #{name}", "" | section_body(block)]) ++ acc, described)
+        sections(rest, acc, described, [{name, section_body(block)} | found])
 
       _ ->
-        sections(rest, [line | acc], described)
+        sections(rest, [line | acc], described, found)
     end
   end
 

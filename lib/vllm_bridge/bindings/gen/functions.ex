@@ -131,12 +131,18 @@ defmodule VllmBridge.Bindings.Gen.Functions do
         "  * `#{name}` (#{facts})" <> if(p.doc, do: " - #{p.doc}", else: "")
       end
 
-    sections = [
-      body,
-      if(params != [], do: "## Parameters\n\n" <> Enum.join(params, "\n")),
-      "## Returns\n\n" <> returns_doc(fun),
-      footer(fun)
-    ]
+    # The docstring's Returns/Yields text goes under the generated Returns.
+    {returned, others} =
+      Enum.split_with(fun.sections, fn {name, _} -> name in ["Returns", "Yields"] end)
+
+    returns = Enum.join([returns_doc(fun) | Enum.map(returned, &elem(&1, 1))], "\n\n")
+
+    sections =
+      [
+        body,
+        if(params != [], do: "## Parameters\n\n" <> Enum.join(params, "\n")),
+        "## Returns\n\n" <> returns
+      ] ++ Enum.map(others, fn {name, md} -> "## #{name}\n\n#{md}" end) ++ [footer(fun)]
 
     sections |> Enum.reject(&is_nil/1) |> Enum.join("\n\n") |> Docs.heredoc()
   end

@@ -23,6 +23,7 @@ defmodule VllmBridge.Bindings.Gen.Model do
           target: {String.t(), String.t()},
           kind: :call | :enter | :get,
           doc: String.t(),
+          sections: [{String.t(), String.t()}],
           params: [map()],
           var_keyword: boolean(),
           var_positional: String.t() | nil,
@@ -46,7 +47,7 @@ defmodule VllmBridge.Bindings.Gen.Model do
   @spec function(map(), String.t(), module(), classes()) :: function_model()
   def function(entry, python_module, module, classes) do
     types = modules(classes)
-    {doc, described} = Docs.convert(entry["doc"])
+    %{body: doc, described: described, sections: sections} = Docs.parts(entry["doc"])
     owner = entry["kind"] in ["method", "property"]
 
     params =
@@ -67,6 +68,7 @@ defmodule VllmBridge.Bindings.Gen.Model do
       target: {python_module, entry["path"]},
       kind: if(cm, do: :enter, else: :call),
       doc: doc,
+      sections: sections,
       params: fixed ++ positional ++ keyword,
       var_keyword: Enum.any?(entry["params"], &(&1["kind"] == "var_keyword")),
       var_positional:
@@ -88,6 +90,7 @@ defmodule VllmBridge.Bindings.Gen.Model do
       target: {python_module, entry["name"]},
       kind: :get,
       doc: "Reads the Python module attribute `#{python_module}.#{entry["name"]}`#{live}.",
+      sections: [],
       params: [],
       var_keyword: false,
       var_positional: nil,
