@@ -24,7 +24,6 @@ defmodule VllmBridge.Bindings.CudagraphTest do
     assert exported(CG) == %{cudagraph_mode_from: 1..3, runtime_modes: 0..1}
 
     assert exported(Mode) == %{
-             members: 0..0,
              decode_mode: 1..2,
              has_full_cudagraphs: 1..2,
              has_mode: 2..3,
@@ -36,7 +35,15 @@ defmodule VllmBridge.Bindings.CudagraphTest do
              valid_runtime_modes: 1..2
            }
 
-    assert Mode.members() == [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]
+    assert Mode.__members__() == [
+             :none,
+             :piecewise,
+             :full,
+             :full_decode_only,
+             :full_and_piecewise
+           ]
+
+    assert Mode.__python_class__() == "vllm_bridge.cudagraph.CUDAGraphMode"
   end
 
   test "enum members come back as atoms" do
@@ -78,7 +85,7 @@ defmodule VllmBridge.Bindings.CudagraphTest do
       :valid_runtime_modes
     ]
 
-    for mode <- Mode.members(), opts <- [nil, [], [__runtime__: [timeout: 10_000]]] do
+    for mode <- Mode.__members__(), opts <- [nil, [], [__runtime__: [timeout: 10_000]]] do
       args = if opts, do: [mode, opts], else: [mode]
       results = for m <- methods, do: apply(Mode, m, args)
       {separate, decode, mixed, max, full, piecewise, valid} = expected[mode]

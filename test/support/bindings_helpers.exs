@@ -38,7 +38,7 @@ defmodule VllmBridge.BindingsHelpers do
   def exported(module) do
     module.__info__(:functions)
     |> Enum.reject(fn {name, _} ->
-      name in [:__struct__, :__python_class__, :__python_fields__]
+      name in [:__struct__, :__python_class__, :__python_fields__, :__members__]
     end)
     |> Enum.group_by(&elem(&1, 0), &elem(&1, 1))
     |> Map.new(fn {name, arities} -> {name, Enum.min(arities)..Enum.max(arities)} end)

@@ -17,9 +17,13 @@ defmodule Vllm.Cudagraph.CUDAGraphMode do
 
   @type t :: :none | :piecewise | :full | :full_decode_only | :full_and_piecewise
 
-  @doc "The members' atoms in Python's order (a constant: no call to Python)."
-  @spec members() :: [t()]
-  def members, do: [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]
+  @doc "The members' atoms in Python's order (metadata, like `__python_class__/0`: no call to Python)."
+  @spec __members__() :: [t()]
+  def __members__, do: [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]
+
+  @doc "The Python enum this type stands for."
+  @spec __python_class__() :: String.t()
+  def __python_class__, do: "vllm_bridge.cudagraph.CUDAGraphMode"
 
   @binding_decode_mode %{
     name: "Vllm.Cudagraph.CUDAGraphMode.decode_mode",

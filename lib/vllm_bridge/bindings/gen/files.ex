@@ -188,9 +188,13 @@ defmodule VllmBridge.Bindings.Gen.Files do
 
       @type t :: #{Enum.map_join(atoms, " | ", &inspect/1)}
 
-      @doc "The members' atoms in Python's order (a constant: no call to Python)."
-      @spec members() :: [t()]
-      def members, do: #{inspect(atoms)}
+      @doc "The members' atoms in Python's order (metadata, like `__python_class__/0`: no call to Python)."
+      @spec __members__() :: [t()]
+      def __members__, do: #{inspect(atoms)}
+
+      @doc "The Python enum this type stands for."
+      @spec __python_class__() :: String.t()
+      def __python_class__, do: #{inspect(c["class"])}
 
       #{methods(c, c["class"], module, classes)}
     end
