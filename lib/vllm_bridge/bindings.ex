@@ -37,7 +37,19 @@ defmodule VllmBridge.Bindings do
   **Results.** Every generated function returns `{:ok, value}` or
   `{:error, %VllmBridge.Error{}}`; values are decoded by `VllmBridge.Codec` (structs for
   the dataclasses, atoms for enum members, `VllmBridge.Tensor`s, `VllmBridge.Ref`s for
-  objects that cannot travel by value).
+  objects that cannot travel by value). The bindings assume workers started with the
+  default allow-list (`vllm_bridge.PUBLIC_MODULES`): from a worker that leaves a module
+  out, that module's dataclasses come back as references instead of structs.
+
+  ## Classes
+
+  A dataclass `C` becomes a struct module (`Vllm.ForwardContext.BatchDescriptor`) and an
+  enum a module whose `t()` is the union of its members' atoms
+  (`Vllm.Cudagraph.CUDAGraphMode`). Their public methods are functions of that module
+  whose first argument is the instance (`DPMetadata.cu_tokens_across_sp(meta, 2)`,
+  `CUDAGraphMode.has_mode(:full_and_piecewise, :piecewise)`); static methods take no
+  instance; a property is a function of the instance (`UBatchSlice.num_tokens(slice)`).
+  The instance is sent by value: a method that changes it changes Python's copy.
 
   ## Runtime options
 
