@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: demo test bootstrap test-python test-elixir bench format
+.PHONY: demo test bootstrap test-python test-elixir bench format bindings
 
 bootstrap:
 	@scripts/bootstrap.sh
@@ -26,3 +26,7 @@ bench: bootstrap
 
 format:
 	mix format
+
+# Regenerate the Elixir bindings (lib/vllm/, priv/bindings/) from the Python modules.
+bindings: bootstrap
+	mix vllm.gen.bindings

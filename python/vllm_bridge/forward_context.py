@@ -17,6 +17,7 @@ attributes ``track_batchsize``, ``batchsize_logging_interval``, ``batchsize_forw
 """
 
 import logging
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -49,6 +50,7 @@ __all__ = [
     "BatchDescriptor",
     "DPMetadata",
     "ForwardContext",
+    "UBatchSlices",
     "configure_batchsize_tracking",
     "coordinate_batch_across_dp",
     "create_forward_context",
@@ -353,6 +355,15 @@ class ForwardContext:
 _forward_context_var: ContextVar[ForwardContext | None] = ContextVar(
     "vllm_bridge_forward_context", default=None
 )
+
+# The live module attributes that __getattr__ below serves, declared with their types
+# (annotations only: the names stay unbound, so every read goes through __getattr__).
+_forward_context: ForwardContext | None
+track_batchsize: bool
+batchsize_logging_interval: float
+batchsize_forward_time: defaultdict[int | None, list[float]]
+forward_start_time: float
+last_logging_time: float
 
 
 def __getattr__(name: str) -> Any:

@@ -1,11 +1,3 @@
-defmodule VllmBridge.CodecTest.BatchDescriptor do
-  @moduledoc false
-  # Test-only stand-in for the generated struct of the Python dataclass (a later issue).
-  defstruct [:num_tokens, :num_reqs, :uniform, :has_lora, :num_active_loras]
-  def __python_class__, do: "vllm_bridge.forward_context.BatchDescriptor"
-  def __python_fields__, do: [:num_tokens, :num_reqs, :uniform, :has_lora, :num_active_loras]
-end
-
 defmodule VllmBridge.Codec.VectorsTest do
   @moduledoc """
   Every vector of priv/protocol/vectors.txt: encoding the native value gives exactly the
@@ -15,7 +7,8 @@ defmodule VllmBridge.Codec.VectorsTest do
 
   alias VllmBridge.{Codec, Ref, Tensor}
   alias VllmBridge.Codec.Registry
-  alias VllmBridge.CodecTest.BatchDescriptor
+  # The generated struct of the Python dataclass (lib/vllm/, `mix vllm.gen.bindings`).
+  alias Vllm.ForwardContext.BatchDescriptor
 
   @vectors_file Path.expand("../../priv/protocol/vectors.txt", __DIR__)
   @external_resource @vectors_file

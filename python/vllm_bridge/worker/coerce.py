@@ -1,5 +1,7 @@
 """Arguments by annotation: an atom passed where a parameter is annotated with an enum
 becomes that enum's member, named case-insensitively (``:full`` -> ``CUDAGraphMode.FULL``).
+The ``self`` of a method defined in an enum's body (called as ``CUDAGraphMode.has_mode``)
+counts as annotated with that enum.
 
 Only :class:`~vllm_bridge.protocol.types.Atom` values are converted; everything else is
 passed as it arrived. A call whose arguments hold no atom costs one scan of them.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import sys
 from typing import Any
 
 from vllm_bridge.protocol.registry import coerce_atom, enum_of_annotation, type_hints
@@ -47,12 +50,31 @@ def _plan(fn: Any) -> _Plan:
             target = enum_of_annotation(hints.get(name))
             if target is not None:
                 enums[name] = target
+        owner = _enum_owner(fn)
+        first = next(iter(sig.parameters), None)
+        if owner is not None and first is not None and first not in hints:
+            enums[first] = owner
         plan = (sig, enums) if enums else None
     try:
         _plans[key] = plan
     except TypeError:
         pass  # unhashable callable: no cache
     return plan
+
+
+def _enum_owner(fn: Any) -> type[enum.Enum] | None:
+    """The enum whose body defines ``fn`` as a plain (instance) method, if any."""
+    if not inspect.isfunction(fn):
+        return None
+    *owner_path, name = fn.__qualname__.split(".")
+    if not owner_path or "<locals>" in owner_path:
+        return None
+    owner: Any = sys.modules.get(fn.__module__)
+    for part in owner_path:
+        owner = getattr(owner, part, None)
+    if isinstance(owner, type) and issubclass(owner, enum.Enum) and vars(owner).get(name) is fn:
+        return owner
+    return None
 
 
 def coerce_arguments(

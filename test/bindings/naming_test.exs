@@ -1,0 +1,42 @@
+defmodule VllmBridge.Bindings.NamingTest do
+  @moduledoc "The naming rule of the generated modules, functions and files."
+  use ExUnit.Case, async: true
+
+  alias VllmBridge.Bindings.Naming
+
+  test "modules" do
+    assert Naming.functions_module("vllm_bridge.forward_context") == Vllm.ForwardContext.Module
+    assert Naming.functions_module("vllm_bridge.cudagraph") == Vllm.Cudagraph.Module
+
+    assert Naming.class_module("vllm_bridge.forward_context", "ForwardContext") ==
+             Vllm.ForwardContext
+
+    assert Naming.class_module("vllm_bridge.forward_context", "BatchDescriptor") ==
+             Vllm.ForwardContext.BatchDescriptor
+
+    assert Naming.class_module("vllm_bridge.config", "ParallelConfig") ==
+             Vllm.Config.ParallelConfig
+
+    assert Naming.class_module("vllm_bridge.cudagraph", "CUDAGraphMode") ==
+             Vllm.Cudagraph.CUDAGraphMode
+
+    assert Naming.base("vllm_bridge.a_b.c") == "Vllm.AB.C"
+
+    assert_raise ArgumentError, ~r/not a module of vllm_bridge/, fn -> Naming.base("os.path") end
+  end
+
+  test "functions, arguments and files" do
+    assert Naming.function_name("set_forward_context") == "set_forward_context"
+    assert Naming.function_name("_compute_sp_num_tokens") == "_compute_sp_num_tokens"
+    assert Naming.function_name("UBatchSlices") == "u_batch_slices"
+    assert Naming.function_name("RUNTIME_MODES") == "runtime_modes"
+    assert Naming.instance_name("DPMetadata") == "dp_metadata"
+    assert Naming.instance_name("CUDAGraphMode") == "cuda_graph_mode"
+    assert Naming.variable("end") == "end_"
+    assert Naming.variable("_hidden") == "arg_hidden"
+    assert Naming.variable("num_tokens") == "num_tokens"
+    assert Naming.file(Vllm.ForwardContext.Module) == "lib/vllm/forward_context/module.ex"
+    assert Naming.file(Vllm.Cudagraph.CUDAGraphMode) == "lib/vllm/cudagraph/cuda_graph_mode.ex"
+    assert Naming.manifest_file("vllm_bridge.dp") == "priv/bindings/vllm_bridge.dp.json"
+  end
+end
