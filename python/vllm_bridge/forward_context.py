@@ -140,7 +140,7 @@ class BatchDescriptor:
 
 
 def _compute_sp_num_tokens(
-    num_tokens_across_dp_cpu: torch.Tensor, sequence_parallel_size: int
+    num_tokens_across_dp_cpu: torch.Tensor | list[int], sequence_parallel_size: int
 ) -> list[int]:
     """Per sequence-parallel rank token counts: each DP rank's count split over ``sp`` ranks.
 
@@ -154,7 +154,7 @@ def _compute_sp_num_tokens(
 
 
 def _compute_chunked_local_num_tokens(
-    num_tokens_across_dp_cpu: torch.Tensor,
+    num_tokens_across_dp_cpu: torch.Tensor | list[int],
     sequence_parallel_size: int,
     max_num_tokens: int,
     chunk_idx: int,
@@ -191,7 +191,7 @@ class DPMetadata:
     def make(
         parallel_config: ParallelConfig,
         num_tokens: int,
-        num_tokens_across_dp_cpu: torch.Tensor,
+        num_tokens_across_dp_cpu: torch.Tensor | list[int],
     ) -> "DPMetadata":
         """Build DP metadata for this rank's ``num_tokens`` and every rank's counts.
 
@@ -458,7 +458,7 @@ def override_forward_context(forward_context: ForwardContext | None) -> Iterator
 def _make_dp_metadata(
     vllm_config: VllmConfig,
     num_tokens: int | None,
-    num_tokens_across_dp: torch.Tensor | None,
+    num_tokens_across_dp: torch.Tensor | list[int] | None,
     ubatch_slices: UBatchSlices | None,
 ) -> DPMetadata:
     """DP metadata for this pass, running the DP coordination when counts are not given."""
@@ -488,7 +488,7 @@ def set_forward_context(
     vllm_config: VllmConfig,
     virtual_engine: int = 0,
     num_tokens: int | None = None,
-    num_tokens_across_dp: torch.Tensor | None = None,
+    num_tokens_across_dp: torch.Tensor | list[int] | None = None,
     cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
     batch_descriptor: BatchDescriptor | None = None,
     ubatch_slices: UBatchSlices | None = None,

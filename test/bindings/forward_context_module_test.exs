@@ -175,10 +175,20 @@ defmodule VllmBridge.Bindings.ForwardContextModuleTest do
 
     assert m =~ "sequence_parallel_size must be >= 1, got 0"
 
-    assert {:error, %Error{type: :bad_argument, message: m}} =
-             FC._compute_sp_num_tokens([5, 3], 2)
+    # Python takes the counts as a tensor or a list of ints, and so do the bindings.
+    assert FC._compute_sp_num_tokens([5, 3], 2) == {:ok, [3, 3, 2, 2]}
+    assert FC._compute_chunked_local_num_tokens([5, 3], 1, 4, 1) == {:ok, [1, 1]}
 
-    assert m =~ "num_tokens_across_dp_cpu must be VllmBridge.Tensor.t(), got [5, 3]"
+    assert {:error, %Error{type: :bad_argument, message: m}} =
+             FC._compute_sp_num_tokens("5, 3", 2)
+
+    assert m =~
+             "num_tokens_across_dp_cpu must be VllmBridge.Tensor.t() | [integer()], got \"5, 3\""
+
+    assert {:error, %Error{type: :python_exception, python_type: "ValueError", message: m}} =
+             FC._compute_sp_num_tokens([5, -3], 2)
+
+    assert m =~ "num_tokens_across_dp_cpu entry must be >= 0, got -3"
   end
 
   test "_make_dp_metadata and coordinate_batch_across_dp (DP off: no collective)" do

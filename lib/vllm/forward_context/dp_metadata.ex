@@ -238,7 +238,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
     params: [
       {:parallel_config, :required, {:struct, Vllm.Config.ParallelConfig}},
       {:num_tokens, :required, :int},
-      {:num_tokens_across_dp_cpu, :required, :tensor}
+      {:num_tokens_across_dp_cpu, :required, {:union, [:tensor, {:list, :int}]}}
     ],
     target: {"vllm_bridge.forward_context", "DPMetadata.make"}
   }
@@ -253,7 +253,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
     * `parallel_config` (`Vllm.Config.ParallelConfig.t()`)
     * `num_tokens` (`integer()`)
-    * `num_tokens_across_dp_cpu` (`VllmBridge.Tensor.t()`)
+    * `num_tokens_across_dp_cpu` (`VllmBridge.Tensor.t() | [integer()]`)
 
   ## Returns
 
@@ -265,7 +265,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
 
   Binds `vllm_bridge.forward_context.DPMetadata.make`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
-  @spec make(Vllm.Config.ParallelConfig.t(), integer(), VllmBridge.Tensor.t()) ::
+  @spec make(Vllm.Config.ParallelConfig.t(), integer(), VllmBridge.Tensor.t() | [integer()]) ::
           {:ok, Vllm.ForwardContext.DPMetadata.t()} | {:error, VllmBridge.Error.t()}
   def make(parallel_config, num_tokens, num_tokens_across_dp_cpu),
     do:
@@ -276,8 +276,12 @@ defmodule Vllm.ForwardContext.DPMetadata do
       ])
 
   @doc "Like `make/3`, with the options as the last argument (see `VllmBridge.Bindings`)."
-  @spec make(Vllm.Config.ParallelConfig.t(), integer(), VllmBridge.Tensor.t(), make_opts()) ::
-          {:ok, Vllm.ForwardContext.DPMetadata.t()} | {:error, VllmBridge.Error.t()}
+  @spec make(
+          Vllm.Config.ParallelConfig.t(),
+          integer(),
+          VllmBridge.Tensor.t() | [integer()],
+          make_opts()
+        ) :: {:ok, Vllm.ForwardContext.DPMetadata.t()} | {:error, VllmBridge.Error.t()}
   def make(parallel_config, num_tokens, num_tokens_across_dp_cpu, opts),
     do:
       VllmBridge.Bindings.call(@binding_make, [

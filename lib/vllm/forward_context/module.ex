@@ -28,7 +28,7 @@ defmodule Vllm.ForwardContext.Module do
   @binding__compute_chunked_local_num_tokens %{
     name: "Vllm.ForwardContext.Module._compute_chunked_local_num_tokens",
     params: [
-      {:num_tokens_across_dp_cpu, :required, :tensor},
+      {:num_tokens_across_dp_cpu, :required, {:union, [:tensor, {:list, :int}]}},
       {:sequence_parallel_size, :required, :int},
       {:max_num_tokens, :required, :int},
       {:chunk_idx, :required, :int}
@@ -48,7 +48,7 @@ defmodule Vllm.ForwardContext.Module do
 
   ## Parameters
 
-    * `num_tokens_across_dp_cpu` (`VllmBridge.Tensor.t()`)
+    * `num_tokens_across_dp_cpu` (`VllmBridge.Tensor.t() | [integer()]`)
     * `sequence_parallel_size` (`integer()`)
     * `max_num_tokens` (`integer()`)
     * `chunk_idx` (`integer()`)
@@ -59,8 +59,12 @@ defmodule Vllm.ForwardContext.Module do
 
   Binds `vllm_bridge.forward_context._compute_chunked_local_num_tokens`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
-  @spec _compute_chunked_local_num_tokens(VllmBridge.Tensor.t(), integer(), integer(), integer()) ::
-          {:ok, [integer()]} | {:error, VllmBridge.Error.t()}
+  @spec _compute_chunked_local_num_tokens(
+          VllmBridge.Tensor.t() | [integer()],
+          integer(),
+          integer(),
+          integer()
+        ) :: {:ok, [integer()]} | {:error, VllmBridge.Error.t()}
   def _compute_chunked_local_num_tokens(
         num_tokens_across_dp_cpu,
         sequence_parallel_size,
@@ -77,7 +81,7 @@ defmodule Vllm.ForwardContext.Module do
 
   @doc "Like `_compute_chunked_local_num_tokens/4`, with the options as the last argument (see `VllmBridge.Bindings`)."
   @spec _compute_chunked_local_num_tokens(
-          VllmBridge.Tensor.t(),
+          VllmBridge.Tensor.t() | [integer()],
           integer(),
           integer(),
           integer(),
@@ -102,7 +106,7 @@ defmodule Vllm.ForwardContext.Module do
   @binding__compute_sp_num_tokens %{
     name: "Vllm.ForwardContext.Module._compute_sp_num_tokens",
     params: [
-      {:num_tokens_across_dp_cpu, :required, :tensor},
+      {:num_tokens_across_dp_cpu, :required, {:union, [:tensor, {:list, :int}]}},
       {:sequence_parallel_size, :required, :int}
     ],
     target: {"vllm_bridge.forward_context", "_compute_sp_num_tokens"}
@@ -119,7 +123,7 @@ defmodule Vllm.ForwardContext.Module do
 
   ## Parameters
 
-    * `num_tokens_across_dp_cpu` (`VllmBridge.Tensor.t()`)
+    * `num_tokens_across_dp_cpu` (`VllmBridge.Tensor.t() | [integer()]`)
     * `sequence_parallel_size` (`integer()`)
 
   ## Returns
@@ -128,7 +132,7 @@ defmodule Vllm.ForwardContext.Module do
 
   Binds `vllm_bridge.forward_context._compute_sp_num_tokens`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
-  @spec _compute_sp_num_tokens(VllmBridge.Tensor.t(), integer()) ::
+  @spec _compute_sp_num_tokens(VllmBridge.Tensor.t() | [integer()], integer()) ::
           {:ok, [integer()]} | {:error, VllmBridge.Error.t()}
   def _compute_sp_num_tokens(num_tokens_across_dp_cpu, sequence_parallel_size),
     do:
@@ -138,8 +142,11 @@ defmodule Vllm.ForwardContext.Module do
       ])
 
   @doc "Like `_compute_sp_num_tokens/2`, with the options as the last argument (see `VllmBridge.Bindings`)."
-  @spec _compute_sp_num_tokens(VllmBridge.Tensor.t(), integer(), _compute_sp_num_tokens_opts()) ::
-          {:ok, [integer()]} | {:error, VllmBridge.Error.t()}
+  @spec _compute_sp_num_tokens(
+          VllmBridge.Tensor.t() | [integer()],
+          integer(),
+          _compute_sp_num_tokens_opts()
+        ) :: {:ok, [integer()]} | {:error, VllmBridge.Error.t()}
   def _compute_sp_num_tokens(num_tokens_across_dp_cpu, sequence_parallel_size, opts),
     do:
       VllmBridge.Bindings.call(@binding__compute_sp_num_tokens, [
@@ -180,7 +187,7 @@ defmodule Vllm.ForwardContext.Module do
     params: [
       {:vllm_config, :required, {:struct, Vllm.Config.VllmConfig}},
       {:num_tokens, :required, {:union, [:int, :none]}},
-      {:num_tokens_across_dp, :required, {:union, [:tensor, :none]}},
+      {:num_tokens_across_dp, :required, {:union, [:tensor, {:list, :int}, :none]}},
       {:ubatch_slices, :required, {:union, [{:list, {:struct, Vllm.Ubatch.UBatchSlice}}, :none]}}
     ],
     target: {"vllm_bridge.forward_context", "_make_dp_metadata"}
@@ -196,7 +203,7 @@ defmodule Vllm.ForwardContext.Module do
 
     * `vllm_config` (`Vllm.Config.VllmConfig.t()`)
     * `num_tokens` (`integer() | nil`)
-    * `num_tokens_across_dp` (`VllmBridge.Tensor.t() | nil`)
+    * `num_tokens_across_dp` (`VllmBridge.Tensor.t() | [integer()] | nil`)
     * `ubatch_slices` (`[Vllm.Ubatch.UBatchSlice.t()] | nil`)
 
   ## Returns
@@ -208,7 +215,7 @@ defmodule Vllm.ForwardContext.Module do
   @spec _make_dp_metadata(
           Vllm.Config.VllmConfig.t(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil
         ) :: {:ok, Vllm.ForwardContext.DPMetadata.t()} | {:error, VllmBridge.Error.t()}
   def _make_dp_metadata(vllm_config, num_tokens, num_tokens_across_dp, ubatch_slices),
@@ -224,7 +231,7 @@ defmodule Vllm.ForwardContext.Module do
   @spec _make_dp_metadata(
           Vllm.Config.VllmConfig.t(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil,
           _make_dp_metadata_opts()
         ) :: {:ok, Vllm.ForwardContext.DPMetadata.t()} | {:error, VllmBridge.Error.t()}
@@ -1241,7 +1248,7 @@ defmodule Vllm.ForwardContext.Module do
       {:vllm_config, :required, {:struct, Vllm.Config.VllmConfig}},
       {:virtual_engine, :optional, :int},
       {:num_tokens, :optional, {:union, [:int, :none]}},
-      {:num_tokens_across_dp, :optional, {:union, [:tensor, :none]}},
+      {:num_tokens_across_dp, :optional, {:union, [:tensor, {:list, :int}, :none]}},
       {:cudagraph_runtime_mode, :optional,
        {:enum, Vllm.Cudagraph.CUDAGraphMode,
         [:none, :piecewise, :full, :full_decode_only, :full_and_piecewise]}},
@@ -1259,7 +1266,7 @@ defmodule Vllm.ForwardContext.Module do
   @type set_forward_context_opts :: [
           {:virtual_engine, integer()}
           | {:num_tokens, integer() | nil}
-          | {:num_tokens_across_dp, VllmBridge.Tensor.t() | nil}
+          | {:num_tokens_across_dp, VllmBridge.Tensor.t() | [integer()] | nil}
           | {:cudagraph_runtime_mode, Vllm.Cudagraph.CUDAGraphMode.t()}
           | {:batch_descriptor, Vllm.ForwardContext.BatchDescriptor.t() | nil}
           | {:ubatch_slices, [Vllm.Ubatch.UBatchSlice.t()] | nil}
@@ -1291,7 +1298,7 @@ defmodule Vllm.ForwardContext.Module do
     * `vllm_config` (`Vllm.Config.VllmConfig.t()`)
     * `virtual_engine` (`integer()`, default `0`)
     * `num_tokens` (`integer() | nil`, default `nil`)
-    * `num_tokens_across_dp` (`VllmBridge.Tensor.t() | nil`, default `nil`)
+    * `num_tokens_across_dp` (`VllmBridge.Tensor.t() | [integer()] | nil`, default `nil`)
     * `cudagraph_runtime_mode` (`Vllm.Cudagraph.CUDAGraphMode.t()`, default `:none`)
     * `batch_descriptor` (`Vllm.ForwardContext.BatchDescriptor.t() | nil`, default `nil`)
     * `ubatch_slices` (`[Vllm.Ubatch.UBatchSlice.t()] | nil`, default `nil`)
@@ -1345,7 +1352,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil | set_forward_context_opts()
+          VllmBridge.Tensor.t() | [integer()] | nil | set_forward_context_opts()
         ) :: {:ok, {VllmBridge.Ref.t(), nil}} | {:error, VllmBridge.Error.t()}
   def set_forward_context(
         attn_metadata,
@@ -1369,7 +1376,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t() | set_forward_context_opts()
         ) :: {:ok, {VllmBridge.Ref.t(), nil}} | {:error, VllmBridge.Error.t()}
   def set_forward_context(
@@ -1396,7 +1403,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil | set_forward_context_opts()
         ) :: {:ok, {VllmBridge.Ref.t(), nil}} | {:error, VllmBridge.Error.t()}
@@ -1426,7 +1433,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil | set_forward_context_opts()
@@ -1459,7 +1466,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil,
@@ -1498,7 +1505,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil,
@@ -1539,7 +1546,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil,
@@ -1639,7 +1646,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil | set_forward_context_opts(),
+          VllmBridge.Tensor.t() | [integer()] | nil | set_forward_context_opts(),
           (nil -> result) | (nil, VllmBridge.Session.t() -> result)
         ) :: {:ok, result | nil} | {:error, VllmBridge.Error.t()}
         when result: term()
@@ -1664,7 +1671,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t() | set_forward_context_opts(),
           (nil -> result) | (nil, VllmBridge.Session.t() -> result)
         ) :: {:ok, result | nil} | {:error, VllmBridge.Error.t()}
@@ -1698,7 +1705,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil | set_forward_context_opts(),
           (nil -> result) | (nil, VllmBridge.Session.t() -> result)
@@ -1735,7 +1742,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil | set_forward_context_opts(),
@@ -1775,7 +1782,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil,
@@ -1821,7 +1828,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil,
@@ -1869,7 +1876,7 @@ defmodule Vllm.ForwardContext.Module do
           Vllm.Config.VllmConfig.t(),
           integer(),
           integer() | nil,
-          VllmBridge.Tensor.t() | nil,
+          VllmBridge.Tensor.t() | [integer()] | nil,
           Vllm.Cudagraph.CUDAGraphMode.t(),
           Vllm.ForwardContext.BatchDescriptor.t() | nil,
           [Vllm.Ubatch.UBatchSlice.t()] | nil,
