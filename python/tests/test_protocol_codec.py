@@ -234,6 +234,21 @@ def test_values_of_unregistered_classes_need_a_session():
             packb(value)
 
 
+@pytest.mark.parametrize(
+    ("value", "pair"),
+    [(slice(0, 4), (0, 4)), (slice(3, None), (3, None)), (slice(None, 2), (None, 2))],
+)
+def test_a_slice_without_a_step_travels_as_a_start_stop_pair(value, pair):
+    assert unpackb(packb(value)) == pair
+    assert packb(value) == packb(pair)
+
+
+def test_a_slice_with_a_step_or_odd_bounds_needs_a_session():
+    for value in (slice(0, 4, 2), slice(0.5, 2), slice("a", "b")):
+        with pytest.raises(TypeError, match="cannot travel by value"):
+            packb(value)
+
+
 def test_references_made_by_the_encoder_nest_inside_values():
     made = []
 

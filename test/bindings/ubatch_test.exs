@@ -54,7 +54,9 @@ defmodule VllmBridge.Bindings.UbatchTest do
       assert {:ok, {[a, b], [_, padded]}} =
                apply(UB, :maybe_create_ubatch_slices, [true, [2, 2, 1], 6, 4 | extra])
 
-      assert %UBatchSlice{request_slice: %Ref{}, token_slice: %Ref{}} = a
+      # Slices travel by value, as {start, stop} pairs.
+      assert %UBatchSlice{request_slice: {0, 2}, token_slice: {0, 3}} = a
+      assert %UBatchSlice{request_slice: {1, 3}, token_slice: {3, 5}} = b
       assert UBatchSlice.num_tokens(a) == {:ok, 3}
       assert UBatchSlice.num_tokens(b, []) == {:ok, 2}
       assert UBatchSlice.num_reqs(a) == {:ok, 2}

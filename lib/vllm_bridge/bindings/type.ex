@@ -23,7 +23,8 @@ defmodule VllmBridge.Bindings.Type do
   Checks (`check/2`) follow the typespec, with three allowances that Python makes too:
   a `float` also takes an integer (and `:nan`, `:infinity`, `:neg_infinity`, the codec's
   non-finite floats); a `slice` is sent as a `{start, stop}` pair (the worker's
-  `UBatchSlice` turns it into a slice) and comes back as a reference; and any argument may
+  `UBatchSlice` turns it into a slice) and comes back as one (a slice with a step comes
+  back as a reference); and any argument may
   be a `%VllmBridge.Ref{}`, an object the worker holds, whose Python type only the worker
   can check.
   """

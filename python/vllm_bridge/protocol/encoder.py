@@ -162,6 +162,15 @@ class _Pass:
             return self.tensor(obj) if can_encode(obj) else self.reference(obj)
         if isinstance(obj, tuple):
             return self.ext(ExtCode.TUPLE, list(obj))
+        if (
+            type(obj) is slice
+            and obj.step is None
+            and (obj.start is None or type(obj.start) is int)
+            and (obj.stop is None or type(obj.stop) is int)
+        ):
+            # A plain slice(start, stop) travels as the pair (start, stop) (one way: a
+            # pair arrives in Python as a tuple; UBatchSlice turns pairs into slices).
+            return self.ext(ExtCode.TUPLE, [obj.start, obj.stop])
         if type(obj) is int:  # only big integers reach here
             return msgpack.ExtType(ExtCode.BIGINT, bigint_payload(obj))
         if isinstance(obj, int):
