@@ -130,7 +130,10 @@ defmodule VllmBridge do
         when result: term()
   def with_context(target, args, kwargs, opts, fun) when is_function(fun, 1) do
     with {:ok, {handle, value}} <- enter(target, args, kwargs, opts) do
-      exit_opts = Keyword.drop(opts || [], [:pool_name])
+      # The exit must run: it waits for the context's worker whatever the call's affinity
+      # (under :strict_fail_fast a busy worker would otherwise leave the context entered).
+      exit_opts =
+        (opts || []) |> Keyword.drop([:pool_name]) |> Keyword.put(:affinity, :strict_queue)
 
       try do
         fun.(value)
