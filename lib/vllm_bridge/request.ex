@@ -57,7 +57,7 @@ defmodule VllmBridge.Request do
   def send_request(pid, %__MODULE__{} = req, deadline, counted, mode) do
     id = :erlang.unique_integer([:positive])
     mref = :erlang.monitor(:process, pid, [{:alias, mode}])
-    send(pid, {:"$vb_req", id, mref, frame(req, id, deadline), deadline, counted})
+    send(pid, {:"$vb_req", id, mref, self(), frame(req, id, deadline), deadline, counted})
     {pid, id, mref}
   end
 
@@ -65,7 +65,7 @@ defmodule VllmBridge.Request do
   @spec cast(pid(), t(), integer() | :infinity) :: :ok
   def cast(pid, %__MODULE__{} = req, deadline) do
     id = :erlang.unique_integer([:positive])
-    send(pid, {:"$vb_req", id, nil, frame(req, id, deadline), deadline, false})
+    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false})
     :ok
   end
 
