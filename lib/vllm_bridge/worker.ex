@@ -235,9 +235,11 @@ defmodule VllmBridge.Worker do
       Port.command(state.port, frame)
 
       entry =
-        if alias,
-          do: {alias, counted, deadline, :live, Process.monitor(caller)},
-          else: {nil, counted, deadline, :detached, nil}
+        cond do
+          caller -> {alias, counted, deadline, :live, Process.monitor(caller)}
+          alias -> {alias, counted, deadline, :live, nil}
+          true -> {nil, counted, deadline, :detached, nil}
+        end
 
       calls = Map.put(state.calls, id, entry)
       {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
