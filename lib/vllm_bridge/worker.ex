@@ -38,7 +38,7 @@ defmodule VllmBridge.Worker do
 
   alias VllmBridge.{Error, Request, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.Launcher
+  alias VllmBridge.Worker.{Launcher, PythonLog}
 
   @start_timeout 60_000
   @cancel_grace 5_000
@@ -208,7 +208,7 @@ defmodule VllmBridge.Worker do
         {:noreply, finish(state, id, :end, nil)}
 
       {:log, _} ->
-        python_log(state, bin)
+        PythonLog.emit(bin, label(state))
         {:noreply, state}
 
       other ->
@@ -387,28 +387,6 @@ defmodule VllmBridge.Worker do
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
     %{state | calls: %{}, port: nil}
   end
-
-  defp python_log(state, bin) do
-    case VllmBridge.Codec.decode(bin) do
-      {:ok, ["log", level, name, message]} ->
-        Logger.log(
-          log_level(level),
-          fn -> "[python #{name}] #{message}" end,
-          vllm_worker: label(state),
-          python_logger: name
-        )
-
-      other ->
-        Logger.warning(
-          "vllm_bridge worker #{label(state)}: malformed log frame #{inspect(other)}"
-        )
-    end
-  end
-
-  defp log_level("debug"), do: :debug
-  defp log_level("info"), do: :info
-  defp log_level("warning"), do: :warning
-  defp log_level(_), do: :error
 
   defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"
   defp label(%{pool: pool, index: index}), do: "#{inspect(pool)}[#{index}]"
