@@ -346,6 +346,35 @@ defmodule VllmBridge.Runtime.StreamContextTest do
       assert [%{"name" => "n", "type" => nil}] = exit_log()
     end
 
+    test "an exit that times out behind a long call still runs, before the session's next call",
+         %{w: w} do
+      s = session!()
+      o = opts(session_id: s.id, timeout: 200)
+      other = session!()
+      me = self()
+
+      result =
+        VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, ["p"], %{}, o, fn _ ->
+          # Another session's long call occupies the worker when the body ends.
+          busy = Task.async(fn -> diag("sleep", [1.5], session_id: other.id) end)
+          send(me, {:busy, busy})
+
+          wait_until(fn ->
+            match?({:ok, %{"running" => id}} when is_integer(id), Worker.ping(w))
+          end)
+
+          :body_done
+        end)
+
+      assert {:error, %Error{type: :timeout, message: m}} = result
+      assert m =~ "still runs"
+      # Calls run in arrival order: the session's next call sees the context exited.
+      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
+      assert [%{"name" => "p", "type" => nil}] = exit_log()
+      assert_received {:busy, busy}
+      assert {:ok, 1.5} = Task.await(busy, 30_000)
+    end
+
     test "a context that cannot be entered: the error, and the fun never runs" do
       assert {:error, %Error{type: :python_exception, python_type: "TypeError"}} =
                VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, [5], %{}, opts(), fn _ ->
