@@ -67,8 +67,8 @@ defmodule VllmBridge.Runtime.CallerExitTest do
 
   test "a queued call whose caller dies is dropped before it runs",
        %{w: w, meta: meta, instance: instance} do
-    # A live caller keeps the Python worker busy ...
-    first = Task.async(fn -> diag("sleep", [1.0]) end)
+    # A live caller keeps the Python worker busy (a stream, until unhold) ...
+    first = hold(pool_name: @pool)
     wait_until(fn -> running?(w) end)
 
     # ... while a dead one's long call waits behind it in the worker's queue.
@@ -76,15 +76,18 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     wait_until(fn -> match?({:ok, %{"queued" => 1}}, Worker.ping(w)) end)
     Process.exit(caller, :kill)
 
+    # Dropped from the queue while the stream still runs.
     wait_until(fn -> match?({:ok, %{"queued" => 0}}, Worker.ping(w)) end, @prompt)
-    assert {:ok, 1.0} = Task.await(first, 30_000)
+    assert running?(w)
+    wait_until(fn -> Slots.load(meta, 0) == 1 end)
+    unhold(first)
     wait_until(fn -> idle?(w, meta) end, @prompt, "the dead caller's call dropped")
     assert [%{instance: ^instance}] = workers!(@pool)
   end
 
   test "a running call whose caller dies runs to its end; the worker is not restarted",
        %{w: w, meta: meta, instance: instance} do
-    caller = spawn(fn -> diag("sleep", [1.0], timeout: :infinity) end)
+    caller = spawn(fn -> diag("sleep", [3.0], timeout: :infinity) end)
     wait_until(fn -> running?(w) end)
     Process.exit(caller, :kill)
 

@@ -186,23 +186,19 @@ defmodule VllmBridge.Runtime.SessionTest do
     {:ok, %Ref{}} = diag("opaque", [1], session_id: s.id)
     assert status(ws, 0)["refs"] == 1
 
-    # Another session's long call occupies the worker's Python thread.
-    busy =
-      Task.async(fn ->
-        VllmBridge.with_session(
-          fn b -> diag("sleep", [1.5], session_id: b.id) end,
-          pool_name: @pool,
-          worker: 0
-        )
-      end)
-
+    # Another session's long call (a stream, until unhold) occupies the worker's Python
+    # thread.
+    busy = hold(pool_name: @pool, session_id: open!(worker: 0).id)
     wait_until(fn -> is_integer(status(ws, 0)["running"]) end)
 
     assert {:error, %Error{type: :timeout, message: msg}} = Session.close(s, 100)
     assert msg =~ "still runs"
     # Forgotten here at once; released there when the worker gets to it.
     assert {:error, %Error{type: :bad_argument}} = Session.lookup(s.id)
-    assert {:ok, 1.5} = Task.await(busy, 30_000)
+    assert status(ws, 0)["refs"] == 1
+    assert status(ws, 0)["queued"] == 1
+
+    unhold(busy)
     wait_until(fn -> status(ws, 0)["refs"] == 0 end)
   end
 
@@ -211,15 +207,14 @@ defmodule VllmBridge.Runtime.SessionTest do
     on_exit(fn -> Process.exit(owner, :kill) end)
     {:ok, s} = Session.open(pool_name: @pool, worker: 1, owner: owner)
     {:ok, %Ref{}} = diag("opaque", [1], session_id: s.id)
-    other = open!(worker: 1)
-    busy = Task.async(fn -> diag("sleep", [1.5], session_id: other.id) end)
+    busy = hold(pool_name: @pool, session_id: open!(worker: 1).id)
     wait_until(fn -> is_integer(status(ws, 1)["running"]) end)
 
     closer = spawn(fn -> Session.close(s, 60_000) end)
     wait_until(fn -> status(ws, 1)["queued"] == 1 end)
     Process.exit(closer, :kill)
 
-    assert {:ok, 1.5} = Task.await(busy, 30_000)
+    unhold(busy)
     wait_until(fn -> status(ws, 1)["refs"] == 0 end)
   end
 

@@ -347,7 +347,7 @@ defmodule VllmBridge.Runtime.StreamContextTest do
     end
 
     test "an exit that times out behind a long call still runs, before the session's next call",
-         %{w: w} do
+         %{w: w, meta: meta} do
       s = session!()
       o = opts(session_id: s.id, timeout: 200)
       other = session!()
@@ -355,8 +355,9 @@ defmodule VllmBridge.Runtime.StreamContextTest do
 
       result =
         VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, ["p"], %{}, o, fn _ ->
-          # Another session's long call occupies the worker when the body ends.
-          busy = Task.async(fn -> diag("sleep", [1.5], session_id: other.id) end)
+          # Another session's long call (a stream, until unhold) occupies the worker when
+          # the body ends.
+          busy = hold(pool_name: @pool, session_id: other.id)
           send(me, {:busy, busy})
 
           wait_until(fn ->
@@ -368,11 +369,14 @@ defmodule VllmBridge.Runtime.StreamContextTest do
 
       assert {:error, %Error{type: :timeout, message: m}} = result
       assert m =~ "still runs"
-      # Calls run in arrival order: the session's next call sees the context exited.
-      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
-      assert [%{"name" => "p", "type" => nil}] = exit_log()
       assert_received {:busy, busy}
-      assert {:ok, 1.5} = Task.await(busy, 30_000)
+      # Calls run in arrival order: the session's next call, made while the exit still
+      # waits (here in the pool's queue, for the exit's slot), sees the context exited.
+      next = Task.async(fn -> diag("get_var", [], session_id: s.id) end)
+      wait_until(fn -> Slots.waiting(meta) == 1 end)
+      unhold(busy)
+      assert {:ok, nil} = Task.await(next, 30_000)
+      assert [%{"name" => "p", "type" => nil}] = exit_log()
     end
 
     test "a context that cannot be entered: the error, and the fun never runs" do
