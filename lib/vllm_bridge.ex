@@ -99,6 +99,10 @@ defmodule VllmBridge do
   ended its body (a `VllmBridge.Error`, any exception, or a message), which `__exit__`
   receives (the real Python exception when the error came from a call in that session).
   Returns whether `__exit__` suppressed it.
+
+  Once sent, an exit is never cancelled: past the call's deadline the result is
+  `{:error, %Error{type: :timeout}}`, but the exit still runs, before any later call of
+  the session (a worker runs requests in arrival order). `release/2` likewise.
   """
   @spec exit(Ref.t(), nil | Exception.t() | String.t(), Runtime.opts()) :: result(boolean())
   def exit(handle, exc \\ nil, opts \\ [])
@@ -123,14 +127,18 @@ defmodule VllmBridge do
   Enters the context manager `target(*args, **kwargs)` returns, runs `fun.(value)` and
   always exits: cleanly when `fun` returns (`{:ok, fun_result}`), with the error when it
   raises, throws or exits (re-raised unless `__exit__` suppressed it, then `{:ok, nil}`).
-  The generated `with_…` bindings use this.
+  The exit waits for the context's worker whatever the affinity, and is not cancelled
+  (see `exit/3`). The generated `with_…` bindings use this.
   """
   @spec with_context(target(), list(), map() | keyword(), Runtime.opts(), (term() -> result)) ::
           {:ok, result | nil} | {:error, Error.t()}
         when result: term()
   def with_context(target, args, kwargs, opts, fun) when is_function(fun, 1) do
     with {:ok, {handle, value}} <- enter(target, args, kwargs, opts) do
-      exit_opts = Keyword.drop(opts || [], [:pool_name])
+      # The exit must run: it waits for the context's worker whatever the call's affinity
+      # (under :strict_fail_fast a busy worker would otherwise leave the context entered).
+      exit_opts =
+        (opts || []) |> Keyword.drop([:pool_name]) |> Keyword.put(:affinity, :strict_queue)
 
       try do
         fun.(value)
@@ -263,11 +271,23 @@ defmodule VllmBridge do
   defp bound_ref(_), do: nil
 
   # Route, reserve, send, wait. `timed` says the kind carries a timeout field.
+  #
+  # `exit` and `release` clean up session state: once sent they are never cancelled (not
+  # at the deadline, not when the caller dies) and carry no deadline to the worker, which
+  # runs requests in arrival order. A caller that stops waiting gets :timeout, and the
+  # session's next call still finds the context exited.
   defp run(rt, kind, bound, payload, parts, timed) do
     with {:ok, route} <- Route.resolve(rt, kind, bound, payload),
          {:ok, pid, _index} <- Route.checkout(route, rt.deadline) do
       req = Request.new(kind, [Wire.value(route.session)], timed, parts)
-      Request.call(pid, req, rt.deadline, true)
+
+      if kind in ["exit", "release"] do
+        pid
+        |> Request.send_request(req, :infinity, true, :reply_demonitor, false)
+        |> Request.await(rt.deadline, false)
+      else
+        Request.call(pid, req, rt.deadline, true)
+      end
     end
   end
 end

@@ -50,14 +50,23 @@ defmodule VllmBridge.Request do
 
   @doc """
   Sends `req` and returns at once; `mode` is the alias mode (`:reply_demonitor` for one
-  reply, `:demonitor` for a stream).
+  reply, `:demonitor` for a stream). With `watch` (the default) the worker cancels the
+  request if the calling process dies before its reply; without, the request runs to its
+  end whatever becomes of its caller (a session's `close`).
   """
-  @spec send_request(pid(), t(), integer() | :infinity, boolean(), :reply_demonitor | :demonitor) ::
-          handle()
-  def send_request(pid, %__MODULE__{} = req, deadline, counted, mode) do
+  @spec send_request(
+          pid(),
+          t(),
+          integer() | :infinity,
+          boolean(),
+          :reply_demonitor | :demonitor,
+          boolean()
+        ) :: handle()
+  def send_request(pid, %__MODULE__{} = req, deadline, counted, mode, watch \\ true) do
     id = :erlang.unique_integer([:positive])
     mref = :erlang.monitor(:process, pid, [{:alias, mode}])
-    send(pid, {:"$vb_req", id, mref, frame(req, id, deadline), deadline, counted})
+    caller = if watch, do: self()
+    send(pid, {:"$vb_req", id, mref, caller, frame(req, id, deadline), deadline, counted})
     {pid, id, mref}
   end
 
@@ -65,7 +74,7 @@ defmodule VllmBridge.Request do
   @spec cast(pid(), t(), integer() | :infinity) :: :ok
   def cast(pid, %__MODULE__{} = req, deadline) do
     id = :erlang.unique_integer([:positive])
-    send(pid, {:"$vb_req", id, nil, frame(req, id, deadline), deadline, false})
+    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false})
     :ok
   end
 
@@ -82,16 +91,35 @@ defmodule VllmBridge.Request do
   defp frame(%{kind: kind, pre: pre, post: post}, id, _deadline),
     do: Wire.request(kind, id, pre ++ post)
 
-  @doc "Waits for the one reply of a request sent with `send_request/5`."
-  @spec await(handle(), integer() | :infinity) :: {:ok, term()} | {:error, Error.t()}
-  def await({pid, id, mref}, deadline) do
+  @doc """
+  Waits until `deadline` for the one reply of a request sent with `send_request/6`. Past
+  the deadline the request is cancelled (`give_up/1`), or with `cancel` false only
+  forgotten: it still runs, and its reply is dropped.
+  """
+  @spec await(handle(), integer() | :infinity, boolean()) :: {:ok, term()} | {:error, Error.t()}
+  def await({pid, id, mref}, deadline, cancel \\ true) do
     receive do
       {^mref, :reply, bin} -> Wire.decode_reply(bin)
       {^mref, :worker_exit, message} -> worker_exit(message)
       {^mref, :reply_error, %Error{} = e} -> {:error, e}
       {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
     after
-      Runtime.remaining(deadline) -> give_up({pid, id, mref})
+      Runtime.remaining(deadline) ->
+        if cancel, do: give_up({pid, id, mref}), else: forget({pid, id, mref})
+    end
+  end
+
+  defp forget({_pid, id, mref}) do
+    Process.demonitor(mref, [:flush])
+
+    receive do
+      {^mref, :reply, bin} -> Wire.decode_reply(bin)
+    after
+      0 ->
+        flush(mref)
+
+        {:error,
+         Error.new(:timeout, "no reply to request #{id} before its deadline; it still runs")}
     end
   end
 

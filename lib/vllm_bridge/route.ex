@@ -43,7 +43,8 @@ defmodule VllmBridge.Route do
   def resolve(%Runtime{} = rt, _kind, %Ref{} = ref, _payload) do
     case Directory.instance(ref.instance) do
       {pool, index, _pid} ->
-        with {:ok, meta} <- pool_meta(pool, lost_ref(ref)) do
+        with {:ok, meta} <- pool_meta(pool, lost_ref(ref)),
+             :ok <- session_open(ref) do
           constraint =
             if rt.affinity == :strict_fail_fast, do: {:fail_fast, index}, else: {:only, index}
 
@@ -143,6 +144,25 @@ defmodule VllmBridge.Route do
     case Directory.pool(pool) do
       {:ok, meta} -> {:ok, meta}
       :error -> {:error, lost}
+    end
+  end
+
+  # A reference of a closed session was released with it. Refused here, so that the
+  # request does not bring the closed session's state back to life in the worker.
+  defp session_open(%Ref{session: nil}), do: :ok
+
+  defp session_open(%Ref{session: id} = ref) do
+    case :ets.lookup(Directory.table(), {:session, id}) do
+      [_] ->
+        :ok
+
+      [] ->
+        {:error,
+         Error.new(
+           :bad_argument,
+           "reference #{ref.id} (#{ref.type}) belongs to session #{inspect(id)}, which is " <>
+             "closed: its references were released with it"
+         )}
     end
   end
 

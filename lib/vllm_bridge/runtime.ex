@@ -95,9 +95,13 @@ defmodule VllmBridge.Runtime do
   def resolve(opts, kind) when is_list(opts) do
     now = System.monotonic_time(:millisecond)
 
-    with :ok <- check_keyword(opts, "runtime option"),
+    with :ok <- check_keyword(opts, {"runtime option", "runtime options"}),
          defaults = Application.get_env(:vllm_bridge, :runtime, []),
-         :ok <- check_keyword(defaults, "config :vllm_bridge, :runtime"),
+         :ok <-
+           check_keyword(
+             defaults,
+             {"config :vllm_bridge, :runtime", "config :vllm_bridge, :runtime"}
+           ),
          {:ok, rt} <- build(opts, defaults) do
       budget = if kind == :stream, do: rt.stream_timeout, else: rt.timeout
       {:ok, %{rt | deadline: deadline(now, budget)}}
@@ -200,11 +204,11 @@ defmodule VllmBridge.Runtime do
 
   defp check_keyword([{key, _} | rest], where) when key in @keys, do: check_keyword(rest, where)
 
-  defp check_keyword([{key, _} | _], where) when is_atom(key),
-    do: bad("unknown #{where} #{inspect(key)}; known: #{inspect(@keys)}")
+  defp check_keyword([{key, _} | _], {one, _all}) when is_atom(key),
+    do: bad("unknown #{one} #{inspect(key)}; known: #{inspect(@keys)}")
 
-  defp check_keyword(other, where),
-    do: bad("#{where}s must be a keyword list, got #{inspect(other, limit: 8)}")
+  defp check_keyword(other, {_one, all}),
+    do: bad("#{all} must be a keyword list, got #{inspect(other, limit: 8)}")
 
   defp bad(message), do: {:error, Error.new(:bad_argument, message)}
 end

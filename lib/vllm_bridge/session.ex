@@ -72,9 +72,14 @@ defmodule VllmBridge.Session do
   end
 
   @doc """
-  Closes a session (a struct or its id): sends `close` to its worker (and to the other
-  workers its `:hint` calls ran on), waits up to `timeout` ms for them, and forgets it.
-  Closing a session whose worker restarted only forgets it. Unknown ids are `:bad_argument`.
+  Closes a session (a struct or its id): forgets it, sends `close` to its worker (and to
+  the other workers its `:hint` calls ran on) and waits up to `timeout` ms for them.
+
+  The close is never cancelled: when a worker is busy past `timeout` (a long call ahead of
+  it), the result is `{:error, %Error{type: :timeout}}` but the close still runs when the
+  worker gets to it, and the session's state there is released then (likewise if the
+  calling process dies while it waits). Closing a session whose worker restarted only
+  forgets it. Unknown ids are `:bad_argument`.
   """
   @spec close(t() | String.t(), timeout()) :: :ok | {:error, Error.t()}
   def close(session, timeout \\ 5_000)
@@ -87,13 +92,26 @@ defmodule VllmBridge.Session do
 
         targets
         |> Enum.map(fn {pid, _} ->
-          Request.send_request(pid, close_request(id), deadline, false, :reply_demonitor)
+          req = close_request(id)
+          Request.send_request(pid, req, :infinity, false, :reply_demonitor, false)
         end)
-        |> Enum.map(&Request.await(&1, deadline))
+        |> Enum.map(&Request.await(&1, deadline, false))
         |> Enum.find(:ok, &match?({:error, %Error{type: type}} when type != :worker_exit, &1))
         |> case do
-          :ok -> :ok
-          {:error, e} -> {:error, e}
+          :ok ->
+            :ok
+
+          {:error, %Error{type: :timeout}} ->
+            {:error,
+             Error.new(
+               :timeout,
+               "session #{inspect(id)}: its worker did not answer close within #{timeout} ms " <>
+                 "(busy); the close still runs when the worker gets to it, and the session " <>
+                 "is forgotten here"
+             )}
+
+          {:error, e} ->
+            {:error, e}
         end
 
       :error ->

@@ -7,7 +7,8 @@ defmodule VllmBridge.Stream do
   within `timeout` ms of the previous one (and before the deadline). Each chunk is one
   element. Halting early (`Enum.take/2`, a `throw`, an exception in the consumer) sends
   `cancel`: the generator stops at its next chunk boundary and is closed, and the chunks
-  still on their way are dropped. An error during enumeration (a Python exception, a
+  still on their way are dropped. If the enumerating process dies, the worker (which
+  monitors it) cancels the stream the same way. An error during enumeration (a Python exception, a
   timeout, the worker dying) raises `VllmBridge.Error`.
   """
 

@@ -17,8 +17,13 @@ defmodule VllmBridge.Worker do
       supervisor starts a new one (a new Python process, a new `instance`).
     * **Timeouts.** A caller that times out sends `cancel` through here and forgets the
       call; the late reply is dropped. If the call is still in the table `cancel_grace` ms
-      later, the Python process is stuck in it and is killed (so it restarts). Calls whose
-      caller died without cancelling are found by a periodic sweep of deadlines.
+      later, the Python process is stuck in it and is killed (so it restarts).
+    * **Callers that die.** Each waiting caller is monitored while its request is in
+      flight. When one dies, its requests are cancelled at once: a queued call is dropped
+      by the Python side and a stream stops at its next chunk, so their slots come back;
+      a plain call already running cannot be interrupted and runs to its end (its reply
+      is dropped). Only if such a call is still running past its own deadline (found by a
+      periodic sweep) does the `cancel_grace` restart apply.
     * **Logs.** `log` frames go to `Logger` with the Python logger's name.
 
   Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:env` (see
@@ -33,7 +38,7 @@ defmodule VllmBridge.Worker do
 
   alias VllmBridge.{Error, Request, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.Launcher
+  alias VllmBridge.Worker.{Launcher, PythonLog}
 
   @start_timeout 60_000
   @cancel_grace 5_000
@@ -193,7 +198,7 @@ defmodule VllmBridge.Worker do
 
       {:chunk, id} when id != nil ->
         case state.calls do
-          %{^id => {alias, _, _, :live}} -> send(alias, {alias, :chunk, bin})
+          %{^id => {alias, _, _, :live, _}} -> send(alias, {alias, :chunk, bin})
           _ -> :ok
         end
 
@@ -203,7 +208,7 @@ defmodule VllmBridge.Worker do
         {:noreply, finish(state, id, :end, nil)}
 
       {:log, _} ->
-        python_log(state, bin)
+        PythonLog.emit(bin, label(state))
         {:noreply, state}
 
       other ->
@@ -216,7 +221,10 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  def handle_info({:"$vb_req", id, alias, frame, deadline, counted}, state) do
+  # A call in the table: `{alias, counted, deadline, status, monitor}`, where status is
+  # :live (a caller waits on `alias`, monitored by `monitor`), :detached (nobody waits),
+  # :abandoned (the caller died; cancel sent) or {:cancelled, since} (grace running).
+  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted}, state) do
     if Map.has_key?(state.calls, id) do
       if alias,
         do: send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
@@ -225,8 +233,15 @@ defmodule VllmBridge.Worker do
       {:noreply, state}
     else
       Port.command(state.port, frame)
-      status = if alias, do: :live, else: :detached
-      calls = Map.put(state.calls, id, {alias, counted, deadline, status})
+
+      entry =
+        cond do
+          caller -> {alias, counted, deadline, :live, Process.monitor(caller)}
+          alias -> {alias, counted, deadline, :live, nil}
+          true -> {nil, counted, deadline, :detached, nil}
+        end
+
+      calls = Map.put(state.calls, id, entry)
       {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
     end
   end
@@ -235,7 +250,7 @@ defmodule VllmBridge.Worker do
 
   def handle_info({:"$vb_grace", id}, state) do
     case state.calls do
-      %{^id => {_, _, _, {:cancelled, since}}} ->
+      %{^id => {_, _, _, {:cancelled, since}, _}} ->
         Logger.warning(
           "vllm_bridge worker #{label(state)}: request #{id} still runs " <>
             "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled; " <>
@@ -249,6 +264,10 @@ defmodule VllmBridge.Worker do
     end
 
     {:noreply, state}
+  end
+
+  def handle_info({:DOWN, mon, :process, _caller, _reason}, state) do
+    {:noreply, abandon(state, mon)}
   end
 
   def handle_info(:sweep, state) do
@@ -285,8 +304,10 @@ defmodule VllmBridge.Worker do
 
   defp finish(state, id, tag, bin) do
     case Map.pop(state.calls, id) do
-      {{alias, counted, _, status}, calls} ->
+      {{alias, counted, _, status, mon}, calls} ->
         if status == :live, do: send(alias, {alias, tag, bin})
+        # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
+        if mon, do: Process.demonitor(mon)
         if counted, do: release(state)
         %{state | calls: calls}
 
@@ -298,27 +319,46 @@ defmodule VllmBridge.Worker do
   defp release(%{meta: nil}), do: :ok
   defp release(%{meta: meta, index: index}), do: Slots.release(meta, index)
 
+  # The caller gave up (or its call is overdue): cancel it, and restart the Python process
+  # if the call still runs `cancel_grace` ms from now.
   defp cancel(state, id) do
     case state.calls do
-      %{^id => {alias, counted, deadline, :live}} ->
-        Port.command(state.port, Wire.request("cancel", id, []))
+      %{^id => {alias, counted, deadline, status, mon}} when status in [:live, :abandoned] ->
+        if status == :live, do: Port.command(state.port, Wire.request("cancel", id, []))
+        if mon, do: Process.demonitor(mon)
         Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
         now = System.monotonic_time(:millisecond)
-        %{state | calls: Map.put(state.calls, id, {alias, counted, deadline, {:cancelled, now}})}
+        entry = {alias, counted, deadline, {:cancelled, now}, nil}
+        %{state | calls: Map.put(state.calls, id, entry)}
 
       _ ->
         state
     end
   end
 
-  # Calls past their deadline whose caller never cancelled (it died): cancel them now.
+  # The caller of a call died: cancel the call (a queued one is dropped, a stream stops),
+  # without the grace restart: a running plain call may take as long as its deadline.
+  defp abandon(state, mon) do
+    case Enum.find(state.calls, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
+      {id, {alias, counted, deadline, :live, ^mon}} ->
+        Port.command(state.port, Wire.request("cancel", id, []))
+        entry = {alias, counted, deadline, :abandoned, nil}
+        %{state | calls: Map.put(state.calls, id, entry)}
+
+      nil ->
+        state
+    end
+  end
+
+  # Calls past their deadline whose caller did not cancel them (it died): cancel them now.
   # And a slot count left over by a caller that died between reserving and sending is
   # set right when the table has been empty for a whole sweep.
   defp sweep(state) do
     now = System.monotonic_time(:millisecond)
 
     overdue =
-      for {id, {_, _, deadline, :live}} <- state.calls,
+      for {id, {_, _, deadline, status, _}} <- state.calls,
+          status in [:live, :abandoned],
           is_integer(deadline) and deadline + @sweep_every < now,
           do: id
 
@@ -335,7 +375,7 @@ defmodule VllmBridge.Worker do
   # Everything in flight gets :worker_exit; the directory forgets this worker; the Python
   # process is closed (and killed if it lingers).
   defp shut(state, message) do
-    for {_id, {alias, _, _, :live}} <- state.calls do
+    for {_id, {alias, _, _, :live, _}} <- state.calls do
       send(alias, {alias, :worker_exit, message})
     end
 
@@ -347,28 +387,6 @@ defmodule VllmBridge.Worker do
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
     %{state | calls: %{}, port: nil}
   end
-
-  defp python_log(state, bin) do
-    case VllmBridge.Codec.decode(bin) do
-      {:ok, ["log", level, name, message]} ->
-        Logger.log(
-          log_level(level),
-          fn -> "[python #{name}] #{message}" end,
-          vllm_worker: label(state),
-          python_logger: name
-        )
-
-      other ->
-        Logger.warning(
-          "vllm_bridge worker #{label(state)}: malformed log frame #{inspect(other)}"
-        )
-    end
-  end
-
-  defp log_level("debug"), do: :debug
-  defp log_level("info"), do: :info
-  defp log_level("warning"), do: :warning
-  defp log_level(_), do: :error
 
   defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"
   defp label(%{pool: pool, index: index}), do: "#{inspect(pool)}[#{index}]"

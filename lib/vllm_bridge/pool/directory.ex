@@ -16,6 +16,8 @@ defmodule VllmBridge.Pool.Directory do
   """
   use GenServer
 
+  @spec child_spec(term()) :: Supervisor.child_spec()
+
   alias VllmBridge.Pool.Meta
 
   @table __MODULE__

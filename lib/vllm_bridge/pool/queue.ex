@@ -15,6 +15,8 @@ defmodule VllmBridge.Pool.Queue do
   """
   use GenServer
 
+  @spec child_spec(term()) :: Supervisor.child_spec()
+
   alias VllmBridge.Pool.{Directory, Meta, Slots}
 
   @doc false

@@ -6,6 +6,8 @@ defmodule VllmBridge.Session.Manager do
   """
   use GenServer
 
+  @spec child_spec(term()) :: Supervisor.child_spec()
+
   alias VllmBridge.{Error, Request, Session}
   alias VllmBridge.Pool.Directory
 

@@ -1,0 +1,124 @@
+defmodule VllmBridge.Runtime.CallerExitTest do
+  @moduledoc """
+  A caller that dies with a request in flight: the worker notices at once (not at the
+  request's deadline). Its stream is cancelled and its queued call dropped, so the slot
+  comes back; a plain call already running cannot be interrupted and runs to its end,
+  without the worker being restarted for it.
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+
+  import VllmBridge.RuntimeHelpers
+
+  alias VllmBridge.{Pool, Worker}
+  alias VllmBridge.Pool.Slots
+
+  # A short cancel grace: a worker restarted for a dead caller's running call would show.
+  @pool :rt_caller
+
+  setup_all do
+    start_pool!(@pool, size: 1, max_in_flight: 4, cancel_grace: 300)
+    :ok
+  end
+
+  setup do
+    [%{pid: w, instance: instance}] = workers!(@pool)
+    {:ok, meta} = Pool.meta(@pool)
+    wait_until(fn -> idle?(w, meta) end)
+    {:ok, _} = diag("exit_log", [true])
+    %{w: w, meta: meta, instance: instance}
+  end
+
+  defp idle?(w, meta) do
+    Slots.load(meta, 0) == 0 and Worker.in_flight(w) == 0 and
+      match?({:ok, %{"running" => nil, "queued" => 0}}, Worker.ping(w))
+  end
+
+  defp diag(fun, args, opts \\ []),
+    do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
+
+  defp running?(w), do: match?({:ok, %{"running" => id}} when is_integer(id), Worker.ping(w))
+
+  # Less than the 30 minutes of stream_timeout or :infinity, more than a busy machine needs.
+  @prompt 15_000
+
+  test "a stream whose consumer dies is cancelled; the slot comes back", %{w: w, meta: meta} do
+    me = self()
+
+    consumer =
+      spawn(fn ->
+        {:ok, s} =
+          VllmBridge.stream({"vllm_bridge.diag", "count"}, [1_000_000, 0.01, "orphan"], %{},
+            pool_name: @pool,
+            timeout_profile: :streaming
+          )
+
+        Enum.each(s, &send(me, {:chunk, &1}))
+      end)
+
+    assert_receive {:chunk, 2}, 30_000
+    Process.exit(consumer, :kill)
+
+    wait_until(fn -> idle?(w, meta) end, @prompt, "the orphaned stream cancelled")
+
+    assert {:ok, [%{"name" => "orphan", "type" => "builtins.GeneratorExit"}]} =
+             diag("exit_log", [])
+  end
+
+  test "a queued call whose caller dies is dropped before it runs",
+       %{w: w, meta: meta, instance: instance} do
+    # A live caller keeps the Python worker busy (a stream, until unhold) ...
+    first = hold(pool_name: @pool)
+    wait_until(fn -> running?(w) end)
+
+    # ... while a dead one's long call waits behind it in the worker's queue.
+    caller = spawn(fn -> diag("sleep", [60], timeout: :infinity) end)
+    wait_until(fn -> match?({:ok, %{"queued" => 1}}, Worker.ping(w)) end)
+    Process.exit(caller, :kill)
+
+    # Dropped from the queue while the stream still runs.
+    wait_until(fn -> match?({:ok, %{"queued" => 0}}, Worker.ping(w)) end, @prompt)
+    assert running?(w)
+    wait_until(fn -> Slots.load(meta, 0) == 1 end)
+    unhold(first)
+    wait_until(fn -> idle?(w, meta) end, @prompt, "the dead caller's call dropped")
+    assert [%{instance: ^instance}] = workers!(@pool)
+  end
+
+  test "a running call whose caller dies runs to its end; the worker is not restarted",
+       %{w: w, meta: meta, instance: instance} do
+    caller = spawn(fn -> diag("sleep", [3.0], timeout: :infinity) end)
+    wait_until(fn -> running?(w) end)
+    Process.exit(caller, :kill)
+
+    wait_until(fn -> idle?(w, meta) end, @prompt)
+    assert [%{instance: ^instance}] = workers!(@pool)
+    assert {:ok, 2} = diag("add", [1, 1])
+  end
+
+  test "callers that die in numbers leave the pool idle and serving", %{w: w, meta: meta} do
+    callers =
+      for i <- 1..20 do
+        spawn(fn ->
+          if rem(i, 2) == 0,
+            do: diag("sleep", [0.05], timeout: :infinity),
+            else:
+              Enum.to_list(
+                elem(
+                  VllmBridge.stream({"vllm_bridge.diag", "count"}, [1_000, 0.01], %{},
+                    pool_name: @pool
+                  ),
+                  1
+                )
+              )
+        end)
+      end
+
+    wait_until(fn -> Worker.in_flight(w) > 0 end)
+    Enum.each(callers, &Process.exit(&1, :kill))
+
+    wait_until(fn -> idle?(w, meta) end, @prompt)
+    assert Slots.waiting(meta) == 0
+    assert {:ok, 5} = diag("add", [2, 3])
+  end
+end

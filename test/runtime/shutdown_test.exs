@@ -1,0 +1,111 @@
+defmodule VllmBridge.Runtime.ShutdownTest do
+  @moduledoc """
+  No Python process outlives the runtime: not when the application stops (every pool,
+  configured or started at run time), and not when the whole BEAM is killed with
+  kill -9 (a separate BEAM OS process, started here, running a pool of 2).
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+
+  import VllmBridge.RuntimeHelpers
+
+  alias VllmBridge.Pool
+
+  test "Application.stop(:vllm_bridge) leaves no Python process of any pool" do
+    old_pools = Application.fetch_env(:vllm_bridge, :pools)
+
+    on_exit(fn ->
+      case old_pools do
+        {:ok, v} -> Application.put_env(:vllm_bridge, :pools, v)
+        :error -> Application.delete_env(:vllm_bridge, :pools)
+      end
+
+      {:ok, _} = Application.ensure_all_started(:vllm_bridge)
+    end)
+
+    # A pool from the application config (started with the application) ...
+    Application.put_env(:vllm_bridge, :pools, rt_cfg: [size: 2])
+    :ok = Application.stop(:vllm_bridge)
+    {:ok, _} = Application.ensure_all_started(:vllm_bridge)
+    assert :rt_cfg in Pool.names()
+
+    assert {:ok, 3} =
+             VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, pool_name: :rt_cfg)
+
+    # ... and one started at run time, busy in a call.
+    {:ok, _} = VllmBridge.start_pool(:rt_run, size: 1)
+
+    busy =
+      Task.async(fn ->
+        VllmBridge.call({"vllm_bridge.diag", "sleep"}, [60], %{}, pool_name: :rt_run)
+      end)
+
+    wait_until(fn -> Enum.any?(workers!(:rt_run), &(&1.load == 1)) end)
+    os_pids = for p <- [:rt_cfg, :rt_run], w <- workers!(p), do: w.os_pid
+    assert length(os_pids) == 3 and Enum.all?(os_pids, &os_alive?/1)
+
+    :ok = Application.stop(:vllm_bridge)
+    assert {:error, %VllmBridge.Error{type: :worker_exit}} = Task.await(busy, 30_000)
+    # Stopping waits for each worker's process to be gone.
+    assert Enum.filter(os_pids, &os_alive?/1) == []
+
+    # Started again without the configured pool: no pool, and calls say so.
+    Application.delete_env(:vllm_bridge, :pools)
+    {:ok, _} = Application.ensure_all_started(:vllm_bridge)
+    assert Pool.names() == []
+
+    assert {:error, %VllmBridge.Error{type: :bad_argument}} =
+             VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, pool_name: :rt_cfg)
+  end
+
+  # A BEAM of its own: starts the application with a configured pool of 2, prints its
+  # own OS pid and its workers' OS pids, then waits to be killed.
+  @script """
+  [python] = System.argv()
+  Application.put_env(:vllm_bridge, :python, python)
+  Application.put_env(:vllm_bridge, :pools, default: [size: 2])
+  {:ok, _} = Application.ensure_all_started(:vllm_bridge)
+  {:ok, 5} = VllmBridge.call({"vllm_bridge.diag", "add"}, [2, 3])
+  {:ok, ws} = VllmBridge.Pool.workers(:default)
+  IO.puts("READY " <> Enum.join([System.pid() | Enum.map(ws, &to_string(&1.os_pid))], " "))
+  Process.sleep(:infinity)
+  """
+
+  test "a BEAM killed with kill -9 leaves no Python process" do
+    ebin = Path.join([Mix.Project.build_path(), "lib", "vllm_bridge", "ebin"])
+    python = Application.fetch_env!(:vllm_bridge, :python)
+
+    port =
+      Port.open({:spawn_executable, System.find_executable("elixir")}, [
+        :binary,
+        :exit_status,
+        :stderr_to_stdout,
+        {:line, 4096},
+        args: ["-pa", ebin, "-e", @script, "--", python]
+      ])
+
+    [beam | workers] = read_ready(port, "") |> String.split() |> Enum.map(&String.to_integer/1)
+    assert length(workers) == 2
+    assert Enum.all?([beam | workers], &os_alive?/1)
+
+    System.cmd("kill", ["-9", "#{beam}"])
+    assert_receive {^port, {:exit_status, 137}}, 30_000
+
+    wait_until(fn -> not Enum.any?(workers, &os_alive?/1) end, 10_000, "the workers gone")
+  end
+
+  defp read_ready(port, seen) do
+    receive do
+      {^port, {:data, {:eol, "READY " <> pids}}} ->
+        pids
+
+      {^port, {:data, {_, line}}} ->
+        read_ready(port, seen <> line <> "\n")
+
+      {^port, {:exit_status, status}} ->
+        flunk("the BEAM exited with status #{status} before it was ready:\n#{seen}")
+    after
+      120_000 -> flunk("the BEAM was not ready within 120 s:\n#{seen}")
+    end
+  end
+end

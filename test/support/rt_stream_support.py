@@ -1,0 +1,16 @@
+"""Generators for the stream tests of the Elixir runtime (test/runtime/stream_context_test.exs).
+
+``vllm_bridge.diag`` has no generator that fails part-way; this one does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+def fail_after(n: int, message: str) -> Iterator[int]:
+    """Yield ``0 .. n-1``, then raise ``RuntimeError(message)``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    yield from range(n)
+    raise RuntimeError(message)
