@@ -37,8 +37,9 @@ __all__ = [
     "shutdown_runner",
 ]
 
-#: Capture sizes of the CUDA-graph configuration when none are given.
-DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+#: Capture sizes of the CUDA-graph configuration when none are given: as vLLM's default,
+#: 1, 2, 4, then every multiple of 8 (here up to 128).
+DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, *range(8, 129, 8))
 
 _runner: ModelRunner | None = None
 
