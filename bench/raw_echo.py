@@ -2,10 +2,13 @@
 fd 3 and writes each one back unchanged on fd 4, until EOF.
 
 No codec, no dispatch, no threads: the least a Port round trip to a Python process costs.
+Like a worker, it asks for 1 MiB pipe buffers (``F_SETPIPE_SZ``, Linux), so that both sides
+of a comparison use the same transport.
 Started by ``mix vllm.bench`` (``bench/README.md``) as ``python bench/raw_echo.py`` on an
 Erlang port opened with ``{:packet, 4}`` and ``:nouse_stdio``, like a worker.
 """
 
+import fcntl
 import os
 import struct
 import sys
@@ -41,7 +44,22 @@ def _write_all(fd: int, parts: list[memoryview]) -> None:
                 written = 0
 
 
+def _enlarge_pipes(size: int = 1 << 20) -> None:
+    """As ``vllm_bridge.protocol.framing.enlarge_pipes`` (kept here to import nothing)."""
+    try:
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            size = min(size, int(f.read()))
+    except (OSError, ValueError):
+        pass
+    for fd in (READ_FD, WRITE_FD):
+        try:
+            fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+        except OSError:
+            pass
+
+
 def main() -> int:
+    _enlarge_pipes()
     while True:
         header = _read_exact(READ_FD, 4)
         if header is None:

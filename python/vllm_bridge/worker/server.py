@@ -32,7 +32,7 @@ from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.protocol.decoder import Decoder
 from vllm_bridge.protocol.encoder import Encoder
 from vllm_bridge.protocol.errors import BadArgument
-from vllm_bridge.protocol.framing import FrameError, read_frame
+from vllm_bridge.protocol.framing import FrameError, FrameReader, enlarge_pipes
 from vllm_bridge.protocol.messages import (
     Control,
     Invoke,
@@ -120,6 +120,7 @@ class Worker:
     def __init__(self, modules: tuple[str, ...], max_refs: int) -> None:
         self.modules = modules
         self.instance = secrets.token_hex(8)
+        self.reader = FrameReader()
         self.registry = TypeRegistry(modules)
         self.decoder = Decoder()
         self.channel = Channel(Encoder(self.registry))
@@ -139,7 +140,7 @@ class Worker:
         logging.getLogger().addHandler(LogFrameHandler(self.channel))
         while True:
             try:
-                body = read_frame()
+                body = self.reader.read()
             except FrameError as exc:
                 _log.error("input stream broken: %s", exc)
                 body = None
@@ -151,7 +152,7 @@ class Worker:
                 _log.exception("frame of %d bytes could not be handled", len(body))
                 self.channel.error(_lenient_id(body), "protocol", f"frame not handled: {exc}")
 
-    def on_frame(self, body: bytes | bytearray) -> None:
+    def on_frame(self, body: bytes | bytearray | memoryview) -> None:
         """Handle one frame on the reader thread."""
         now = time.monotonic()
         try:
@@ -223,7 +224,7 @@ class Worker:
         return 0
 
 
-def _lenient_id(body: bytes | bytearray) -> int | None:
+def _lenient_id(body: bytes | bytearray | memoryview) -> int | None:
     """The request id of a body whose extension values are malformed, if it has one."""
     try:
         msg = msgpack.unpackb(
@@ -243,5 +244,6 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s [worker %(process)d] %(message)s",
     )
     logging.captureWarnings(True)
+    enlarge_pipes()
     _import_allowed(opts.allow)
     return Worker(opts.allow, opts.max_refs).serve()
