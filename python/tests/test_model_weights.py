@@ -103,21 +103,31 @@ def _rewrite(path: Path, change) -> None:  # noqa: ANN001 - a small test helper
         (lambda p: p.update(format="something.else"), "is not a vllm_bridge.moe file"),
         (lambda p: p.update(version=2), "has version 2"),
         (lambda p: p["config"].update(hidden_size=15), "bad model config.*multiple of num_heads"),
-        (lambda p: p["config"].update(colour="red"), r"unknown ModelConfig field\(s\) \['colour'\]"),
+        (
+            lambda p: p["config"].update(colour="red"),
+            r"unknown ModelConfig field\(s\) \['colour'\]",
+        ),
         (lambda p: p["state_dict"].pop("norm.weight"), r"lacks tensor\(s\) \['norm.weight'\]"),
-        (lambda p: p["state_dict"].update(extra=torch.zeros(1)), r"unexpected tensor\(s\) \['extra'\]"),
+        (
+            lambda p: p["state_dict"].update(extra=torch.zeros(1)),
+            r"unexpected tensor\(s\) \['extra'\]",
+        ),
         (
             lambda p: p["state_dict"].update({"lm_head": torch.zeros(16, 31)}),
             r"lm_head has shape \(16, 31\), the config needs \(16, 32\)",
         ),
         (
-            lambda p: p["state_dict"].update({"embed.weight": torch.zeros(32, 16, dtype=torch.float16)}),
+            lambda p: p["state_dict"].update(
+                {"embed.weight": torch.zeros(32, 16, dtype=torch.float16)}
+            ),
             "embed.weight has dtype torch.float16, the config needs float32",
         ),
         (lambda p: p.update(seed="x"), "bad seed 'x'"),
     ],
 )
-def test_a_file_that_does_not_fit_names_what_is_wrong(tmp_path: Path, change, message: str) -> None:  # noqa: ANN001
+def test_a_file_that_does_not_fit_names_what_is_wrong(
+    tmp_path: Path, change, message: str  # noqa: ANN001
+) -> None:
     path = Path(save_weights(tmp_path / "w.pt", SMALL, seed=1).path)
     _rewrite(path, change)
     with pytest.raises(WeightsError, match=message):

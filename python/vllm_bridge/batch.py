@@ -148,7 +148,8 @@ def prepare_inputs(
             )
         ids.extend(req.token_ids[start : start + n])
         pos.extend(range(start, start + n))
-        slots.extend(range(req.region * max_model_len + start, req.region * max_model_len + start + n))
+        first_slot = req.region * max_model_len + start
+        slots.extend(range(first_slot, first_slot + n))
         qsl.append(qsl[-1] + n)
         if start + n == len(req.token_ids):
             sample.append(req.req_id)

@@ -329,7 +329,8 @@ class ModelRunner:
                     raise ValueError(
                         f"request {req_id!r}: token id {token!r} is not in 0..{vocab - 1}"
                     )
-        unknown = [r for r in step.num_scheduled_tokens if r not in staying | set(step.new_requests)]
+        known = staying | set(step.new_requests)
+        unknown = [r for r in step.num_scheduled_tokens if r not in known]
         if unknown:
             raise ValueError(f"scheduled request(s) {unknown} are not running (never added?)")
         freed = [self.requests[r].region for r in step.finished if r in self.requests]

@@ -18,6 +18,8 @@ reads the same on both sides. See :mod:`vllm_bridge.model_runner` for what a ste
 import dataclasses
 from typing import Any
 
+import torch
+
 from vllm_bridge.batch import SchedulerStep
 from vllm_bridge.config import CompilationConfig, ParallelConfig, VllmConfig
 from vllm_bridge.dp import dp_group_info
@@ -88,6 +90,8 @@ def create_runner(
     joined (:func:`vllm_bridge.dp.init_dp_group`), or 1 / 0 when it joined none. The model
     is an MoE model; ``model`` (ModelConfig fields) fixes its shape, else the weights file
     does. ``cudagraph_mode`` is a :class:`~vllm_bridge.cudagraph.CUDAGraphMode` name.
+    ``device`` defaults to ``cuda:<rank modulo the GPU count>`` when CUDA is available,
+    else ``cpu``.
 
     Returns:
         :func:`runner_info`.
@@ -107,9 +111,12 @@ def create_runner(
         dbo_prefill_token_threshold=dbo_prefill_token_threshold,
         dbo_decode_token_threshold=dbo_decode_token_threshold,
     )
-    sizes = list(DEFAULT_CAPTURE_SIZES if cudagraph_capture_sizes is None else cudagraph_capture_sizes)
+    sizes = DEFAULT_CAPTURE_SIZES if cudagraph_capture_sizes is None else cudagraph_capture_sizes
+    sizes = list(sizes)
     compilation = CompilationConfig(cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=sizes)
     model_config = ModelConfig.from_dict(model) if model is not None else None
+    if device is None and torch.cuda.is_available():
+        device = f"cuda:{data_parallel_rank % torch.cuda.device_count()}"
     runner = ModelRunner(
         VllmConfig(parallel_config=parallel, compilation_config=compilation),
         model_config,

@@ -5,9 +5,11 @@ defmodule VllmBridge.Demo.Ranks do
 
   Each worker gets its rank through its environment (`worker_env`): `VLLM_DP_RANK`,
   `VLLM_DP_SIZE`, `VLLM_DP_MASTER_IP`/`VLLM_DP_MASTER_PORT` (a free local port, where rank
-  0 hosts the rendezvous), `VLLM_LOG_BATCHSIZE_INTERVAL` (batch-size tracking on) and
-  `OMP_NUM_THREADS=1` (two ranks share the machine's cores; torch's thread pool would
-  otherwise oversubscribe them).
+  0 hosts the rendezvous), `VLLM_DP_BACKEND=gloo` (the DP collectives go through the CPU:
+  two NCCL ranks cannot share one GPU, and the step's agreement runs on the CPU anyway),
+  `VLLM_LOG_BATCHSIZE_INTERVAL` (batch-size tracking on) and `OMP_NUM_THREADS=1` (two
+  ranks share the machine's cores; torch's thread pool would otherwise oversubscribe
+  them).
 
   Calls go through the public API (`VllmBridge.call/4`) with the rank's session and the
   `:ml_inference` timeout profile. `both/2` runs one function per rank concurrently (one
@@ -55,6 +57,7 @@ defmodule VllmBridge.Demo.Ranks do
           {"VLLM_DP_SIZE", size},
           {"VLLM_DP_MASTER_IP", "127.0.0.1"},
           {"VLLM_DP_MASTER_PORT", port},
+          {"VLLM_DP_BACKEND", "gloo"},
           {"VLLM_LOG_BATCHSIZE_INTERVAL", 3600},
           {"OMP_NUM_THREADS", 1}
         ]

@@ -3,9 +3,9 @@
 1. :meth:`Decoder.decode` turns bytes into values without running any code of the
    allow-listed modules: atoms, tuples, tensors, big integers and :class:`Ref` come out
    as they are (the large tensors of a large frame are copied out of it once, see
-   :mod:`~vllm_bridge.protocol.splice`); dataclass and enum values come out as :class:`PendingStruct` /
-   :class:`PendingEnum` (class name and fields). Malformed extension payloads raise
-   :class:`~vllm_bridge.protocol.errors.BadArgument`.
+   :mod:`~vllm_bridge.protocol.splice`); dataclass and enum values come out as
+   :class:`PendingStruct` / :class:`PendingEnum` (class name and fields). Malformed
+   extension payloads raise :class:`~vllm_bridge.protocol.errors.BadArgument`.
 2. :func:`materialize` builds the registered classes (refusing any other name), turns
    atoms into enum members where a dataclass field is annotated with an enum, and
    optionally resolves references. The worker does this on its execution thread, inside

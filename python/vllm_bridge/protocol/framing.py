@@ -25,7 +25,9 @@ _IOV_MAX = 1024
 PIPE_SIZE = 1 << 20
 
 
-def enlarge_pipes(fds: Sequence[int] = (READ_FD, WRITE_FD), size: int = PIPE_SIZE) -> dict[int, int]:
+def enlarge_pipes(
+    fds: Sequence[int] = (READ_FD, WRITE_FD), size: int = PIPE_SIZE
+) -> dict[int, int]:
     """Ask Linux for pipe buffers of ``size`` bytes on ``fds`` (``F_SETPIPE_SZ``), or the
     system's limit (``/proc/sys/fs/pipe-max-size``) when that is lower.
 
