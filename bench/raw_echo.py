@@ -1,7 +1,8 @@
 """The floor of the bridge's benchmarks: a process that only reads {packet, 4} frames on
 fd 3 and writes each one back unchanged on fd 4, until EOF.
 
-No codec, no dispatch, no threads: the least a Port round trip to a Python process costs.
+No codec, no dispatch, no threads, one buffer reused for every frame: the least a Port
+round trip to a Python process costs.
 Like a worker, it asks for 1 MiB pipe buffers (``F_SETPIPE_SZ``, Linux), so that both sides
 of a comparison use the same transport.
 Started by ``mix vllm.bench`` (``bench/README.md``) as ``python bench/raw_echo.py`` on an
@@ -18,17 +19,15 @@ WRITE_FD = 4
 _HEADER = struct.Struct(">I")
 
 
-def _read_exact(fd: int, n: int) -> bytearray | None:
-    """Exactly ``n`` bytes from ``fd``, or ``None`` at EOF."""
-    buf = bytearray(n)
-    view = memoryview(buf)
+def _read_into(fd: int, view: memoryview) -> bool:
+    """Fill ``view`` from ``fd``; False at EOF."""
     got = 0
-    while got < n:
+    while got < view.nbytes:
         k = os.readv(fd, [view[got:]])
         if k == 0:
-            return None
+            return False
         got += k
-    return buf
+    return True
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:
@@ -60,15 +59,18 @@ def _enlarge_pipes(size: int = 1 << 20) -> None:
 
 def main() -> int:
     _enlarge_pipes()
+    header = memoryview(bytearray(4))
+    buffer = bytearray(1 << 16)  # kept from frame to frame, grown when a frame needs it
     while True:
-        header = _read_exact(READ_FD, 4)
-        if header is None:
+        if not _read_into(READ_FD, header):
             return 0
         (length,) = _HEADER.unpack(header)
-        body = _read_exact(READ_FD, length) if length else bytearray()
-        if body is None:
+        if len(buffer) < length:
+            buffer = bytearray(length)
+        body = memoryview(buffer)[:length]
+        if not _read_into(READ_FD, body):
             return 0
-        _write_all(WRITE_FD, [memoryview(header), memoryview(body)])
+        _write_all(WRITE_FD, [header, body])
 
 
 if __name__ == "__main__":

@@ -113,10 +113,19 @@ defmodule VllmBridge.Bench do
           ["?"]
       end
 
+    load =
+      case File.read("/proc/loadavg") do
+        {:ok, text} ->
+          "; load average at the end #{text |> String.split() |> Enum.take(3) |> Enum.join(" ")}"
+
+        _ ->
+          ""
+      end
+
     [
       "vllm_bridge benchmarks (mix vllm.bench)#{if quick, do: " -- QUICK: counts too small for figures", else: ""}",
       "host: #{System.schedulers_online()} cores (#{hd(cpu)}); OTP #{System.otp_release()}, " <>
-        "Elixir #{System.version()}; Python #{hello["python"]}, torch #{hello["torch"]}, device #{hello["device"]}"
+        "Elixir #{System.version()}; Python #{hello["python"]}, torch #{hello["torch"]}, device #{hello["device"]}#{load}"
     ]
   end
 
