@@ -152,6 +152,9 @@ def test_bad_steps_are_refused_by_name_and_leave_the_state_alone(weights: str) -
         runner.execute_model(SchedulerStep({}, {"a": [1]}))
     with pytest.raises(ValueError, match="beyond max_model_len 96"):
         runner.execute_model(SchedulerStep({"d": 97}, {"d": [1] * 97}))
+    with pytest.raises(ValueError, match=r"request 'e' has 2 token\(s\) to compute, 3 were"):
+        runner.execute_model(SchedulerStep({"e": 3}, {"e": [1, 2]}))
+    assert set(runner.requests) == {"a"}
     with pytest.raises(TypeError, match="num_scheduled_tokens\\['a'\\] must be an int"):
         SchedulerStep({"a": "1"})
     with pytest.raises(ValueError, match="must be a non-empty list of token ids"):

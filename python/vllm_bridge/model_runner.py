@@ -318,7 +318,9 @@ class ModelRunner:
     # -- request state ---------------------------------------------------------------------
 
     def _update_requests(self, step: SchedulerStep) -> None:
-        """Apply finished and new requests; checks everything before changing anything."""
+        """Apply finished and new requests. Checks everything first (ids, token ids, the
+        tokens each request can compute, the length limit): a refused step changes
+        nothing, and is refused before this rank enters the step's collectives."""
         vocab = self.model_config.vocab_size
         staying = set(self.requests) - set(step.finished)
         for req_id, prompt in step.new_requests.items():
@@ -333,6 +335,23 @@ class ModelRunner:
         unknown = [r for r in step.num_scheduled_tokens if r not in known]
         if unknown:
             raise ValueError(f"scheduled request(s) {unknown} are not running (never added?)")
+        max_len = self.model_config.max_model_len
+        for req_id, n in step.num_scheduled_tokens.items():
+            if req_id in step.new_requests:
+                computed, known_tokens = 0, len(step.new_requests[req_id])
+            else:
+                state = self.requests[req_id]
+                computed, known_tokens = state.num_computed, len(state.token_ids)
+            if n > known_tokens - computed:
+                raise ValueError(
+                    f"request {req_id!r} has {known_tokens - computed} token(s) to compute, "
+                    f"{n} were scheduled"
+                )
+            if computed + n > max_len:
+                raise ValueError(
+                    f"request {req_id!r} would reach {computed + n} tokens, beyond "
+                    f"max_model_len {max_len}"
+                )
         freed = [self.requests[r].region for r in step.finished if r in self.requests]
         if len(staying) + len(step.new_requests) > self.max_num_reqs:
             raise ValueError(
