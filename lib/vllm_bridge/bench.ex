@@ -31,6 +31,7 @@ defmodule VllmBridge.Bench do
   ]
 
   @doc false
+  @spec one_rep(pos_integer()) :: 1
   def one_rep(_mib), do: 1
 
   @doc """
