@@ -15,6 +15,9 @@ defmodule VllmBridge.Wire do
 
   alias VllmBridge.{Codec, Error, Ref}
 
+  # Request bodies up to this size are flattened into one binary.
+  @flatten_max 64 * 1024
+
   @typedoc "What `peek/1` finds: the message kind and its id (nil when none)."
   @type head ::
           {:ok | :error | :chunk | :end | :pong, non_neg_integer() | nil}
@@ -30,10 +33,15 @@ defmodule VllmBridge.Wire do
   @doc """
   One request body: `kind`, `id`, then the already encoded `fields` (at most 14, which
   covers every message of the protocol).
+
+  A body of up to 64 KiB is one binary (one cheap copy, then a single refc binary moves
+  between processes); a larger one stays iodata, so that a large tensor's data goes to the
+  port as the binary it already is instead of being copied into a new one.
   """
-  @spec request(String.t(), non_neg_integer(), [iodata()]) :: binary()
+  @spec request(String.t(), non_neg_integer(), [iodata()]) :: iodata()
   def request(kind, id, fields) when length(fields) <= 13 do
-    IO.iodata_to_binary([0x92 + length(fields), Codec.encode(kind), Codec.encode(id) | fields])
+    frame = [0x92 + length(fields), Codec.encode(kind), Codec.encode(id) | fields]
+    if IO.iodata_length(frame) > @flatten_max, do: frame, else: IO.iodata_to_binary(frame)
   end
 
   @doc "Encodes one value of a request (raises `ArgumentError` naming what cannot travel)."

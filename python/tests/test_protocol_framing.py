@@ -67,17 +67,23 @@ def test_a_frame_split_across_many_writes_is_reassembled(pipe):
     t.join()
 
 
-@pytest.mark.parametrize("size", [(1 << 20) - 1, 1 << 20, (3 << 20) + 5])
-def test_large_frames_around_the_direct_read_threshold(pipe, size):
+@pytest.mark.parametrize(
+    ("size", "kind"),
+    [((1 << 20) - 1, bytearray), (1 << 20, memoryview), ((3 << 20) + 5, bytearray)],
+)
+def test_large_frames_around_the_direct_read_thresholds(pipe, size, kind):
+    """Below reuse_min: through the buffer, a bytearray of its own; from reuse_min to
+    reuse_max: straight into the kept buffer (a view); past reuse_max: straight into a
+    bytearray of its own."""
     r, w = pipe
     body = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
     data = frame(b"before") + frame(body) + frame(b"after")
     t = threading.Thread(target=lambda: os.write(w, data) and None)
     t.start()
-    reader = FrameReader(r, chunk=4096, large=1 << 20)
+    reader = FrameReader(r, chunk=4096, reuse_min=1 << 20, reuse_max=2 << 20)
     assert bytes(reader.read_frame()) == b"before"
     got = reader.read_frame()
-    assert isinstance(got, bytearray) and len(got) == size and got == body
+    assert isinstance(got, kind) and len(got) == size and bytes(got) == body
     assert bytes(reader.read_frame()) == b"after"
     t.join()
 

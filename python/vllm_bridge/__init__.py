@@ -17,4 +17,5 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "vllm_bridge.forward_context",
     "vllm_bridge.dp",
     "vllm_bridge.ubatch",
+    "vllm_bridge.runner",
 )

@@ -21,15 +21,18 @@ come from the environment:
                             (default 60)
 =========================== ===========================================================
 
-A rank whose peers do not arrive within the timeout, at init or at an all_reduce, gets a
-:class:`DPTimeoutError`; after a failed all_reduce the group is unusable until it is torn
-down and joined again.
+Besides the per-step agreement, model layers use the group's collectives
+(:func:`dp_all_reduce`, :func:`dp_all_gather`; e.g. the MoE layer of
+:mod:`vllm_bridge.model`). A rank whose peers do not arrive within the timeout, at init or
+at a collective, gets a :class:`DPTimeoutError`; after a failed collective the group is
+unusable until it is torn down and joined again.
 """
 
 import datetime
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +63,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "coordinate_batch_across_dp",
     "destroy_dp_group",
+    "dp_all_gather",
     "dp_all_reduce",
     "dp_group_info",
     "init_dp_group",
@@ -267,15 +271,14 @@ def _sync_device(info: DPGroupInfo, parallel_config: ParallelConfig) -> torch.de
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) -> torch.Tensor:
-    """Sum ``tensor`` in place over the DP group and return it; waits at most the timeout.
+def _collective(
+    what: str, expected_size: int, expected_rank: int, start: Callable[[], Any]
+) -> None:
+    """Run one collective (``start()`` returns its async work) with the group's checks.
 
-    ``expected_size`` / ``expected_rank`` are the caller's config, checked against the
-    joined group so a misconfigured rank fails clearly instead of deadlocking.
-
-    Raises:
-        DPGroupError: no group joined, the group does not match, or it broke earlier.
-        DPTimeoutError: a peer did not take part within the group's timeout.
+    Holds the process lock (collectives of one process never interleave), checks the group
+    against the caller's config, waits at most the group's timeout, and marks the group
+    broken when a peer does not take part.
     """
     with _lock:
         state = _state
@@ -295,16 +298,53 @@ def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
                 f"the DP group is unusable after an earlier failure ({state.broken}); "
                 "call destroy_dp_group() and init_dp_group() again"
             )
-        work = dist.all_reduce(tensor, async_op=True)
+        work = start()
         try:
             work.wait(timeout=datetime.timedelta(seconds=info.timeout_s))
         except RuntimeError as exc:
             state.broken = str(exc).splitlines()[0]
             raise DPTimeoutError(
-                f"DP rank {info.rank} of {info.world_size}: the all_reduce did not complete "
+                f"DP rank {info.rank} of {info.world_size}: the {what} did not complete "
                 f"within {info.timeout_s} s; a peer is missing or stuck ({state.broken})"
             ) from exc
+
+
+def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) -> torch.Tensor:
+    """Sum ``tensor`` in place over the DP group and return it; waits at most the timeout.
+
+    ``expected_size`` / ``expected_rank`` are the caller's config, checked against the
+    joined group so a misconfigured rank fails clearly instead of deadlocking.
+
+    Raises:
+        DPGroupError: no group joined, the group does not match, or it broke earlier.
+        DPTimeoutError: a peer did not take part within the group's timeout.
+    """
+    _collective(
+        "all_reduce", expected_size, expected_rank, lambda: dist.all_reduce(tensor, async_op=True)
+    )
     return tensor
+
+
+def dp_all_gather(tensor: torch.Tensor, expected_size: int, expected_rank: int) -> torch.Tensor:
+    """Every rank's ``tensor`` (same shape and dtype on every rank), stacked by rank:
+    a new tensor of shape ``(world_size, *tensor.shape)`` on ``tensor``'s device.
+
+    A CUDA tensor travels over NCCL when the group has it, otherwise through the CPU.
+    Checks and timeout as :func:`dp_all_reduce`.
+    """
+    info = dp_group_info()
+    device = tensor.device
+    if device.type == "cuda" and (info is None or "nccl" not in info.backend):
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(expected_size)]
+    _collective(
+        "all_gather",
+        expected_size,
+        expected_rank,
+        lambda: dist.all_gather(parts, tensor, async_op=True),
+    )
+    return torch.stack(parts).to(device)
 
 
 def coordinate_batch_across_dp(

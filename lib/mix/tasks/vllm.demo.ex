@@ -1,30 +1,34 @@
 defmodule Mix.Tasks.Vllm.Demo do
-  @shortdoc "Runs the vllm_bridge demo against real Python workers"
+  @shortdoc "Runs the data-parallel MoE forward-pass demo against real Python workers"
   @moduledoc """
   The main job of the README: `make demo` runs `mix vllm.demo`.
 
-  Starts a pool of one Python worker, prints its handshake and the result of one call
-  made through the public API (`VllmBridge.call/4`), then stops the pool.
+  Two Python workers become DP ranks 0 and 1 and run several steps of forward passes of a
+  small MoE transformer together; see `VllmBridge.Demo` for what happens and what is
+  printed.
+
+      mix vllm.demo [--steps N] [--seed S] [--no-check]
+
+  `--steps` (default 6) is the number of steps, `--seed` (default 7) seeds the weights
+  and the schedule, `--no-check` skips the comparison with one rank running alone.
   """
   use Mix.Task
 
   @impl true
   @doc false
-  def run(_argv) do
+  def run(argv) do
+    {opts, rest, bad} =
+      OptionParser.parse(argv, strict: [steps: :integer, seed: :integer, check: :boolean])
+
+    if rest != [] or bad != [] do
+      Mix.raise(
+        "usage: mix vllm.demo [--steps N] [--seed S] [--no-check]; got #{Enum.join(argv, " ")}"
+      )
+    end
+
+    if Keyword.get(opts, :steps, 6) < 1, do: Mix.raise("--steps must be at least 1")
     Mix.Task.run("app.start")
-    IO.puts("starting a pool of one Python worker (python -m vllm_bridge.worker) ...")
-    {:ok, _} = VllmBridge.start_pool(:demo, size: 1)
-    {:ok, [%{pid: worker}]} = VllmBridge.Pool.workers(:demo)
-    hello = VllmBridge.Worker.hello(worker)
-
-    IO.puts(
-      "handshake: protocol #{hello["protocol"]}, os pid #{hello["pid"]}, " <>
-        "python #{hello["python"]}, torch #{hello["torch"]}, device #{hello["device"]}, " <>
-        "instance #{hello["instance"]}, capabilities #{Enum.join(hello["capabilities"] || [], ",")}"
-    )
-
-    {:ok, sum} = VllmBridge.call({"vllm_bridge.diag", "add"}, [40, 2], %{}, pool_name: :demo)
-    IO.puts("vllm_bridge.diag.add(40, 2) = #{sum}")
-    :ok = VllmBridge.stop_pool(:demo)
+    VllmBridge.Demo.run(opts)
+    :ok
   end
 end

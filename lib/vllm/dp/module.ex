@@ -27,9 +27,11 @@ defmodule Vllm.Dp.Module do
   =========================== ===========================================================
   ```
 
-  A rank whose peers do not arrive within the timeout, at init or at an all_reduce, gets a
-  `DPTimeoutError`; after a failed all_reduce the group is unusable until it is torn
-  down and joined again.
+  Besides the per-step agreement, model layers use the group's collectives
+  (`dp_all_reduce`, `dp_all_gather`; e.g. the MoE layer of
+  `vllm_bridge.model`). A rank whose peers do not arrive within the timeout, at init or
+  at a collective, gets a `DPTimeoutError`; after a failed collective the group is
+  unusable until it is torn down and joined again.
 
   Bindings of the Python module `vllm_bridge.dp`: its functions and module attributes; its classes are `Vllm.Dp.DPGroupInfo`. Calling conventions (positional and optional arguments, options): `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
@@ -329,6 +331,55 @@ defmodule Vllm.Dp.Module do
   @spec destroy_dp_group(destroy_dp_group_opts()) ::
           {:ok, boolean()} | {:error, VllmBridge.Error.t()}
   def destroy_dp_group(opts), do: VllmBridge.Bindings.call(@binding_destroy_dp_group, [opts])
+
+  @binding_dp_all_gather %{
+    name: "Vllm.Dp.Module.dp_all_gather",
+    params: [
+      {:tensor, :required, :tensor},
+      {:expected_size, :required, :int},
+      {:expected_rank, :required, :int}
+    ],
+    target: {"vllm_bridge.dp", "dp_all_gather"}
+  }
+
+  @typedoc "Options of `dp_all_gather`: `__runtime__` (see `VllmBridge.Bindings`)."
+  @type dp_all_gather_opts :: [{:__runtime__, VllmBridge.Runtime.opts()}]
+
+  @doc """
+  Every rank's `tensor` (same shape and dtype on every rank), stacked by rank:
+  a new tensor of shape `(world_size, *tensor.shape)` on `tensor`'s device.
+
+  A CUDA tensor travels over NCCL when the group has it, otherwise through the CPU.
+  Checks and timeout as `dp_all_reduce`.
+
+  ## Parameters
+
+    * `tensor` (`VllmBridge.Tensor.t()`)
+    * `expected_size` (`integer()`)
+    * `expected_rank` (`integer()`)
+
+  ## Returns
+
+  `VllmBridge.Tensor.t()`
+
+  Binds `vllm_bridge.dp.dp_all_gather`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
+  """
+  @spec dp_all_gather(VllmBridge.Tensor.t(), integer(), integer()) ::
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
+  def dp_all_gather(tensor, expected_size, expected_rank),
+    do: VllmBridge.Bindings.call(@binding_dp_all_gather, [tensor, expected_size, expected_rank])
+
+  @doc "Like `dp_all_gather/3`, with the options as the last argument (see `VllmBridge.Bindings`)."
+  @spec dp_all_gather(VllmBridge.Tensor.t(), integer(), integer(), dp_all_gather_opts()) ::
+          {:ok, VllmBridge.Tensor.t()} | {:error, VllmBridge.Error.t()}
+  def dp_all_gather(tensor, expected_size, expected_rank, opts),
+    do:
+      VllmBridge.Bindings.call(@binding_dp_all_gather, [
+        tensor,
+        expected_size,
+        expected_rank,
+        opts
+      ])
 
   @binding_dp_all_reduce %{
     name: "Vllm.Dp.Module.dp_all_reduce",

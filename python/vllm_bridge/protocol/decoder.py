@@ -2,9 +2,10 @@
 
 1. :meth:`Decoder.decode` turns bytes into values without running any code of the
    allow-listed modules: atoms, tuples, tensors, big integers and :class:`Ref` come out
-   as they are; dataclass and enum values come out as :class:`PendingStruct` /
-   :class:`PendingEnum` (class name and fields). Malformed extension payloads raise
-   :class:`~vllm_bridge.protocol.errors.BadArgument`.
+   as they are (the large tensors of a large frame are copied out of it once, see
+   :mod:`~vllm_bridge.protocol.splice`); dataclass and enum values come out as
+   :class:`PendingStruct` / :class:`PendingEnum` (class name and fields). Malformed
+   extension payloads raise :class:`~vllm_bridge.protocol.errors.BadArgument`.
 2. :func:`materialize` builds the registered classes (refusing any other name), turns
    atoms into enum members where a dataclass field is annotated with an enum, and
    optionally resolves references. The worker does this on its execution thread, inside
@@ -22,6 +23,7 @@ import msgpack
 
 from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.protocol.registry import TypeRegistry, coerce_atom
+from vllm_bridge.protocol.splice import Spliced, splice_tensors
 from vllm_bridge.protocol.tensors import decode_tensor
 from vllm_bridge.protocol.types import Atom, ExtCode, Ref
 
@@ -63,15 +65,17 @@ class Decoder:
             BadArgument: a malformed extension payload.
             ValueError, TypeError, ...: whatever msgpack raises for malformed msgpack.
         """
-        p = _Pass()
-        value = p.unpack(data)
+        spliced = splice_tensors(data)  # large frames: large tensors with one copy each
+        p = _Pass(spliced)
+        value = p.unpack(spliced.body if spliced is not None else data)
         return Decoded(value, p.special)
 
 
 class _Pass:
-    def __init__(self) -> None:
+    def __init__(self, spliced: Spliced | None = None) -> None:
         self.depth = 0
         self.special = False
+        self.spliced = spliced
 
     def unpack(self, data: Any) -> Any:
         return msgpack.unpackb(
@@ -103,6 +107,10 @@ class _Pass:
                 raise BadArgument(f"tuple payload must be an array, got {items!r:.80}")
             return tuple(items)
         if code == ExtCode.TENSOR:
+            if self.spliced is not None:
+                tensor = self.spliced.lookup(data)
+                if tensor is not None:
+                    return tensor
             return decode_tensor(data)
         if code == ExtCode.DATACLASS:
             value = self.nested(data, "dataclass")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from collections.abc import Sequence
 
 READ_FD = 3
@@ -17,6 +18,39 @@ _HEADER = struct.Struct(">I")
 #: Largest body we accept; {packet, 4} allows up to 4 GiB - 1.
 MAX_FRAME = 0xFFFF_FFFF
 _IOV_MAX = 1024
+
+
+#: Pipe capacity a worker asks for: a large frame then crosses in 1 MiB steps instead of
+#: the default 64 KiB ones (fewer wake-ups of both processes).
+PIPE_SIZE = 1 << 20
+
+
+def enlarge_pipes(
+    fds: Sequence[int] = (READ_FD, WRITE_FD), size: int = PIPE_SIZE
+) -> dict[int, int]:
+    """Ask Linux for pipe buffers of ``size`` bytes on ``fds`` (``F_SETPIPE_SZ``), or the
+    system's limit (``/proc/sys/fs/pipe-max-size``) when that is lower.
+
+    Returns the capacity each fd got; an fd that is not a pipe, or a system without the
+    call, keeps its buffer (and is left out). Never raises.
+    """
+    if not sys.platform.startswith("linux"):
+        return {}
+    import fcntl
+
+    setter = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+    try:
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            size = min(size, int(f.read()))
+    except (OSError, ValueError):
+        pass
+    got = {}
+    for fd in fds:
+        try:
+            got[fd] = fcntl.fcntl(fd, setter, size)
+        except OSError:
+            continue
+    return got
 
 
 class FrameError(Exception):
@@ -59,20 +93,34 @@ class FrameReader:
     """Reads frames from ``fd`` through a buffer: one ``read`` brings in every small frame
     that has arrived, not one syscall per header and one per body.
 
-    A body is returned as a fresh ``bytearray`` of its own (decoded tensors may keep
-    pointing into it). A body of ``large`` bytes or more is read straight into its own
-    buffer instead of through the shared one, so it is copied only once.
+    * A small body comes back as a fresh ``bytearray`` of its own.
+    * A body of ``reuse_min`` to ``reuse_max`` bytes is read straight into one buffer kept
+      from frame to frame (a fresh 64 MiB buffer costs far more than reading into it: the
+      OS maps and zeroes every page first) and comes back as a ``memoryview`` of it, valid
+      **only until the next** :meth:`read_frame`: whoever decodes a frame must copy out
+      what it keeps (the decoder does: msgpack builds new objects and large tensors are
+      copied out, see :mod:`~vllm_bridge.protocol.splice`).
+    * A body over ``reuse_max`` bytes is read straight into a buffer of its own.
 
     Not thread-safe: one thread reads at a time (the worker hands the reading role over
-    under a lock, see :mod:`vllm_bridge.worker.executor`).
+    under a lock, see :mod:`vllm_bridge.worker.executor`), and each frame is decoded
+    before the next is read.
     """
 
-    def __init__(self, fd: int = READ_FD, chunk: int = 65536, large: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        fd: int = READ_FD,
+        chunk: int = 65536,
+        reuse_min: int = 1 << 20,
+        reuse_max: int = 256 << 20,
+    ) -> None:
         self.fd = fd
+        self.reuse_min = reuse_min
+        self.reuse_max = reuse_max
         self._chunk = chunk
-        self._large = large
         self._buf = bytearray()
         self._pos = 0
+        self._large = bytearray()
 
     def has_frame(self) -> bool:
         """True when a whole frame is already buffered (reading it will not block)."""
@@ -97,27 +145,19 @@ class FrameReader:
             self._buf += data
         return True
 
-    def read_frame(self) -> bytearray | None:
-        """The next frame body; ``None`` when the peer closed the stream between frames."""
+    def read_frame(self) -> bytearray | memoryview | None:
+        """The next frame body; ``None`` when the peer closed the stream between frames.
+
+        Raises:
+            FrameError: the stream ended inside a frame.
+        """
         if not self._fill(4):
             return None
         (length,) = _HEADER.unpack_from(self._buf, self._pos)
         self._pos += 4
-        unread = len(self._buf) - self._pos
-        if length > unread and length >= self._large:
-            body = bytearray(length)
-            body[:unread] = memoryview(self._buf)[self._pos :]
-            self._buf.clear()
-            self._pos = 0
-            view = memoryview(body)
-            got = unread
-            while got < length:
-                n = os.readv(self.fd, [view[got:]])
-                if n == 0:
-                    raise FrameError(f"EOF after {got} of {length} bytes")
-                got += n
-            return body
-        if length > unread and not self._fill(length):
+        if length >= self.reuse_min and length > len(self._buf) - self._pos:
+            return self._read_large(length)
+        if not self._fill(length):
             raise FrameError(f"EOF before a body of {length} bytes")
         body = self._buf[self._pos : self._pos + length]
         self._pos += length
@@ -128,6 +168,27 @@ class FrameReader:
             del self._buf[: self._pos]
             self._pos = 0
         return body
+
+    def _read_large(self, length: int) -> bytearray | memoryview:
+        # What is buffered already goes first, the rest is read straight into place.
+        if length <= self.reuse_max:
+            if len(self._large) < length:
+                self._large = bytearray(length)  # a new one: views of the old may live on
+            target: bytearray = self._large
+        else:
+            target = bytearray(length)
+        view = memoryview(target)[:length]
+        unread = len(self._buf) - self._pos
+        view[:unread] = memoryview(self._buf)[self._pos :]
+        self._buf.clear()
+        self._pos = 0
+        got = unread
+        while got < length:
+            n = os.readv(self.fd, [view[got:]])
+            if n == 0:
+                raise FrameError(f"EOF after {got} of {length} bytes")
+            got += n
+        return view if target is self._large else target
 
 
 def write_frame(body: bytes, fd: int = WRITE_FD) -> None:

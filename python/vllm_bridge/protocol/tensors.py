@@ -43,6 +43,9 @@ CODE_TO_DTYPE: dict[int, torch.dtype] = {
     14: torch.uint64,
 }
 DTYPE_TO_CODE: dict[torch.dtype, int] = {dt: code for code, dt in CODE_TO_DTYPE.items()}
+_ITEMSIZE: dict[torch.dtype, int] = {
+    dt: torch.empty((), dtype=dt).element_size() for dt in DTYPE_TO_CODE
+}
 
 _U64 = struct.Struct(">Q")
 
@@ -74,11 +77,8 @@ def tensor_parts(t: torch.Tensor) -> tuple[bytes, memoryview]:
     return header, memoryview(raw).cast("B")
 
 
-def decode_tensor(payload: bytes) -> torch.Tensor:
-    """Build a CPU tensor from an ext 3 payload.
-
-    The result owns aligned memory; when the payload's data happens to be aligned for its
-    dtype, the tensor shares the payload's memory instead of copying it.
+def _parse_header(payload: bytes | memoryview) -> tuple[torch.dtype, list[int], int, int]:
+    """``(dtype, shape, data_offset, data_bytes)`` of an ext 3 payload, checked.
 
     Raises:
         BadArgument: an unknown dtype code, a truncated header, or a data length that does
@@ -96,13 +96,13 @@ def decode_tensor(payload: bytes) -> torch.Tensor:
             f"tensor payload of {len(payload)} bytes is shorter than its {offset}-byte header"
         )
     try:
-        payload[3 : 3 + dev_len].decode()
+        bytes(payload[3 : 3 + dev_len]).decode()
     except UnicodeDecodeError as exc:
         raise BadArgument(f"tensor device name is not UTF-8: {exc}") from None
     shape = [_U64.unpack_from(payload, 3 + dev_len + 8 * i)[0] for i in range(ndim)]
     if any(n >= 1 << 63 for n in shape):
         raise BadArgument(f"tensor shape {shape} has a dimension beyond the int64 range")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[dtype]
     numel = 1
     for n in shape:
         numel *= n
@@ -112,15 +112,50 @@ def decode_tensor(payload: bytes) -> torch.Tensor:
             f"tensor of shape {shape} and dtype {dtype} needs {nbytes} data bytes, "
             f"got {len(payload) - offset}"
         )
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # The payload is a private bytes object nobody else sees, so sharing it is safe.
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(payload, dtype=torch.uint8, count=nbytes, offset=offset)
-    if raw.data_ptr() % itemsize:
-        raw = raw.clone()  # unaligned elements: copy into torch's aligned memory
+    return dtype, shape, offset, nbytes
+
+
+def _finish(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     if dtype == torch.bool and bool((raw > 1).any()):
         raise BadArgument("bool tensor data holds a byte other than 0 or 1")
     return raw.view(dtype).reshape(shape)
 
+
+def _frombuffer(buffer: bytes | memoryview, nbytes: int, offset: int) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # A read-only buffer only this decode sees: sharing it is safe.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+
+
+def decode_tensor(payload: bytes) -> torch.Tensor:
+    """Build a CPU tensor from an ext 3 payload.
+
+    The result owns aligned memory; when the payload's data happens to be aligned for its
+    dtype, the tensor shares the payload's memory instead of copying it.
+
+    Raises:
+        BadArgument: an unknown dtype code, a truncated header, or a data length that does
+            not match the shape.
+    """
+    dtype, shape, offset, nbytes = _parse_header(payload)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = _frombuffer(payload, nbytes, offset)
+    if raw.data_ptr() % _ITEMSIZE[dtype]:
+        raw = raw.clone()  # unaligned elements: copy into torch's aligned memory
+    return _finish(raw, dtype, shape)
+
+
+def tensor_from_payload(payload: memoryview) -> torch.Tensor:
+    """Build a CPU tensor from an ext 3 payload that lies inside a larger buffer (a frame
+    the caller may reuse): the data is copied once, into memory the tensor owns.
+
+    Raises:
+        BadArgument: as :func:`decode_tensor`.
+    """
+    dtype, shape, offset, nbytes = _parse_header(payload)
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        out.copy_(_frombuffer(payload, nbytes, offset))
+    return _finish(out, dtype, shape)

@@ -52,7 +52,7 @@ class Executor:
         handle: Callable[[Request], Any],
         expired: Callable[[Request, DeadlineExceeded], Any],
         write: Callable[[Any], None],
-        on_frame: Callable[[bytearray], Request | None],
+        on_frame: Callable[[bytearray | memoryview], Request | None],
         reader: FrameReader,
         on_eof: Callable[[], None] = lambda: None,
         poll: float = POLL_SECONDS,
@@ -259,7 +259,7 @@ class Executor:
 
     # -- both -------------------------------------------------------------------------------
 
-    def _read(self) -> bytearray | None:
+    def _read(self) -> bytearray | memoryview | None:
         """One frame; on EOF or a broken stream: stop (once) and return ``None``."""
         try:
             body = self._reader.read_frame()

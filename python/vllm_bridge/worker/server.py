@@ -33,7 +33,7 @@ from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.protocol.decoder import Decoder
 from vllm_bridge.protocol.encoder import Encoder
 from vllm_bridge.protocol.errors import BadArgument
-from vllm_bridge.protocol.framing import FrameReader
+from vllm_bridge.protocol.framing import FrameReader, enlarge_pipes
 from vllm_bridge.protocol.messages import (
     Control,
     Invoke,
@@ -147,7 +147,7 @@ class Worker:
         self.executor.watch()
         return self._shutdown()
 
-    def on_frame(self, body: bytes | bytearray) -> Request | None:
+    def on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
         """Handle one frame on the thread that read it: the request to run, or ``None``
         when the frame was answered here (a control message, a refusal)."""
         try:
@@ -157,7 +157,7 @@ class Worker:
             self.channel.error(_lenient_id(body), "protocol", f"frame not handled: {exc}")
             return None
 
-    def _on_frame(self, body: bytes | bytearray) -> Request | None:
+    def _on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
         now = time.monotonic()
         try:
             decoded = self.decoder.decode(body)
@@ -228,7 +228,7 @@ class Worker:
         return 0
 
 
-def _lenient_id(body: bytes | bytearray) -> int | None:
+def _lenient_id(body: bytes | bytearray | memoryview) -> int | None:
     """The request id of a body whose extension values are malformed, if it has one."""
     try:
         msg = msgpack.unpackb(
@@ -248,5 +248,6 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s [worker %(process)d] %(message)s",
     )
     logging.captureWarnings(True)
+    enlarge_pipes()
     _import_allowed(opts.allow)
     return Worker(opts.allow, opts.max_refs).serve()

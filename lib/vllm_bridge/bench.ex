@@ -1,0 +1,194 @@
+defmodule VllmBridge.Bench do
+  @moduledoc """
+  The bridge's benchmark suite (`make bench`, `mix vllm.bench`), every part in one run,
+  each beside a floor measured in the same run, printed as ratios with the targets of
+  issue 7 marked PASS or MISS (see bench/README.md for the figures):
+
+    1. round trip of the trivial call through the whole stack vs a raw Port echo
+       (`VllmBridge.Bench.Latency`): p50 within 1.3x of the echo's;
+    2. throughput, 2 workers and 64 callers vs 2 raw echo ports
+       (`VllmBridge.Bench.Throughput`): at least 40% of the echo's calls/s;
+    3. `multiprocessing.Pool.apply` of the same call (`bench/mp_peer.py`): the full stack's
+       p50 at least 2x faster;
+    4. tensor round trips of 1, 16 and 64 MiB (`VllmBridge.Bench.Tensors`): 64 MiB at
+       1 GB/s or more;
+    5. `bench/forward_context_bench.py`, printed as it reports itself.
+
+  The report is printed and written to `bench/out/bench-<time>.txt` and
+  `bench/out/latest.txt`.
+  """
+
+  alias VllmBridge.Bench.{Latency, PythonPeers, Stats, Tensors, Throughput}
+
+  @pool :vllm_bench
+
+  @quick [
+    latency: [calls: 1_000, rounds: 5, warmup: 100],
+    throughput: [duration_ms: 300],
+    mp: [calls: 300, warmup: 30],
+    tensors: [sizes_mib: [1, 16], reps: &__MODULE__.one_rep/1],
+    fc_args: ["--iterations", "1000", "--repeats", "2"]
+  ]
+
+  @doc false
+  @spec one_rep(pos_integer()) :: 1
+  def one_rep(_mib), do: 1
+
+  @doc """
+  Runs every part. Options: `:quick` (tiny counts: checks the machinery, not the speed),
+  `:write` (write bench/out files, default true), `:out` (line printer, default
+  `IO.puts/1`). Returns `%{report: [line], targets: [{name, :pass | :miss}]}`.
+  """
+  @spec run(keyword()) :: %{report: [String.t()], targets: [{String.t(), :pass | :miss}]}
+  def run(opts \\ []) do
+    out = Keyword.get(opts, :out, &IO.puts/1)
+    part = fn key -> if opts[:quick], do: @quick[key], else: [] end
+    python = Application.fetch_env!(:vllm_bridge, :python)
+    say = fn line -> out.(line) && line end
+
+    say.("starting a pool of 2 workers and the raw echo processes ...")
+    {:ok, _} = VllmBridge.start_pool(@pool, size: 2)
+
+    {hello, lat, thr, ten} =
+      try do
+        {:ok, [w | _]} = VllmBridge.Pool.workers(@pool)
+        hello = VllmBridge.Worker.hello(w.pid)
+        say.("1/5 round trip ...")
+        lat = Latency.run(@pool, python, part.(:latency))
+        say.("2/5 throughput ...")
+        thr = Throughput.run(@pool, python, part.(:throughput))
+        say.("4/5 tensors ...")
+        ten = Tensors.run(@pool, python, part.(:tensors))
+        {hello, lat, thr, ten}
+      after
+        VllmBridge.stop_pool(@pool)
+      end
+
+    say.("3/5 multiprocessing.Pool.apply, 5/5 forward context (Python) ...")
+    mp = PythonPeers.mp_pool_apply(python, part.(:mp))
+    fc = PythonPeers.forward_context(python, part.(:fc_args) || [])
+    {report, targets} = report(hello, lat, thr, mp, ten, fc, opts[:quick])
+    Enum.each(report, out)
+    if Keyword.get(opts, :write, true), do: write(report, out)
+    %{report: report, targets: targets}
+  end
+
+  defp report(hello, lat, thr, mp, ten, fc, quick) do
+    full50 = Stats.percentile(lat.full, 50)
+    raw50 = Stats.percentile(lat.raw, 50)
+    ratio = full50 / raw50
+    share = thr.full / thr.raw
+    speedup = mp.p50 / full50
+    big = Enum.max_by(ten, & &1.mib)
+    gbps = big.bytes / (big.full_ms / 1000) / 1.0e9
+
+    targets = [
+      {"round trip p50 within 1.3x of the raw echo (#{Stats.fmt(ratio, 2)}x)", ratio <= 1.3},
+      {"throughput at least 40% of the raw echo's (#{Stats.fmt(share * 100)}%)", share >= 0.4},
+      {"at least 2x faster than multiprocessing.Pool.apply (#{Stats.fmt(speedup, 2)}x)",
+       speedup >= 2.0},
+      {"#{big.mib} MiB tensors at 1 GB/s or more (#{Stats.fmt(gbps, 2)} GB/s)",
+       big.mib >= 64 and gbps >= 1.0}
+    ]
+
+    lines =
+      header(hello, quick) ++
+        latency_lines(lat, full50, raw50, ratio) ++
+        throughput_lines(thr, share) ++
+        mp_lines(mp, full50, speedup) ++
+        tensor_lines(ten) ++
+        ["", "5. forward context (bench/forward_context_bench.py)" | Enum.map(fc, &("   " <> &1))] ++
+        ["", "targets (ratios against floors measured in this run):"] ++
+        Enum.map(targets, fn {name, ok} -> "   #{if ok, do: "PASS", else: "MISS"}  #{name}" end)
+
+    {lines, Enum.map(targets, fn {name, ok} -> {name, if(ok, do: :pass, else: :miss)} end)}
+  end
+
+  defp header(hello, quick) do
+    cpu =
+      case File.read("/proc/cpuinfo") do
+        {:ok, info} ->
+          Regex.run(~r/model name\s*:\s*(.+)/, info, capture: :all_but_first) || ["?"]
+
+        _ ->
+          ["?"]
+      end
+
+    load =
+      case File.read("/proc/loadavg") do
+        {:ok, text} ->
+          "; load average at the end #{text |> String.split() |> Enum.take(3) |> Enum.join(" ")}"
+
+        _ ->
+          ""
+      end
+
+    [
+      "vllm_bridge benchmarks (mix vllm.bench)#{if quick, do: " -- QUICK: counts too small for figures", else: ""}",
+      "host: #{System.schedulers_online()} cores (#{hd(cpu)}); OTP #{System.otp_release()}, " <>
+        "Elixir #{System.version()}; Python #{hello["python"]}, torch #{hello["torch"]}, device #{hello["device"]}#{load}"
+    ]
+  end
+
+  defp latency_lines(lat, full50, raw50, ratio) do
+    [
+      "",
+      "1. round trip, one caller: is_forward_context_available() (#{length(lat.full)} calls each; " <>
+        "request frame #{lat.frame_bytes} bytes)",
+      "   full stack (VllmBridge.call -> pool -> worker -> Python)  p50 #{us(full50)}  p99 #{us(Stats.percentile(lat.full, 99))}",
+      "   raw Port echo (bench/raw_echo.py, same frame)          p50 #{us(raw50)}  p99 #{us(Stats.percentile(lat.raw, 99))}",
+      "   full / raw at p50: #{Stats.fmt(ratio, 2)}x"
+    ]
+  end
+
+  defp throughput_lines(thr, share) do
+    [
+      "",
+      "2. throughput: #{thr.callers} concurrent callers, #{Stats.fmt(thr.seconds)} s per round, best of 2",
+      "   full stack, 2 workers           #{rate(thr.full)} calls/s",
+      "   raw echo, 2 ports (FIFO owners) #{rate(thr.raw)} calls/s",
+      "   full / raw: #{Stats.fmt(share * 100)}%"
+    ]
+  end
+
+  defp mp_lines(mp, full50, speedup) do
+    [
+      "",
+      "3. Python peer: multiprocessing.Pool(1).apply(is_forward_context_available) (#{mp.calls} calls)",
+      "   p50 #{us(mp.p50)}  p99 #{us(mp.p99)}; the full stack's p50 #{us(full50)} is #{Stats.fmt(speedup, 2)}x faster"
+    ]
+  end
+
+  defp tensor_lines(ten) do
+    rows =
+      Enum.map(ten, fn t ->
+        full = t.bytes / (t.full_ms / 1000) / 1.0e9
+        raw = t.bytes / (t.raw_ms / 1000) / 1.0e9
+
+        "   #{String.pad_leading("#{t.mib}", 3)} MiB  #{pad(Stats.fmt(t.full_ms), 9)} ms  " <>
+          "#{pad(Stats.fmt(full, 2), 6)} GB/s   #{pad(Stats.fmt(t.raw_ms), 9)} ms  " <>
+          "#{pad(Stats.fmt(raw, 2), 6)} GB/s   #{Stats.fmt(full / raw * 100)}%  (median of #{t.reps})"
+      end)
+
+    [
+      "",
+      "4. tensors: float32 round trip through diag.echo (GB/s = tensor bytes / median round trip)",
+      "   size     full stack                raw echo (same frame size)  full/raw"
+      | rows
+    ]
+  end
+
+  defp us(x), do: String.pad_leading(Stats.fmt(x), 7) <> " us"
+  defp rate(x), do: String.pad_leading(Integer.to_string(round(x)), 8)
+  defp pad(text, n), do: String.pad_leading(text, n)
+
+  defp write(report, out) do
+    dir = Path.expand("bench/out")
+    File.mkdir_p!(dir)
+    stamp = Calendar.strftime(DateTime.utc_now(), "%Y%m%dT%H%M%SZ")
+    text = Enum.join(report, "\n") <> "\n"
+    File.write!(Path.join(dir, "bench-#{stamp}.txt"), text)
+    File.write!(Path.join(dir, "latest.txt"), text)
+    out.("written to bench/out/bench-#{stamp}.txt and bench/out/latest.txt")
+  end
+end

@@ -1,0 +1,43 @@
+defmodule VllmBridge.Bench.PythonPeers do
+  @moduledoc """
+  The Python parts of the benchmark run, started as processes of the project's
+  interpreter: `bench/mp_peer.py` (`multiprocessing.Pool.apply` round trip of the same
+  trivial call) and `bench/forward_context_bench.py` (the forward-context benchmark).
+  """
+
+  @doc """
+  Runs `bench/mp_peer.py`: `%{p50: us, p99: us, mean: us, calls: n}`. Option `:calls`
+  (default 5 000).
+  """
+  @spec mp_pool_apply(String.t(), keyword()) :: map()
+  def mp_pool_apply(python, opts) do
+    calls = Keyword.get(opts, :calls, 5_000)
+    warmup = Keyword.get(opts, :warmup, 500)
+    output = run!(python, ["bench/mp_peer.py", "--calls", "#{calls}", "--warmup", "#{warmup}"])
+
+    case Regex.run(~r/p50_us=([\d.]+) p99_us=([\d.]+) mean_us=([\d.]+)/, output) do
+      [_, p50, p99, mean] ->
+        %{p50: parse(p50), p99: parse(p99), mean: parse(mean), calls: calls}
+
+      nil ->
+        raise "bench/mp_peer.py printed no figures: #{output}"
+    end
+  end
+
+  @doc "Runs `bench/forward_context_bench.py` with `args`; its output lines."
+  @spec forward_context(String.t(), [String.t()]) :: [String.t()]
+  def forward_context(python, args) do
+    python |> run!(["bench/forward_context_bench.py" | args]) |> String.split("\n", trim: true)
+  end
+
+  defp run!(python, args) do
+    env = [{"PYTHONPATH", Path.expand("python")}]
+
+    case System.cmd(python, args, stderr_to_stdout: true, env: env) do
+      {output, 0} -> output
+      {output, status} -> raise "#{Enum.join(args, " ")} exited with #{status}: #{output}"
+    end
+  end
+
+  defp parse(text), do: text |> Float.parse() |> elem(0)
+end

@@ -1,0 +1,75 @@
+defmodule VllmBridge.Bench.Throughput do
+  @moduledoc """
+  Calls per second with many concurrent callers: the trivial call through a pool of 2
+  workers, beside 2 raw echo ports, each with an owner process that pipelines its callers'
+  frames and answers them in FIFO order (`VllmBridge.Bench.RawEcho`). Callers are spread
+  over the two ports round-robin. Each side runs for a fixed time, twice, alternating;
+  the better round of each counts.
+  """
+
+  alias VllmBridge.Bench.{RawEcho, Stats, Trivial}
+
+  @doc """
+  Measures both: `%{full: calls_per_s, raw: calls_per_s, callers: n, seconds: s}`.
+  Options: `:callers` (default 64), `:duration_ms` (each round, default 3 000).
+  """
+  @spec run(term(), String.t(), keyword()) :: map()
+  def run(pool, python, opts) do
+    callers = Keyword.get(opts, :callers, 64)
+    duration = Keyword.get(opts, :duration_ms, 3_000)
+    frame = Trivial.request_frame()
+    owners = [RawEcho.start_owner(python), RawEcho.start_owner(python)]
+
+    try do
+      full = fn _i -> Trivial.call(pool_name: pool) end
+      raw = fn i -> RawEcho.call(Enum.at(owners, rem(i, 2)), frame) end
+
+      rates =
+        for _round <- 1..2, do: {rate(full, callers, duration), rate(raw, callers, duration)}
+
+      %{
+        full: rates |> Enum.map(&elem(&1, 0)) |> Enum.max(),
+        raw: rates |> Enum.map(&elem(&1, 1)) |> Enum.max(),
+        callers: callers,
+        seconds: duration / 1000
+      }
+    after
+      Enum.each(owners, &RawEcho.stop_owner/1)
+    end
+  end
+
+  # `callers` processes call `call.(i)` in a loop from a common start until the deadline.
+  defp rate(call, callers, duration) do
+    parent = self()
+
+    pids =
+      for i <- 1..callers do
+        spawn_link(fn ->
+          receive do
+            {:go, deadline} -> send(parent, {:done, self(), loop(call, i, deadline, 0)})
+          end
+        end)
+      end
+
+    start = System.monotonic_time(:millisecond)
+    Enum.each(pids, &send(&1, {:go, start + duration}))
+
+    total =
+      Enum.reduce(pids, 0, fn pid, acc ->
+        receive do
+          {:done, ^pid, n} -> acc + n
+        end
+      end)
+
+    total / ((System.monotonic_time(:millisecond) - start) / 1000)
+  end
+
+  defp loop(call, i, deadline, n) do
+    if System.monotonic_time(:millisecond) >= deadline do
+      n
+    else
+      Stats.check!(call.(i))
+      loop(call, i, deadline, n + 1)
+    end
+  end
+end

@@ -1,0 +1,32 @@
+defmodule VllmBridge.Bench.Trivial do
+  @moduledoc """
+  The trivial call the round-trip benchmarks time through the whole stack:
+  `vllm_bridge.forward_context.is_forward_context_available()` (no arguments, a boolean
+  back). One place, so that switching to the generated binding is a one-line change of
+  `call/1`:
+
+      def call(opts), do: Vllm.ForwardContext.Module.is_forward_context_available(__runtime__: opts)
+  """
+
+  alias VllmBridge.{Request, Wire}
+
+  @target {"vllm_bridge.forward_context", "is_forward_context_available"}
+
+  @doc "Makes the trivial call with runtime options `opts`; `{:ok, boolean}` expected."
+  @spec call(keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
+  def call(opts), do: VllmBridge.call(@target, [], %{}, opts)
+
+  @doc """
+  The bytes of the frame the trivial call sends (session nil, a timeout): what the raw
+  echo sends to be compared with it.
+  """
+  @spec request_frame() :: binary()
+  def request_frame do
+    {:ok, parts} = Wire.encode_invoke(@target, [], %{})
+    req = Request.new("call", [Wire.value(nil)], true, parts)
+
+    IO.iodata_to_binary(
+      Wire.request(req.kind, 1_000_000, req.pre ++ [Wire.value(120_000) | req.post])
+    )
+  end
+end

@@ -1,0 +1,216 @@
+defmodule VllmBridge.Demo do
+  @moduledoc """
+  The main job (`make demo`, `mix vllm.demo`): a data-parallel forward-pass demo of a
+  small MoE transformer, driven from Elixir.
+
+    1. start a pool of 2 Python workers as DP ranks 0 and 1 (`VllmBridge.Demo.Ranks`),
+       showing progress while they start, and open a session on each;
+    2. both ranks join the DP group together (`vllm_bridge.dp.init_dp_group`, settings
+       from their environment);
+    3. rank 0 generates the weights from a seed and saves them to a file; both ranks load
+       that file with the checked loader, each keeping its own shard of the experts;
+    4. run the steps of a seeded schedule with uneven token counts per rank
+       (`VllmBridge.Demo.Schedule`), calling `vllm_bridge.runner.execute_model` on both
+       ranks at once each step (inside, both call `coordinate_batch_across_dp`, run the
+       forward under `set_forward_context` and walk the MoE layers in lockstep chunks),
+       printing a row per step (`VllmBridge.Demo.Report`);
+    5. print each rank's batch-size statistics and the tokens each request got;
+    6. check the DP run against rank 0 running all tokens alone (`VllmBridge.Demo.Check`);
+    7. leave the DP group, close the sessions and stop the pool.
+
+  `run/1` returns what happened (for tests) and prints through `:out`.
+  """
+
+  alias VllmBridge.Demo.{Check, Ranks, Report, Schedule}
+
+  @typedoc "What a demo run did."
+  @type result :: %{
+          steps: [{[Schedule.rank_step()], [map()]}],
+          stats: list(),
+          weights: map(),
+          runners: [map()],
+          check: Check.result() | nil
+        }
+
+  @runner_kwargs %{
+    "enable_expert_parallel" => true,
+    "enable_dbo" => true,
+    "dbo_prefill_token_threshold" => 16,
+    "dbo_decode_token_threshold" => 8,
+    "cudagraph_mode" => "full_and_piecewise",
+    "moe_chunk_size" => 32
+  }
+
+  @doc """
+  Runs the demo. Options: `:steps` (default 6), `:seed` (default 7, for the weights
+  and the schedule), `:check` (run the no-DP reference, default true), `:pool` (pool
+  name, default `:vllm_demo`), `:weights_dir` (default `tmp/demo`), `:out` (a function
+  taking each line to print, default `IO.puts/1`).
+  """
+  @spec run(keyword()) :: result()
+  def run(opts \\ []) do
+    out = Keyword.get(opts, :out, &IO.puts/1)
+    steps = Keyword.get(opts, :steps, 6)
+    seed = Keyword.get(opts, :seed, 7)
+    started = System.monotonic_time(:millisecond)
+
+    out.("vllm_bridge demo: a data-parallel MoE forward pass driven from Elixir")
+    out.("starting 2 Python workers as DP ranks 0 and 1 (each imports torch: a few seconds)")
+    ranks = ok!(Ranks.start(Keyword.get(opts, :pool, :vllm_demo), 2, out), "starting the ranks")
+
+    try do
+      join(ranks, out)
+      weights = save_weights(ranks, seed, Keyword.get(opts, :weights_dir, "tmp/demo"), out)
+      runners = load(ranks, weights["path"], out)
+      results = run_steps(ranks, steps, seed, out)
+      stats = stats(ranks, out)
+      requests(results, out)
+      check = if Keyword.get(opts, :check, true), do: check(ranks, weights, results, out)
+      Ranks.both(ranks, &leave(ranks, &1))
+      elapsed = (System.monotonic_time(:millisecond) - started) / 1000
+      out.("done in #{:erlang.float_to_binary(elapsed, decimals: 1)} s")
+      %{steps: results, stats: stats, weights: weights, runners: runners, check: check}
+    after
+      Ranks.stop(ranks)
+    end
+  end
+
+  defp ok!({:ok, value}, _what), do: value
+
+  defp ok!({:error, %VllmBridge.Error{} = e}, what),
+    do: raise(%{e | message: "#{what}: #{e.message}"})
+
+  defp join(ranks, out) do
+    {us, infos} = :timer.tc(fn -> Ranks.both(ranks, &join_rank(ranks, &1)) end)
+    info = hd(infos)
+    sessions = Enum.map_join(ranks.sessions, ", ", &"rank #{&1.worker} #{&1.id}")
+    out.("sessions: #{sessions}")
+
+    out.(
+      "DP group: #{info["world_size"]} ranks over #{info["backend"]} at " <>
+        "#{info["master_addr"]}:#{info["master_port"]} (joined in #{Report.ms(us / 1000)} ms)"
+    )
+  end
+
+  defp join_rank(ranks, rank) do
+    ranks |> Ranks.call!(rank, "vllm_bridge.dp", "init_dp_group") |> fields()
+  end
+
+  # A Python dataclass arrives as a registered struct or as a VllmBridge.Object.
+  defp fields(%VllmBridge.Object{fields: fields}), do: fields
+
+  defp fields(%_{} = struct),
+    do: Map.new(Map.from_struct(struct), fn {k, v} -> {to_string(k), v} end)
+
+  defp save_weights(ranks, seed, dir, out) do
+    path = Path.expand(Path.join(dir, "moe-seed#{seed}.pt"))
+    w = Ranks.call!(ranks, 0, "vllm_bridge.runner", "save_weights", [path, seed])
+    c = w["config"]
+
+    out.(
+      "weights: seed #{seed} -> #{Path.relative_to_cwd(w["path"])} (#{w["num_parameters"]} " <>
+        "parameters, #{w["num_bytes"]} bytes, sha256 #{String.slice(w["sha256"], 0, 12)}); model: " <>
+        "#{c["num_layers"]} layers, hidden #{c["hidden_size"]}, #{c["num_experts"]} experts " <>
+        "top-#{c["top_k"]}, vocab #{c["vocab_size"]}, #{c["dtype"]}"
+    )
+
+    w
+  end
+
+  defp load(ranks, path, out) do
+    infos =
+      Ranks.both(ranks, fn rank ->
+        Ranks.call!(ranks, rank, "vllm_bridge.runner", "create_runner", [], @runner_kwargs)
+        Ranks.call!(ranks, rank, "vllm_bridge.runner", "load_model", [path])
+        Ranks.call!(ranks, rank, "vllm_bridge.runner", "runner_info")
+      end)
+
+    for info <- infos do
+      [first, last] = info["local_experts"]
+
+      out.(
+        "  rank #{info["data_parallel_rank"]}: loaded on #{info["device"]}, experts " <>
+          "#{first}-#{last} (expert parallel: #{info["expert_parallel"]}), cudagraph " <>
+          "#{info["cudagraph_mode"]}, micro-batching #{if info["enable_dbo"], do: "on", else: "off"}"
+      )
+    end
+
+    infos
+  end
+
+  defp run_steps(ranks, steps, seed, out) do
+    out.("")
+    Enum.each(Report.header(), out)
+
+    {results, _} =
+      Enum.map_reduce(1..steps, Schedule.new(ranks.size, seed: seed), fn index, schedule ->
+        {rank_steps, schedule} = Schedule.next(schedule)
+        {us, outputs} = :timer.tc(fn -> Ranks.both(ranks, &execute(ranks, &1, rank_steps)) end)
+        out.(Report.row(index, outputs, us / 1000))
+        {{rank_steps, outputs}, schedule}
+      end)
+
+    results
+  end
+
+  defp execute(ranks, rank, rank_steps) do
+    Ranks.call!(ranks, rank, "vllm_bridge.runner", "execute_model", [], Enum.at(rank_steps, rank))
+  end
+
+  defp stats(ranks, out) do
+    stats =
+      Ranks.both(ranks, fn rank ->
+        Ranks.call!(ranks, rank, "vllm_bridge.forward_context", "get_batchsize_stats", [1])
+      end)
+
+    out.("")
+    out.("batch-size stats (padded tokens per forward pass x passes, median forward time):")
+    Enum.each(Report.stats(stats), out)
+    stats
+  end
+
+  defp requests(results, out) do
+    tokens =
+      for {_steps, outputs} <- results,
+          output <- outputs,
+          pair <- Enum.zip(output["req_ids"], output["sampled_token_ids"]),
+          reduce: %{} do
+        acc -> Map.update(acc, elem(pair, 0), [elem(pair, 1)], &(&1 ++ [elem(pair, 1)]))
+      end
+
+    prompts =
+      for {rank_steps, _} <- results,
+          step <- rank_steps,
+          {req, p} <- step["new_requests"],
+          into: %{},
+          do: {req, length(p)}
+
+    out.("")
+    out.("tokens sampled per request (greedy):")
+    Enum.each(Report.requests(tokens, prompts), out)
+  end
+
+  defp check(ranks, weights, results, out) do
+    out.("")
+    out.("check: rank 0 alone (no DP) runs every rank's tokens of the same steps ...")
+    result = Check.run(ranks, weights["path"], results, @runner_kwargs)
+
+    verdict =
+      if result.mismatches == [] and result.compared > 0, do: "identical", else: "DIFFERENT"
+
+    diff = :io_lib.format("~.2e", [result.max_abs_diff]) |> IO.iodata_to_binary()
+
+    out.(
+      "  tokens #{verdict}: #{result.compared} sampled tokens compared, " <>
+        "#{length(result.mismatches)} mismatches; largest logit difference #{diff}"
+    )
+
+    Enum.each(result.mismatches, &out.("  " <> &1))
+    result
+  end
+
+  defp leave(ranks, rank) do
+    Ranks.call!(ranks, rank, "vllm_bridge.runner", "shutdown_runner")
+    Ranks.call!(ranks, rank, "vllm_bridge.dp", "destroy_dp_group")
+  end
+end

@@ -1,0 +1,66 @@
+defmodule VllmBridge.BenchTest do
+  @moduledoc """
+  The benchmark suite's machinery, run with tiny counts (`quick: true`): every part runs
+  against real processes and the report has every section and target. No figure is
+  asserted: speed is read from `make bench`, never checked in tests.
+  """
+  use ExUnit.Case, async: false
+
+  alias VllmBridge.Bench
+  alias VllmBridge.Bench.{RawEcho, Stats}
+
+  @moduletag timeout: 300_000
+
+  test "a quick run reports every part and marks every target" do
+    %{report: report, targets: targets} =
+      Bench.run(quick: true, write: false, out: fn _ -> :ok end)
+
+    text = Enum.join(report, "\n")
+
+    for section <- [
+          "1. round trip",
+          "2. throughput",
+          "3. Python peer",
+          "4. tensors",
+          "5. forward context"
+        ] do
+      assert text =~ section
+    end
+
+    assert text =~ ~r/full stack .* p50 +[\d.]+ us +p99 +[\d.]+ us/
+    assert text =~ ~r/set_forward_context, DP on \(2 ranks\), given counts +[\d.]+/
+    assert length(targets) == 4
+    assert Enum.all?(targets, fn {_name, verdict} -> verdict in [:pass, :miss] end)
+    # the quick run measures 16 MiB at most, so the 64 MiB target cannot pass
+    assert {_, :miss} = List.last(targets)
+  end
+
+  test "the raw echo returns every frame unchanged, also through an owner in FIFO order" do
+    python = Application.fetch_env!(:vllm_bridge, :python)
+    port = RawEcho.open(python)
+    big = :rand.bytes(3 * 1024 * 1024)
+    assert RawEcho.roundtrip(port, big) == {:ok, big}
+    assert RawEcho.roundtrip(port, "") == {:ok, ""}
+    RawEcho.close(port)
+
+    owner = RawEcho.start_owner(python)
+
+    replies =
+      1..50
+      |> Enum.map(fn i -> Task.async(fn -> RawEcho.call(owner, "frame #{i}") end) end)
+      |> Task.await_many()
+
+    assert replies == Enum.map(1..50, &{:ok, "frame #{&1}"})
+    RawEcho.stop_owner(owner)
+  end
+
+  test "percentiles are nearest-rank" do
+    samples = Enum.shuffle(Enum.to_list(1..100))
+    assert Stats.percentile(samples, 50) == 50
+    assert Stats.percentile(samples, 99) == 99
+    assert Stats.percentile(samples, 100) == 100
+    assert Stats.percentile([7], 99) == 7
+    assert_raise ArgumentError, fn -> Stats.percentile([], 50) end
+    assert_raise RuntimeError, ~r/a benchmarked call failed: :boom/, fn -> Stats.check!(:boom) end
+  end
+end

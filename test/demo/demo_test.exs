@@ -1,0 +1,85 @@
+defmodule VllmBridge.DemoTest do
+  @moduledoc """
+  The demo through the whole bridge: two real Python workers as DP ranks 0 and 1 run a
+  seeded schedule of MoE forward passes; the DP run must give, token for token, what
+  rank 0 gives running every rank's tokens alone (no DP), and the ranks must have agreed
+  on every step's counts, micro-batching and CUDA-graph mode.
+  """
+  use ExUnit.Case, async: false
+
+  alias VllmBridge.Demo
+  alias VllmBridge.Demo.Schedule
+
+  @moduletag timeout: 300_000
+
+  setup_all do
+    dir = Path.join(System.tmp_dir!(), "vllm_demo_test_#{System.unique_integer([:positive])}")
+    on_exit(fn -> File.rm_rf(dir) end)
+    {:ok, lines} = Agent.start_link(fn -> [] end)
+    out = fn line -> Agent.update(lines, &[line | &1]) end
+    result = Demo.run(steps: 6, seed: 7, pool: :demo_test, weights_dir: dir, out: out)
+    printed = lines |> Agent.get(&Enum.reverse/1) |> Enum.join("\n")
+    Agent.stop(lines)
+    %{result: result, printed: printed}
+  end
+
+  test "the DP run equals one rank running the same tokens", %{result: result} do
+    %{compared: compared, mismatches: mismatches, max_abs_diff: diff} = result.check
+    assert mismatches == []
+
+    sampled =
+      for {_, outs} <- result.steps, out <- outs, reduce: 0, do: (n -> n + length(out["req_ids"]))
+
+    assert compared == sampled and compared > 10
+    assert diff < 1.0e-4
+  end
+
+  test "every step ran the scheduled tokens, padded to what the ranks agreed", %{result: result} do
+    for {{rank_steps, [r0, r1] = outs}, index} <- Enum.with_index(result.steps, 1) do
+      for key <- ["num_tokens_across_dp", "should_ubatch", "cudagraph_mode", "moe_chunks"] do
+        assert r0[key] == r1[key], "step #{index}: ranks disagree on #{key}"
+      end
+
+      for {{step, out}, rank} <- Enum.with_index(Enum.zip(rank_steps, outs)) do
+        assert out["num_tokens"] == Schedule.num_tokens(step)
+        assert out["num_tokens_padded"] == Enum.at(out["num_tokens_across_dp"], rank)
+        assert out["num_tokens_padded"] >= out["num_tokens"]
+      end
+    end
+  end
+
+  test "the seeded schedule exercises micro-batching, each graph mode and an idle rank",
+       %{result: result} do
+    outs = for {_, [r0, _]} <- result.steps, do: r0
+    assert Enum.any?(outs, & &1["should_ubatch"])
+    assert MapSet.new(outs, & &1["cudagraph_mode"]) == MapSet.new(["NONE", "PIECEWISE", "FULL"])
+    # step 4: rank 1 schedules nothing and runs a padded dummy pass beside rank 0
+    {[_, idle_step], [r0, r1]} = Enum.at(result.steps, 3)
+    assert Schedule.num_tokens(idle_step) == 0
+    assert r1["num_tokens"] == 0 and r1["num_tokens_padded"] == r0["num_tokens_padded"]
+    assert Enum.all?(outs, &(&1["moe_chunks"] >= 1))
+  end
+
+  test "weights were saved once and loaded by both ranks, experts split", %{result: result} do
+    assert File.regular?(result.weights["path"])
+
+    assert Enum.map(result.runners, & &1["weights_sha256"]) ==
+             List.duplicate(result.weights["sha256"], 2)
+
+    assert Enum.map(result.runners, & &1["local_experts"]) == [[0, 3], [4, 7]]
+    assert [[_ | _], [_ | _]] = result.stats
+  end
+
+  test "the output shows progress, a row per step, the stats and the verdict", %{printed: printed} do
+    assert printed =~ ~r/rank 0 ready: os pid \d+, device (cpu|cuda:\d+)/
+    assert printed =~ "DP group: 2 ranks over gloo"
+    for step <- 1..6, do: assert(printed =~ ~r/^#{step}\s+\d+ \/ \d+\s+\d+ \/ \d+/m)
+    assert printed =~ "batch-size stats"
+    assert printed =~ "tokens identical: "
+    refute printed =~ "DIFFERENT"
+  end
+
+  test "the pool is gone afterwards" do
+    assert {:error, %VllmBridge.Error{type: :bad_argument}} = VllmBridge.Pool.workers(:demo_test)
+  end
+end
