@@ -50,6 +50,7 @@ defmodule VllmBridge.Bindings.DpTest do
              coordinate_batch_across_dp: 4..9,
              default_timeout_s: 0..1,
              destroy_dp_group: 0..1,
+             dp_all_gather: 3..4,
              dp_all_reduce: 3..4,
              dp_group_info: 0..1,
              init_dp_group: 0..7
@@ -145,6 +146,15 @@ defmodule VllmBridge.Bindings.DpTest do
 
     assert Enum.map(sums, fn {:ok, t} -> Tensor.to_list(t) end) == [[3, 20], [3, 20]]
 
+    # Every rank's tensor, stacked by rank, on both ranks.
+    gathered =
+      on_both(ranks, fn i, rt ->
+        DP.dp_all_gather(Tensor.from_list([i + 1, 10 * i], :int64), 2, i, rt)
+      end)
+
+    assert Enum.map(gathered, fn {:ok, t} -> {t.shape, Tensor.to_list(t)} end) ==
+             [{[2, 2], [[1, 0], [2, 10]]}, {[2, 2], [[1, 0], [2, 10]]}]
+
     assert {:error, %Error{type: :python_exception, message: m}} =
              DP.dp_all_reduce(Tensor.from_list([1], :int64), 4, 0,
                __runtime__: [session_id: hd(ranks)]
@@ -163,6 +173,8 @@ defmodule VllmBridge.Bindings.DpTest do
     assert m =~ ~s|rank must be integer() \| nil, got "0"|
     assert {:error, %Error{type: :bad_argument, message: m}} = DP.dp_all_reduce([1, 2], 1, 0)
     assert m =~ "tensor must be VllmBridge.Tensor.t()"
+    assert {:error, %Error{type: :bad_argument, message: m}} = DP.dp_all_gather("t", 1, 0)
+    assert m =~ ~s|tensor must be VllmBridge.Tensor.t(), got "t"|
 
     assert {:error, %Error{type: :python_exception, python_type: "ValueError", message: m}} =
              DP.init_dp_group(0, 1, "127.0.0.1", 1, "mpi")
