@@ -95,6 +95,53 @@ defmodule VllmBridge.Runtime do
   def resolve(opts, kind) when is_list(opts) do
     now = System.monotonic_time(:millisecond)
 
+    with [] <- Application.get_env(:vllm_bridge, :runtime, []),
+         {:ok, rt} <- quick(opts, %__MODULE__{}, 0) do
+      budget = if kind == :stream, do: rt.stream_timeout, else: rt.timeout
+      {:ok, %{rt | deadline: deadline(now, budget)}}
+    else
+      _ -> full_resolve(opts, kind, now)
+    end
+  end
+
+  def resolve(other, _kind),
+    do: bad("runtime options must be a keyword list, got #{inspect(other, limit: 8)}")
+
+  # No `:runtime` config: the call's own options over the table's defaults, in one pass.
+  # A profile, a key given twice, or a value that needs a message takes the full path.
+  @quick_bits %{pool_name: 1, session_id: 2, timeout: 4, stream_timeout: 8, affinity: 16}
+
+  defp quick([], rt, _seen), do: {:ok, rt}
+
+  defp quick([{key, value} | rest], rt, seen) when is_map_key(@quick_bits, key) do
+    bit = Map.fetch!(@quick_bits, key)
+
+    with 0 <- Bitwise.band(seen, bit),
+         {:ok, rt} <- quick_put(key, value, rt) do
+      quick(rest, rt, Bitwise.bor(seen, bit))
+    else
+      _ -> :slow
+    end
+  end
+
+  defp quick(_opts, _rt, _seen), do: :slow
+
+  defp quick_put(:pool_name, pool, rt), do: {:ok, %{rt | pool_name: pool, pool_given?: true}}
+  defp quick_put(:session_id, nil, rt), do: {:ok, rt}
+  defp quick_put(:session_id, id, rt) when is_binary(id), do: {:ok, %{rt | session_id: id}}
+
+  defp quick_put(:session_id, %{__struct__: VllmBridge.Session, id: id}, rt) when is_binary(id),
+    do: {:ok, %{rt | session_id: id}}
+
+  defp quick_put(key, ms, rt)
+       when key in [:timeout, :stream_timeout] and
+              ((is_integer(ms) and ms >= 0) or ms == :infinity),
+       do: {:ok, Map.put(rt, key, ms)}
+
+  defp quick_put(:affinity, a, rt) when a in @affinities, do: {:ok, %{rt | affinity: a}}
+  defp quick_put(_key, _value, _rt), do: :slow
+
+  defp full_resolve(opts, kind, now) do
     with :ok <- check_keyword(opts, {"runtime option", "runtime options"}),
          defaults = Application.get_env(:vllm_bridge, :runtime, []),
          :ok <-
@@ -107,9 +154,6 @@ defmodule VllmBridge.Runtime do
       {:ok, %{rt | deadline: deadline(now, budget)}}
     end
   end
-
-  def resolve(other, _kind),
-    do: bad("runtime options must be a keyword list, got #{inspect(other, limit: 8)}")
 
   @doc "Milliseconds left until `deadline` (0 once passed), or `:infinity`."
   @spec remaining(integer() | :infinity) :: ms()

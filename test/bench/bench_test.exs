@@ -7,7 +7,7 @@ defmodule VllmBridge.BenchTest do
   use ExUnit.Case, async: false
 
   alias VllmBridge.Bench
-  alias VllmBridge.Bench.{RawEcho, Stats}
+  alias VllmBridge.Bench.{Pinning, RawEcho, Stats}
 
   @moduletag timeout: 300_000
 
@@ -29,7 +29,15 @@ defmodule VllmBridge.BenchTest do
 
     assert text =~ ~r/full stack .* p50 +[\d.]+ us +p99 +[\d.]+ us/
     assert text =~ ~r/set_forward_context, DP on \(2 ranks\), given counts +[\d.]+/
-    assert length(targets) == 4
+    # The round trip is also measured pinned to one CPU where taskset can do it.
+    if Pinning.available?() do
+      assert text =~ "pinned to CPU 0"
+      assert length(targets) == 5
+    else
+      assert text =~ "not pinned to one CPU"
+      assert length(targets) == 4
+    end
+
     assert Enum.all?(targets, fn {_name, verdict} -> verdict in [:pass, :miss] end)
     # the quick run measures 16 MiB at most, so the 64 MiB target cannot pass
     assert {_, :miss} = List.last(targets)
@@ -52,6 +60,30 @@ defmodule VllmBridge.BenchTest do
 
     assert replies == Enum.map(1..50, &{:ok, "frame #{&1}"})
     RawEcho.stop_owner(owner)
+  end
+
+  test "pinning moves every thread of a process to one CPU and restores its mask" do
+    unless Pinning.available?(), do: flunk("this test needs Linux with taskset (util-linux)")
+    port = Port.open({:spawn_executable, System.find_executable("sleep")}, [{:args, ["30"]}])
+    {:os_pid, pid} = Port.info(port, :os_pid)
+    before = mask(pid)
+
+    assert {:ok, saved} = Pinning.pin([pid], 0)
+    assert mask(pid) == "1"
+    assert :ok = Pinning.restore(saved)
+    assert mask(pid) == before
+
+    assert {:error, message} = Pinning.pin([pid, 999_999_999], 0)
+    assert message =~ "999999999"
+    # A failure part-way leaves nothing changed.
+    assert mask(pid) == before
+    Port.close(port)
+  end
+
+  defp mask(pid) do
+    {out, 0} = System.cmd("taskset", ["-p", "#{pid}"])
+    [_, mask] = Regex.run(~r/affinity mask:\s*(\S+)/, out)
+    mask
   end
 
   test "percentiles are nearest-rank" do

@@ -133,6 +133,50 @@ defmodule VllmBridge.Runtime.RuntimeOptionsTest do
     end
   end
 
+  describe "without a :runtime config (the one-pass path)" do
+    test "gives what the configured path gives for the same options" do
+      session = %VllmBridge.Session{id: "s-1", pool: :p, worker: 0, instance: "i", owner: self()}
+
+      cases = [
+        [],
+        [pool_name: :x],
+        [session_id: "s-1", affinity: :hint],
+        [session_id: session],
+        [session_id: nil, timeout: 5, stream_timeout: :infinity],
+        [timeout: :infinity, affinity: :strict_fail_fast, pool_name: {:any, "term"}],
+        # Repeated keys: the first wins, as Keyword.fetch/2 reads them.
+        [timeout: 5, timeout: 10],
+        [pool_name: :a, pool_name: :b],
+        # A profile goes the configured way; the answer is the same.
+        [timeout_profile: :ml_inference, timeout: 3]
+      ]
+
+      for opts <- cases do
+        quick = resolve!(opts)
+        # An empty-but-present config forces the general path.
+        config(affinity: :strict_queue)
+        general = resolve!(opts)
+        Application.delete_env(:vllm_bridge, :runtime)
+        assert %{quick | deadline: 0} == %{general | deadline: 0}, inspect(opts)
+      end
+
+      assert resolve!(timeout: 5, timeout: 10).timeout == 5
+      assert resolve!(session_id: session).session_id == "s-1"
+    end
+
+    test "bad values are still refused by name" do
+      assert refused(timeout: -1) =~
+               "timeout must be a non-negative integer (ms) or :infinity, got -1"
+
+      assert refused(affinity: :nearest) =~ ":nearest"
+
+      assert refused(session_id: 42) =~
+               "session_id must be a string or a VllmBridge.Session, got 42"
+
+      assert refused(poolname: :x) =~ "unknown runtime option :poolname"
+    end
+  end
+
   describe "refusals name the bad value" do
     test "unknown options" do
       msg = refused(timeuot: 5)

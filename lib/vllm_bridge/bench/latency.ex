@@ -6,12 +6,13 @@ defmodule VllmBridge.Bench.Latency do
   that a busy moment of a shared machine lands on both.
   """
 
-  alias VllmBridge.Bench.{RawEcho, Stats, Trivial}
+  alias VllmBridge.Bench.{Pinning, RawEcho, Stats, Trivial}
 
   @doc """
-  Measures both: `%{full: samples_us, raw: samples_us, frame_bytes: n}`. Options:
-  `:calls` (timed calls of each, default 10 000), `:rounds` (default 10), `:warmup`
-  (default 1 000).
+  Measures both: `%{full: samples_us, raw: samples_us, frame_bytes: n, pinned: cpu | nil}`.
+  Options: `:calls` (timed calls of each, default 10 000), `:rounds` (default 10),
+  `:warmup` (default 1 000), `:pin` (a CPU: the BEAM's threads, the pool's Python workers
+  and the echo all run on it while measuring; see `VllmBridge.Bench.Pinning`).
   """
   @spec run(term(), String.t(), keyword()) :: map()
   def run(pool, python, opts) do
@@ -21,6 +22,7 @@ defmodule VllmBridge.Bench.Latency do
     per_round = max(1, div(calls, rounds))
     frame = Trivial.request_frame()
     port = RawEcho.open(python)
+    saved = pin(Keyword.get(opts, :pin), pool, port)
 
     try do
       full = fn -> Trivial.call(pool_name: pool) end
@@ -33,9 +35,28 @@ defmodule VllmBridge.Bench.Latency do
           {Stats.time_calls(per_round, full) ++ f, Stats.time_calls(per_round, raw) ++ r}
         end)
 
-      %{full: full_samples, raw: raw_samples, frame_bytes: byte_size(frame)}
+      %{
+        full: full_samples,
+        raw: raw_samples,
+        frame_bytes: byte_size(frame),
+        pinned: Keyword.get(opts, :pin)
+      }
     after
+      Pinning.restore(saved)
       RawEcho.close(port)
+    end
+  end
+
+  defp pin(nil, _pool, _port), do: []
+
+  defp pin(cpu, pool, port) do
+    {:ok, workers} = VllmBridge.Pool.workers(pool)
+    {:os_pid, echo} = Port.info(port, :os_pid)
+    pids = [System.pid(), echo | Enum.map(workers, & &1.os_pid)]
+
+    case Pinning.pin(pids, cpu) do
+      {:ok, saved} -> saved
+      {:error, reason} -> raise "could not pin the benchmark to CPU #{cpu}: #{reason}"
     end
   end
 end

@@ -1,11 +1,9 @@
 defmodule VllmBridge.Bench.Trivial do
   @moduledoc """
-  The trivial call the round-trip benchmarks time through the whole stack:
+  The trivial call the round-trip benchmarks time through the whole stack: the generated
+  binding `Vllm.ForwardContext.Module.is_forward_context_available/1` of
   `vllm_bridge.forward_context.is_forward_context_available()` (no arguments, a boolean
-  back). One place, so that switching to the generated binding is a one-line change of
-  `call/1`:
-
-      def call(opts), do: Vllm.ForwardContext.Module.is_forward_context_available(__runtime__: opts)
+  back), so the figures include the binding's argument handling.
   """
 
   alias VllmBridge.{Request, Wire}
@@ -14,7 +12,7 @@ defmodule VllmBridge.Bench.Trivial do
 
   @doc "Makes the trivial call with runtime options `opts`; `{:ok, boolean}` expected."
   @spec call(keyword()) :: {:ok, boolean()} | {:error, VllmBridge.Error.t()}
-  def call(opts), do: VllmBridge.call(@target, [], %{}, opts)
+  def call(opts), do: Vllm.ForwardContext.Module.is_forward_context_available(__runtime__: opts)
 
   @doc """
   The bytes of the frame the trivial call sends (session nil, a timeout): what the raw

@@ -40,6 +40,43 @@ defmodule VllmBridge.Bindings.Args do
   @spec split(spec(), list(), non_neg_integer()) ::
           {:ok, list(), %{String.t() => term()}, keyword()} | {:error, Error.t()}
   def split(spec, args, more \\ 0) do
+    case quick(spec.params, args) do
+      {:ok, _, _, _} = ok -> ok
+      :slow -> full_split(spec, args, more)
+    end
+  end
+
+  # The common shapes, without building anything: every parameter required and given
+  # (type-checked), then nothing or `[__runtime__: opts]` alone. Anything else, and every
+  # error (for its message), takes the full path.
+  defp quick([], []), do: {:ok, [], %{}, []}
+  defp quick([], [[__runtime__: rt]]) when is_list(rt), do: {:ok, [], %{}, rt}
+
+  defp quick(params, args) do
+    case quick_args(params, args, []) do
+      {:ok, values, rt} -> {:ok, values, %{}, rt}
+      :slow -> :slow
+    end
+  end
+
+  defp quick_args([{_, :required, type} | params], [value | args], acc) do
+    if Type.check(type, value), do: quick_args(params, args, [value | acc]), else: :slow
+  end
+
+  defp quick_args(params, [], acc) do
+    if none_required?(params), do: {:ok, Enum.reverse(acc), []}, else: :slow
+  end
+
+  defp quick_args(params, [[__runtime__: rt]], acc) when is_list(rt) do
+    if none_required?(params), do: {:ok, Enum.reverse(acc), rt}, else: :slow
+  end
+
+  defp quick_args(_params, _args, _acc), do: :slow
+
+  defp none_required?(params),
+    do: Enum.all?(params, fn {_, mode, _} -> mode not in [:required, :required_keyword] end)
+
+  defp full_split(spec, args, more) do
     fixed =
       Enum.filter(spec.params, fn {_, mode, _} -> mode in [:required, :required_keyword] end)
 
