@@ -130,6 +130,10 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
     Raises:
         RequestError: anything malformed; the message names the field and its value.
     """
+    if type(msg) is list and len(msg) == 7 and msg[0] == "call":
+        fast = _plain_call(msg, time.monotonic() if now is None else now)
+        if fast is not None:
+            return fast
     rid = request_id_of(msg)
     if not isinstance(msg, list) or not msg:
         raise RequestError(f"a message must be a non-empty array, got {msg!r:.100}", None)
@@ -176,6 +180,32 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise RequestError(f"{kind} kwargs must be a map with str keys, got {kwargs!r:.100}", rid)
     return Invoke(kind, rid, session, deadline, target=target, args=args, kwargs=kwargs)
+
+
+def _plain_call(msg: list[Any], now: float) -> Invoke | None:
+    """The common ``call`` (a module target, plain field types) without the checks that
+    name errors; ``None`` sends anything else through the full checks."""
+    _, rid, session, timeout, target, args, kwargs = msg
+    if (
+        type(rid) is int
+        and rid >= 0
+        and (session is None or type(session) is str)
+        and (timeout is None or ((type(timeout) is int or type(timeout) is float) and timeout == timeout))
+        and type(target) is list
+        and len(target) == 3
+        and target[0] == "m"
+        and type(target[1]) is str
+        and type(target[2]) is str
+        and type(args) is list
+        and type(kwargs) is dict
+        and (not kwargs or all(type(k) is str for k in kwargs))
+    ):
+        deadline = None if timeout is None else now + timeout / 1000.0
+        return Invoke(
+            "call", rid, session, deadline, target=ModuleTarget(target[1], target[2]),
+            args=args, kwargs=kwargs,
+        )
+    return None
 
 
 def _session(value: Any, kind: str, rid: int) -> str | None:
