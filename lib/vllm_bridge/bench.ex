@@ -9,7 +9,10 @@ defmodule VllmBridge.Bench do
        the placement the OS picks and with everything pinned to one CPU
        (`VllmBridge.Bench.Pinning`: on a VM the placement alone moves a round trip 5x);
     2. throughput, 2 workers and 64 callers vs 2 raw echo ports
-       (`VllmBridge.Bench.Throughput`): at least 40% of the echo's calls/s;
+       (`VllmBridge.Bench.Throughput`): at least 40% of the echo's calls/s. The echo
+       pipelines every caller, so the pool gets room for all of them too
+       (`max_in_flight: 32` per worker); the default pool (16 per worker: half the
+       callers wait in the pool's queue) is measured and reported beside it;
     3. `multiprocessing.Pool.apply` of the same call (`bench/mp_peer.py`): the full stack's
        p50 at least 2x faster;
     4. tensor round trips of 1, 16 and 64 MiB (`VllmBridge.Bench.Tensors`): 64 MiB at
@@ -49,7 +52,7 @@ defmodule VllmBridge.Bench do
     say = fn line -> out.(line) && line end
 
     say.("starting a pool of 2 workers and the raw echo processes ...")
-    {:ok, _} = VllmBridge.start_pool(@pool, size: 2)
+    {:ok, _} = VllmBridge.start_pool(@pool, size: 2, max_in_flight: 32)
 
     {hello, lat, thr, ten} =
       try do
@@ -62,9 +65,11 @@ defmodule VllmBridge.Bench do
           if Pinning.available?(),
             do: Latency.run(@pool, python, Keyword.put(part.(:latency) || [], :pin, 0))
 
-        lat = Map.put(lat, :pinned_run, pinned)
+        polling = polling_latency(python, part.(:latency))
+        lat = lat |> Map.put(:pinned_run, pinned) |> Map.put(:polling_run, polling)
         say.("2/5 throughput ...")
         thr = Throughput.run(@pool, python, part.(:throughput))
+        thr = Map.put(thr, :default_pool, default_pool_rate(part.(:throughput)))
         say.("4/5 tensors ...")
         ten = Tensors.run(@pool, python, part.(:tensors))
         {hello, lat, thr, ten}
@@ -79,6 +84,28 @@ defmodule VllmBridge.Bench do
     Enum.each(report, out)
     if Keyword.get(opts, :write, true), do: write(report, out)
     %{report: report, targets: targets}
+  end
+
+  # The round trip through workers that poll 100 us before sleeping (`poll_us`).
+  defp polling_latency(python, opts) do
+    {:ok, _} = VllmBridge.start_pool(:vllm_bench_poll, size: 2, poll_us: 100)
+
+    try do
+      Latency.run(:vllm_bench_poll, python, opts || [])
+    after
+      VllmBridge.stop_pool(:vllm_bench_poll)
+    end
+  end
+
+  # The same throughput through a pool with the default options (max_in_flight 16).
+  defp default_pool_rate(opts) do
+    {:ok, _} = VllmBridge.start_pool(:vllm_bench_default, size: 2)
+
+    try do
+      Throughput.rate_of(:vllm_bench_default, opts || [])
+    after
+      VllmBridge.stop_pool(:vllm_bench_default)
+    end
   end
 
   defp report(hello, lat, thr, mp, ten, fc, quick) do
@@ -166,7 +193,19 @@ defmodule VllmBridge.Bench do
       "   full stack (binding -> pool -> worker -> Python)  p50 #{us(full50)}  p99 #{us(Stats.percentile(lat.full, 99))}",
       "   raw Port echo (bench/raw_echo.py, same frame)     p50 #{us(raw50)}  p99 #{us(Stats.percentile(lat.raw, 99))}",
       "   full / raw at p50: #{Stats.fmt(ratio, 2)}x"
-    ] ++ pinned_lines(lat.pinned_run)
+    ] ++ pinned_lines(lat.pinned_run) ++ polling_lines(lat.polling_run)
+  end
+
+  defp polling_lines(p) do
+    full50 = Stats.percentile(p.full, 50)
+    raw50 = Stats.percentile(p.raw, 50)
+
+    [
+      "   placement as the OS picks it, workers started with poll_us: 100 (not a default):",
+      "   full stack                                        p50 #{us(full50)}  p99 #{us(Stats.percentile(p.full, 99))}",
+      "   raw Port echo                                     p50 #{us(raw50)}  p99 #{us(Stats.percentile(p.raw, 99))}",
+      "   full / raw at p50: #{Stats.fmt(full50 / raw50, 2)}x"
+    ]
   end
 
   defp pinned_lines(nil),
@@ -188,9 +227,11 @@ defmodule VllmBridge.Bench do
     [
       "",
       "2. throughput: #{thr.callers} concurrent callers, #{Stats.fmt(thr.seconds)} s per round, best of 2",
-      "   full stack, 2 workers           #{rate(thr.full)} calls/s",
-      "   raw echo, 2 ports (FIFO owners) #{rate(thr.raw)} calls/s",
-      "   full / raw: #{Stats.fmt(share * 100)}%"
+      "   full stack, 2 workers, max_in_flight 32 (every caller pipelined)  #{rate(thr.full)} calls/s",
+      "   raw echo, 2 ports (FIFO owners, every caller pipelined)          #{rate(thr.raw)} calls/s",
+      "   full / raw: #{Stats.fmt(share * 100)}%",
+      "   (default pool, max_in_flight 16: half the callers queue in the pool #{rate(thr.default_pool)} calls/s, " <>
+        "#{Stats.fmt(thr.default_pool / thr.raw * 100)}% of the echo)"
     ]
   end
 

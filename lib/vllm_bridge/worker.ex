@@ -26,7 +26,7 @@ defmodule VllmBridge.Worker do
       periodic sweep) does the `cancel_grace` restart apply.
     * **Logs.** `log` frames go to `Logger` with the Python logger's name.
 
-  Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:env` (see
+  Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`, `:env` (see
   `VllmBridge.Worker.Launcher.open/1`), `:start_timeout` (ms, default 60 000),
   `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the Python process is given
   to exit on EOF before it is killed, default 3 000), and, in a pool, `:pool`, `:index`

@@ -126,3 +126,23 @@ def test_write_segments_writes_one_frame_of_their_concatenation(pipe, sizes):
     t.start()
     assert bytes(FrameReader(r).read_frame()) == expected
     t.join()
+
+
+def test_a_polling_reader_gets_a_frame_written_while_it_polls(pipe):
+    r, w = pipe
+    reader = FrameReader(r, poll_s=0.5)
+    timer = threading.Timer(0.05, lambda: os.write(w, frame(b"late")))
+    timer.start()
+    assert bytes(reader.read_frame()) == b"late"
+    timer.join()
+
+
+def test_a_polling_reader_blocks_after_its_window_and_reads_what_comes(pipe):
+    r, w = pipe
+    reader = FrameReader(r, poll_s=0.001)
+    timer = threading.Timer(0.2, lambda: os.write(w, frame(b"after the poll")))
+    timer.start()
+    assert bytes(reader.read_frame()) == b"after the poll"
+    os.close(w)
+    assert reader.read_frame() is None
+    timer.join()

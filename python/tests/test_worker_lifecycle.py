@@ -172,7 +172,30 @@ def test_command_line_is_checked():
     assert opts.max_refs == DEFAULT_MAX_REFS
     assert opts.allow[0] == D
     assert parse_args(["--allow", "a.b", "c", "--allow", "a.b"]).allow == ("a.b", "c")
-    for bad in (["--max-refs", "0"], ["--allow", "not-a-module"], ["--max-refs", "x"]):
+    assert opts.poll_us == 0
+    assert parse_args(["--poll-us", "250"]).poll_us == 250
+    for bad in (
+        ["--max-refs", "0"],
+        ["--allow", "not-a-module"],
+        ["--max-refs", "x"],
+        ["--poll-us", "-1"],
+        ["--poll-us", "10001"],
+        ["--poll-us", "fast"],
+    ):
         with pytest.raises(SystemExit) as info:
             parse_args(bad)
         assert info.value.code == 2
+
+
+def test_a_polling_worker_serves_and_still_exits_on_eof():
+    w = spawn_worker(["--poll-us", "2000"])
+    try:
+        assert w.hello["pid"] > 0
+        for i in range(50):
+            assert w.call(D, "add", i, 1) == i + 1
+        rid = start_long_call(w)  # pings are still answered during a long call
+        w.send(["cancel", rid])
+        w.close()
+        assert w.proc.wait(timeout=FRAME_WAIT) == 0
+    finally:
+        w.stop()

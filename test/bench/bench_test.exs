@@ -28,6 +28,8 @@ defmodule VllmBridge.BenchTest do
     end
 
     assert text =~ ~r/full stack .* p50 +[\d.]+ us +p99 +[\d.]+ us/
+    assert text =~ ~r/default pool, max_in_flight 16: .* \d+ calls\/s/
+    assert text =~ "workers started with poll_us: 100"
     assert text =~ ~r/set_forward_context, DP on \(2 ranks\), given counts +[\d.]+/
     # The round trip is also measured pinned to one CPU where taskset can do it.
     if Pinning.available?() do

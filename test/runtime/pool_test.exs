@@ -99,7 +99,32 @@ defmodule VllmBridge.Runtime.PoolTest do
              VllmBridge.start_pool(:bad, worker_env: "X=1")
 
     assert m3 =~ "worker_env"
+
+    for bad <- [-1, 10_001, 1.5, "100"] do
+      assert {:error, %Error{type: :bad_argument, message: m4}} =
+               VllmBridge.start_pool(:bad, poll_us: bad)
+
+      assert m4 =~ "poll_us" and m4 =~ "from 0 to 10000"
+    end
+
     refute :bad in Pool.names()
+  end
+
+  test "poll_us reaches each worker's command line, and a polling pool serves" do
+    start_pool!(:rt_poll, size: 1, poll_us: 500)
+    [%{os_pid: os_pid}] = workers!(:rt_poll)
+    args = "/proc/#{os_pid}/cmdline" |> File.read!() |> String.split(<<0>>, trim: true)
+    assert Enum.take(args, -2) == ["--poll-us", "500"]
+
+    for i <- 1..20,
+        do:
+          assert(
+            {:ok, ^i} =
+              VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 0], %{}, pool_name: :rt_poll)
+          )
+
+    [%{os_pid: plain}] = workers!(:rt_b)
+    refute "--poll-us" in ("/proc/#{plain}/cmdline" |> File.read!() |> String.split(<<0>>))
   end
 
   test "Python exceptions and refused targets come back as errors; the pool keeps serving" do

@@ -38,6 +38,18 @@ defmodule VllmBridge.Bench.Throughput do
     end
   end
 
+  @doc """
+  Calls per second of the trivial call through pool `pool` alone (best of 2 rounds), with
+  the options of `run/3`.
+  """
+  @spec rate_of(term(), keyword()) :: float()
+  def rate_of(pool, opts) do
+    callers = Keyword.get(opts, :callers, 64)
+    duration = Keyword.get(opts, :duration_ms, 3_000)
+    full = fn _i -> Trivial.call(pool_name: pool) end
+    Enum.max(for _round <- 1..2, do: rate(full, callers, duration))
+  end
+
   # `callers` processes call `call.(i)` in a loop from a common start until the deadline.
   defp rate(call, callers, duration) do
     parent = self()

@@ -8,6 +8,7 @@ defmodule VllmBridge.Pool.Options do
   | `:python` | Python interpreter | `config :vllm_bridge, :python` |
   | `:allow` | module allow-list (`--allow`), `[]` for the worker's default | `[]` |
   | `:max_refs` | references a worker may hold (`--max-refs`) | the worker's (10 000) |
+  | `:poll_us` | µs a worker polls for the next request before it sleeps (`--poll-us`, at most 10 000): lower latency for back-to-back calls on machines where waking an idle CPU is slow (VMs), paid in that much CPU after each call | 0 |
   | `:worker_env` | environment per worker: `[{name, value}]` for all, or `fn index -> [{name, value}] end` (a DP rank per worker) | `[]` |
   | `:max_in_flight` | calls pipelined to one worker at once | 16 |
   | `:queue_size` | callers that may wait for a worker; one more gets `:queue_full` | 1024 |
@@ -24,6 +25,7 @@ defmodule VllmBridge.Pool.Options do
     size: 1,
     allow: [],
     max_refs: nil,
+    poll_us: 0,
     worker_env: [],
     max_in_flight: 16,
     queue_size: 1024,
@@ -115,6 +117,8 @@ defmodule VllmBridge.Pool.Options do
   defp check(:max_refs, nil), do: :ok
   defp check(:max_refs, v) when is_integer(v) and v >= 1, do: :ok
   defp check(:max_refs, _), do: {:error, "must be a positive integer"}
+  defp check(:poll_us, v) when is_integer(v) and v >= 0 and v <= 10_000, do: :ok
+  defp check(:poll_us, _), do: {:error, "must be an integer from 0 to 10000 (microseconds)"}
   defp check(:worker_env, f) when is_function(f, 1), do: :ok
 
   defp check(:worker_env, v) when is_list(v) do

@@ -47,6 +47,7 @@ defmodule VllmBridge.Pool.Supervisor do
         :python,
         :allow,
         :max_refs,
+        :poll_us,
         :start_timeout,
         :cancel_grace,
         :shutdown_grace,

@@ -1,7 +1,7 @@
 defmodule VllmBridge.Worker.Launcher do
   @moduledoc """
   Starting and ending one Python worker OS process: the port (`{:spawn_executable,
-  python}`, `-m vllm_bridge.worker [--allow M ...] [--max-refs N]`, `{:packet, 4}`,
+  python}`, `-m vllm_bridge.worker [--allow M ...] [--max-refs N] [--poll-us N]`, `{:packet, 4}`,
   `:binary`, `:nouse_stdio`, `:exit_status`), the handshake with its version check and
   start timeout, and making sure the process is gone (EOF first, `kill -9` if it lingers).
   """
@@ -17,7 +17,9 @@ defmodule VllmBridge.Worker.Launcher do
   @doc """
   Opens the port. Options: `:python` (the interpreter; default the `:vllm_bridge, :python`
   application env), `:worker_module` (default `"vllm_bridge.worker"`), `:allow` (module
-  allow-list, `[]` for the worker's default), `:max_refs`, `:env` (`[{name, value}]`).
+  allow-list, `[]` for the worker's default), `:max_refs`, `:poll_us` (`--poll-us`: how
+  long the worker polls for the next request before it sleeps; 0, the default, sleeps at
+  once), `:env` (`[{name, value}]`).
   """
   @spec open(keyword()) :: {:ok, port()} | {:error, Error.t()}
   def open(opts) do
@@ -35,7 +37,8 @@ defmodule VllmBridge.Worker.Launcher do
         args =
           ["-m", Keyword.get(opts, :worker_module, "vllm_bridge.worker")] ++
             Enum.flat_map(Keyword.get(opts, :allow, []), &["--allow", &1]) ++
-            max_refs_args(Keyword.get(opts, :max_refs))
+            max_refs_args(Keyword.get(opts, :max_refs)) ++
+            poll_args(Keyword.get(opts, :poll_us, 0))
 
         env = for {k, v} <- Keyword.get(opts, :env, []), do: {to_charlist(k), to_charlist(v)}
 
@@ -55,6 +58,9 @@ defmodule VllmBridge.Worker.Launcher do
 
   defp max_refs_args(nil), do: []
   defp max_refs_args(n), do: ["--max-refs", Integer.to_string(n)]
+
+  defp poll_args(0), do: []
+  defp poll_args(us), do: ["--poll-us", Integer.to_string(us)]
 
   @doc """
   Waits up to `timeout` ms for the worker's `hello` and checks it: protocol version,

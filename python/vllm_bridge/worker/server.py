@@ -53,6 +53,8 @@ from vllm_bridge.worker.targets import TargetResolver
 #: Seconds to wait on EOF for a running request before exiting regardless.
 EXIT_GRACE_SECONDS = 2.0
 DEFAULT_MAX_REFS = 10_000
+#: Largest ``--poll-us``: 10 ms of polling after a frame is already a lot of CPU.
+MAX_POLL_US = 10_000
 CAPABILITIES = ("stream", "context", "cancel", "refs", "log")
 
 _log = logging.getLogger("vllm_bridge.worker")
@@ -75,7 +77,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help=f"references this worker may hold at once (default {DEFAULT_MAX_REFS})",
     )
+    parser.add_argument(
+        "--poll-us",
+        type=int,
+        default=0,
+        metavar="N",
+        help="microseconds to poll for the next request before sleeping (default 0: sleep "
+        f"at once; at most {MAX_POLL_US})",
+    )
     opts = parser.parse_args(argv)
+    if not 0 <= opts.poll_us <= MAX_POLL_US:
+        parser.error(f"--poll-us must be from 0 to {MAX_POLL_US}, got {opts.poll_us}")
     if opts.max_refs < 1:
         parser.error(f"--max-refs must be at least 1, got {opts.max_refs}")
     for name in opts.allow or ():
@@ -118,7 +130,7 @@ def _hello(instance: str, modules: tuple[str, ...]) -> list[Any]:
 class Worker:
     """One worker process: the reader loop and everything it feeds."""
 
-    def __init__(self, modules: tuple[str, ...], max_refs: int) -> None:
+    def __init__(self, modules: tuple[str, ...], max_refs: int, poll_us: int = 0) -> None:
         self.modules = modules
         self.instance = secrets.token_hex(8)
         self.registry = TypeRegistry(modules)
@@ -133,7 +145,7 @@ class Worker:
             self.dispatcher.refuse,
             self.channel.write,
             self.on_frame,
-            FrameReader(),
+            FrameReader(poll_s=poll_us / 1e6),
             # The port is gone: replies and log frames have no reader any more.
             on_eof=self.channel.close,
         )
@@ -250,4 +262,4 @@ def main(argv: list[str] | None = None) -> int:
     logging.captureWarnings(True)
     enlarge_pipes()
     _import_allowed(opts.allow)
-    return Worker(opts.allow, opts.max_refs).serve()
+    return Worker(opts.allow, opts.max_refs, opts.poll_us).serve()
