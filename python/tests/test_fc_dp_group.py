@@ -48,9 +48,11 @@ def test_one_rank_group_from_the_environment(clean_env: pytest.MonkeyPatch) -> N
     clean_env.setenv("VLLM_DP_SIZE", "1")
     clean_env.setenv("VLLM_DP_MASTER_PORT", str(port))
     clean_env.setenv("VLLM_DP_TIMEOUT_S", "5")
+    # The default backend depends on the host (NCCL as well where CUDA is): name it.
+    clean_env.setenv("VLLM_DP_BACKEND", "gloo")
     assert dp.dp_group_info() is None
     info = dp.init_dp_group()
-    assert info == dp.DPGroupInfo(0, 1, "127.0.0.1", port, "gloo", 5.0)
+    assert info == dp.DPGroupInfo(0, 1, "127.0.0.1", port, "gloo", 5.0, "cpu")
     assert dp.dp_group_info() == info
     # Joining again with the same settings is a no-op; different settings are refused.
     assert dp.init_dp_group() == info
@@ -111,13 +113,30 @@ def test_nccl_is_refused_without_cuda(clean_env: pytest.MonkeyPatch) -> None:
 def test_nccl_one_rank_group_reduces_on_the_device(clean_env: pytest.MonkeyPatch) -> None:
     info = dp.init_dp_group(0, 1, master_port=_free_port(), backend="cpu:gloo,cuda:nccl")
     assert "nccl" in info.backend
+    # Rank 0 takes GPU 0, and that is this process's current device from now on.
+    assert info.device == "cuda:0" and torch.cuda.current_device() == 0
     cfg = ParallelConfig()
-    assert dp._sync_device(info, cfg).type == "cuda"
+    assert dp._sync_device(info, cfg) == torch.device("cuda:0")
     out = dp.dp_all_reduce(torch.tensor([5, 6], device="cuda"), 1, 0)
     assert out.device.type == "cuda" and out.tolist() == [5, 6]
     cpu_cfg = ParallelConfig(disable_nccl_for_dp_synchronization=True)
     assert dp._sync_device(info, cpu_cfg).type == "cpu"
     assert dp.dp_all_reduce(torch.tensor([7]), 1, 0).tolist() == [7]
+
+
+def test_a_group_without_nccl_runs_its_collectives_on_the_cpu(clean_env) -> None:
+    info = dp.init_dp_group(0, 1, master_port=_free_port(), backend="gloo")
+    assert info.device == "cpu"
+    assert dp._sync_device(info, ParallelConfig()) == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_ranks_take_turns_over_the_gpus() -> None:
+    n = torch.cuda.device_count()
+    assert [dp._group_device(r, "nccl") for r in range(n + 1)] == [
+        f"cuda:{i}" for i in [*range(n), 0]
+    ]
+    assert dp._group_device(3, "gloo") == "cpu"
 
 
 def test_dp_off_needs_no_group_and_returns_the_mode() -> None:

@@ -90,6 +90,9 @@ class DPGroupInfo:
         master_port: Rendezvous port.
         backend: The torch.distributed backend string.
         timeout_s: Seconds to wait for peers at init and at each all_reduce.
+        device: Where the group's NCCL collectives run: ``"cuda:<rank mod GPUs>"``, made
+            this process's current CUDA device when it joined; ``"cpu"`` for a group
+            without NCCL.
     """
 
     rank: int
@@ -98,6 +101,7 @@ class DPGroupInfo:
     master_port: int
     backend: str
     timeout_s: float
+    device: str = "cpu"
 
 
 @dataclass
@@ -152,7 +156,7 @@ def init_dp_group(
     """
     global _state
     settings = resolve_settings(rank, world_size, master_addr, master_port, backend, timeout_s)
-    info = DPGroupInfo(*settings)
+    info = DPGroupInfo(*settings, device=_group_device(settings[0], settings[4]))
 
     with _lock:
         if _state is not None:
@@ -167,8 +171,18 @@ def init_dp_group(
                 "torch.distributed's default group was initialised outside vllm_bridge.dp; "
                 "cannot set up the DP group in this process"
             )
+        if info.device != "cpu":
+            # NCCL needs one device per rank; ranks on one host take turns over the GPUs.
+            torch.cuda.set_device(torch.device(info.device))
         _state = _State(info=info, store=_rendezvous(info))
     return info
+
+
+def _group_device(rank: int, backend: str) -> str:
+    """The device a rank's NCCL collectives use (``cpu`` for a group without NCCL)."""
+    if "nccl" not in backend:
+        return "cpu"
+    return f"cuda:{rank % torch.cuda.device_count()}"
 
 
 def _open_store(info: DPGroupInfo, timeout: datetime.timedelta, deadline: float) -> dist.Store:
@@ -268,7 +282,7 @@ def _sync_device(info: DPGroupInfo, parallel_config: ParallelConfig) -> torch.de
                 f"was set up with {info.backend!r}"
             )
         return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(info.device)
 
 
 def _collective(

@@ -12,6 +12,7 @@ defmodule Vllm.Dp.DPGroupInfo do
     * `master_port` (`integer()`, required) - Rendezvous port.
     * `backend` (`String.t()`, required) - The torch.distributed backend string.
     * `timeout_s` (`float()`, required) - Seconds to wait for peers at init and at each all_reduce.
+    * `device` (`String.t()`, default `"cpu"`) - Where the group's NCCL collectives run: `"cuda:<rank mod GPUs>"`, made this process's current CUDA device when it joined; `"cpu"` for a group without NCCL.
 
   The Python dataclass `vllm_bridge.dp.DPGroupInfo` (frozen), passed to and from Python by value (msgpack ext 4, `VllmBridge.Codec.Registry`). Build it as a struct, `%Vllm.Dp.DPGroupInfo{...}`; Python checks the fields when it receives one.
   """
@@ -22,7 +23,8 @@ defmodule Vllm.Dp.DPGroupInfo do
             master_addr: nil,
             master_port: nil,
             backend: nil,
-            timeout_s: nil
+            timeout_s: nil,
+            device: "cpu"
 
   @type t :: %__MODULE__{
           rank: integer(),
@@ -30,7 +32,8 @@ defmodule Vllm.Dp.DPGroupInfo do
           master_addr: String.t(),
           master_port: integer(),
           backend: String.t(),
-          timeout_s: float()
+          timeout_s: float(),
+          device: String.t()
         }
 
   @doc "The Python class this module stands for (`VllmBridge.Codec.Registry`)."
@@ -40,5 +43,5 @@ defmodule Vllm.Dp.DPGroupInfo do
   @doc "The fields in Python's declaration order."
   @spec __python_fields__() :: [atom()]
   def __python_fields__,
-    do: [:rank, :world_size, :master_addr, :master_port, :backend, :timeout_s]
+    do: [:rank, :world_size, :master_addr, :master_port, :backend, :timeout_s, :device]
 end
