@@ -30,12 +30,33 @@ defmodule VllmBridge.WorkerSkeletonTest do
   end
 
   test "the Python process exits by itself when its port closes" do
-    Process.flag(:trap_exit, true)
-    {:ok, w} = Worker.start_link()
-    os_pid = Worker.os_pid(w)
+    # A raw port, closed with nothing behind it that would kill a process that stays.
+    {:ok, port} = VllmBridge.Worker.Launcher.open([])
+    {:ok, %{"pid" => os_pid}} = VllmBridge.Worker.Launcher.handshake(port, 60_000)
     assert alive?(os_pid)
-    :ok = Worker.close(w)
-    assert wait_gone(os_pid, 1_000), "python process #{os_pid} still alive 1 s after close"
+    Port.close(port)
+    assert wait_gone(os_pid, 1_000), "python process #{os_pid} still alive 1 s after EOF"
+  end
+
+  test "closing a worker reports that its process left by itself" do
+    {:ok, port} = VllmBridge.Worker.Launcher.open([])
+    {:ok, %{"pid" => os_pid}} = VllmBridge.Worker.Launcher.handshake(port, 60_000)
+    assert VllmBridge.Worker.Launcher.close(port, os_pid, 5_000) == :exited
+    refute alive?(os_pid)
+  end
+
+  test "a process that ignores EOF is killed after the grace period, and says so" do
+    # `sleep` never reads its stdin-less port: it stands for a worker stuck past EOF.
+    port = Port.open({:spawn_executable, System.find_executable("sleep")}, [{:args, ["60"]}])
+    {:os_pid, os_pid} = Port.info(port, :os_pid)
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        assert VllmBridge.Worker.Launcher.close(port, os_pid, 200) == :killed
+      end)
+
+    assert log =~ "did not exit within 200 ms"
+    assert wait_gone(os_pid, 5_000)
   end
 
   defp alive?(os_pid), do: File.exists?("/proc/#{os_pid}") and not zombie?(os_pid)

@@ -6,6 +6,8 @@ defmodule VllmBridge.Worker.Launcher do
   start timeout, and making sure the process is gone (EOF first, `kill -9` if it lingers).
   """
 
+  require Logger
+
   alias VllmBridge.{Codec, Error}
 
   @protocol_version 1
@@ -139,9 +141,10 @@ defmodule VllmBridge.Worker.Launcher do
 
   @doc """
   Closes the port (the worker sees EOF and exits) and waits up to `grace` ms for the OS
-  process to be gone; kills it with SIGKILL if it is still there.
+  process to be gone; kills it with SIGKILL if it is still there. Returns `:exited` when
+  the process left by itself, `:killed` when it had to be killed (logged as a warning).
   """
-  @spec close(port(), non_neg_integer() | nil, non_neg_integer()) :: :ok
+  @spec close(port(), non_neg_integer() | nil, non_neg_integer()) :: :exited | :killed
   def close(port, os_pid, grace) do
     try do
       Port.close(port)
@@ -149,8 +152,17 @@ defmodule VllmBridge.Worker.Launcher do
       ArgumentError -> :ok
     end
 
-    if os_pid && not await_exit(os_pid, grace), do: kill(os_pid)
-    :ok
+    if os_pid && not await_exit(os_pid, grace) do
+      Logger.warning(
+        "vllm_bridge: the Python worker (os pid #{os_pid}) did not exit within #{grace} ms " <>
+          "of its port closing; killing it"
+      )
+
+      kill(os_pid)
+      :killed
+    else
+      :exited
+    end
   end
 
   @doc "Sends SIGKILL to an OS process."
