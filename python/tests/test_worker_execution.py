@@ -143,3 +143,18 @@ def test_the_reading_role_goes_back_and_forth_between_long_and_short_calls(share
         assert [w.reply(rid) for rid in burst] == [["ok", rid, round_ + i] for i, rid in
                                                      enumerate(burst)]
         assert w.ping()["running"] is None
+
+
+def test_every_call_runs_on_one_thread_whoever_read_it(shared_worker):
+    """Requests read by the execution thread itself, and requests the watcher read and
+    queued during a long call, all run on the same thread (a per-thread CUDA device or
+    context stays valid from call to call)."""
+    w = shared_worker
+    first = w.call(D, "thread_id")
+    slow = send_call(w, "sleep", [0.3])
+    wait_running(w, slow)  # the watcher reads now
+    queued = [send_call(w, "thread_id", []) for _ in range(5)]
+    assert w.reply(slow)[0] == "ok"
+    ids = [w.reply(rid)[2] for rid in queued]
+    ids += [w.call(D, "thread_id") for _ in range(20)]
+    assert set(ids) == {first}

@@ -20,6 +20,7 @@ import enum
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,6 +64,11 @@ def to_device(tensor: Any, device: str | None = None) -> Any:
 def echo(value: Any) -> Any:
     """Return ``value`` unchanged (a round trip through both codecs)."""
     return value
+
+
+def thread_id() -> int:
+    """The identity of the thread running this call (``threading.get_ident()``)."""
+    return threading.get_ident()
 
 
 def add(a: int | float, b: int | float) -> int | float:

@@ -6,8 +6,9 @@ a *role* that two threads pass between them under one lock:
 * while the execution thread is idle it reads fd 3 itself: a request it reads runs at
   once, on the thread that read it, with no hand-over between threads (the common case:
   one short call after another);
-* the *watcher* (:meth:`Executor.watch`, the main thread) looks every ``poll`` seconds;
-  when it sees the same request running at two looks in a row, it takes the role and
+* the *watcher* (:meth:`Executor.watch`, the main thread) looks every ``poll`` seconds
+  (every :data:`IDLE_POLL_SECONDS` once the worker has been idle for a few looks); when
+  it sees the same request running at two looks in a row, it takes the role and
   reads: it answers ``ping`` at once, records ``cancel``\\ s and queues requests, so a long
   call never blocks liveness;
 * when the execution thread finds its queue empty while the watcher reads, it asks for
@@ -38,6 +39,8 @@ _log = logging.getLogger("vllm_bridge.worker")
 
 #: Seconds between two looks of the watcher at the running request.
 POLL_SECONDS = 0.002
+#: Seconds between two looks while no request has run for a while (an idle worker).
+IDLE_POLL_SECONDS = 0.05
 
 # Who reads fd 3: nobody (the execution thread runs what it read), the execution thread,
 # or the watcher.
@@ -191,7 +194,7 @@ class Executor:
                     self._want_back = False
                     return self._begin(self._queue.popleft())
                 if self._role == _NOBODY:
-                    self._role = _NOBODY
+                    self._role = _EXEC
                     break
                 if self._role == _WATCH and not self._want_back:
                     self._want_back = True
@@ -215,6 +218,7 @@ class Executor:
     def watch(self) -> None:
         """Run the watcher on this thread until EOF or :meth:`stop`."""
         seen = -1
+        idle = 0
         while True:
             with self._cond:
                 if self._stopping:
@@ -227,10 +231,15 @@ class Executor:
                 seen = self._started
                 if take:
                     self._role = _WATCH
-            if not take:
-                time.sleep(self._poll)
-            elif not self._read_as_watcher():
-                return
+            if take:
+                if not self._read_as_watcher():
+                    return
+                idle = 0
+            else:
+                # Every poll while a request runs; backing off to IDLE_POLL_SECONDS while
+                # none does, so an idle worker wakes about 20 times a second, not 500.
+                idle = 0 if self._running is not None else idle + 1
+                time.sleep(self._poll if idle < 8 else max(self._poll, IDLE_POLL_SECONDS))
 
     def _read_as_watcher(self) -> bool:
         """Read frames until the execution thread wants the role back (True) or EOF (False)."""

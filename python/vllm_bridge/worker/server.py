@@ -1,4 +1,5 @@
-"""The worker process: ``python -m vllm_bridge.worker [--allow MODULE ...] [--max-refs N]``.
+"""The worker process: ``python -m vllm_bridge.worker [--allow MODULE ...] [--max-refs N]
+[--poll-us N]``.
 
 Threads (see :mod:`~vllm_bridge.worker.executor` for how they share fd 3):
 
