@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from vllm_bridge import batchsize
 from vllm_bridge import forward_context as fc
@@ -102,3 +103,40 @@ def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv("VLLM_LOG_BATCHSIZE_INTERVAL", raising=False)
         importlib.reload(batchsize)
+
+
+def test_a_tracked_pass_waits_for_the_device_before_it_stops_the_clock(
+    tracking: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The platform's synchronize runs once per tracked pass, before the time is taken.
+    (On this CPU host the platform has no synchronize: a recording one stands in for the
+    GPU's; the CUDA test below runs the real one.)"""
+    from vllm_bridge.platforms import Platform
+
+    events: list[str] = []
+
+    def synchronize() -> None:
+        events.append("sync")
+
+    monkeypatch.setattr(batchsize, "current_platform", Platform("test", synchronize))
+    real_perf_counter = time.perf_counter
+
+    def perf_counter() -> float:
+        events.append("clock")
+        return real_perf_counter()
+
+    monkeypatch.setattr(batchsize.time, "perf_counter", perf_counter)
+    _forward(8)
+    assert events == ["clock", "sync", "clock"]  # begin, then sync before the end time
+    _forward(8, attn_metadata=None)  # not tracked: no sync
+    assert events == ["clock", "sync", "clock"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_tracked_pass_ends_with_the_device_idle(tracking: None) -> None:
+    torch.cuda.synchronize()
+    with fc.set_forward_context("meta", VllmConfig(), num_tokens=8):
+        torch.cuda._sleep(200_000_000)  # a kernel that keeps the GPU busy ~0.1 s
+        assert not torch.cuda.current_stream().query()  # still running in the body
+    assert torch.cuda.current_stream().query()  # the exit waited for it
+    assert len(fc.batchsize_forward_time[8]) == 1
