@@ -140,3 +140,9 @@ def test_on_cuda_a_tracked_pass_ends_with_the_device_idle(tracking: None) -> Non
         assert not torch.cuda.current_stream().query()  # still running in the body
     assert torch.cuda.current_stream().query()  # the exit waited for it
     assert len(fc.batchsize_forward_time[8]) == 1
+
+
+def test_configure_refuses_what_is_not_a_number_of_seconds() -> None:
+    for bad, exc in (("1", TypeError), (True, TypeError), (None, TypeError), (float("nan"), ValueError)):
+        with pytest.raises(exc, match="interval_s must be a number of seconds"):
+            fc.configure_batchsize_tracking(bad)

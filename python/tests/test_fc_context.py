@@ -57,11 +57,22 @@ def test_runtime_mode_given_by_name_is_converted() -> None:
         ({"dp_metadata": {}}, TypeError, "dp_metadata must be a DPMetadata"),
         ({"skip_compiled": None}, TypeError, "skip_compiled must be a bool, got None"),
         ({"additional_kwargs": [1]}, TypeError, "additional_kwargs must be a dict, got \\[1\\]"),
+        ({"slot_mapping": 5}, TypeError, "slot_mapping must be a dict .* or a list of them, .*got 5"),
+        ({"slot_mapping": [{}, 5]}, TypeError, "slot_mapping must be a dict"),
     ],
 )
 def test_create_refuses_bad_fields(kwargs: dict, exc: type, needle: str) -> None:
     with pytest.raises(exc, match=needle):
         create_forward_context(None, VllmConfig(), **kwargs)
+
+
+def test_forward_context_refuses_a_bad_layer_list_and_takes_lists_of_slot_maps() -> None:
+    with pytest.raises(TypeError, match="all_moe_layers must be a list of str, got 5"):
+        ForwardContext({}, None, {}, 0, all_moe_layers=5)
+    with pytest.raises(TypeError, match="all_moe_layers must be a list of str"):
+        ForwardContext({}, None, {}, 0, all_moe_layers=["moe.0", 1])
+    ctx = ForwardContext({}, None, [{}, {}], 0, all_moe_layers=["moe.0", "moe.1"])
+    assert ctx.slot_mapping == [{}, {}] and ctx.all_moe_layers == ["moe.0", "moe.1"]
 
 
 def test_create_copies_from_the_compilation_config() -> None:

@@ -85,6 +85,22 @@ def test_make_refuses_inconsistent_input(
         DPMetadata.make(config, num_tokens, counts)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ((torch.tensor(5), [5, 3]), "num_tokens_across_dp_cpu must be a 1-D integer tensor"),
+        ((torch.tensor(5), torch.tensor([5.0, 3.0])), "1-D integer tensor"),
+        ((torch.tensor(5), torch.tensor([[5, 3]])), "1-D integer tensor"),
+        ((5, torch.tensor([5, 3])), "max_tokens_across_dp_cpu must be a one-element tensor"),
+        ((torch.tensor([5, 3]), torch.tensor([5, 3])), "one-element tensor"),
+        ((torch.tensor(5), torch.tensor([5, 3]), [1, "2"]), "local_sizes must be a list of int"),
+    ],
+)
+def test_built_directly_it_still_checks_its_fields(args: tuple, needle: str) -> None:
+    with pytest.raises(TypeError, match=needle):
+        DPMetadata(*args)
+
+
 def test_chunked_sizes_set_local_sizes_only_inside() -> None:
     meta = DPMetadata.make(RANK1_OF_2, 3, torch.tensor([10, 3]))
     with meta.chunked_sizes(1, 4, 1) as sizes:

@@ -59,6 +59,8 @@ def configure_batchsize_tracking(interval_s: float) -> None:
     global batchsize_logging_interval, track_batchsize
     if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)):
         raise TypeError(f"interval_s must be a number of seconds, got {interval_s!r}")
+    if interval_s != interval_s:
+        raise ValueError(f"interval_s must be a number of seconds, got {interval_s!r}")
     with _lock:
         batchsize_logging_interval = float(interval_s)
         track_batchsize = batchsize_logging_interval >= 0

@@ -187,6 +187,25 @@ class DPMetadata:
     num_tokens_across_dp_cpu: torch.Tensor
     local_sizes: list[int] | None = None
 
+    def __post_init__(self) -> None:
+        counts, most = self.num_tokens_across_dp_cpu, self.max_tokens_across_dp_cpu
+        if (
+            not isinstance(counts, torch.Tensor)
+            or counts.dim() != 1
+            or counts.is_floating_point()
+            or counts.is_complex()
+        ):
+            raise TypeError(
+                "num_tokens_across_dp_cpu must be a 1-D integer tensor, got "
+                f"{counts!r:.100}"
+            )
+        if not isinstance(most, torch.Tensor) or most.numel() != 1:
+            raise TypeError(
+                f"max_tokens_across_dp_cpu must be a one-element tensor, got {most!r:.100}"
+            )
+        if self.local_sizes is not None:
+            check_list_of("local_sizes", self.local_sizes, int)
+
     @staticmethod
     def make(
         parallel_config: ParallelConfig,
@@ -349,6 +368,16 @@ class ForwardContext:
         if type(self.moe_layer_index) is not int or self.moe_layer_index < 0:
             check_int("moe_layer_index", self.moe_layer_index, minimum=0)
         check_instance("additional_kwargs", self.additional_kwargs, dict)
+        slots = self.slot_mapping
+        if type(slots) is not dict and not (
+            isinstance(slots, list) and all(isinstance(m, dict) for m in slots)
+        ):
+            raise TypeError(
+                "slot_mapping must be a dict (layer name -> tensor) or a list of them, one "
+                f"per micro-batch, got {slots!r:.100}"
+            )
+        if self.all_moe_layers is not None:
+            check_list_of("all_moe_layers", self.all_moe_layers, str)
 
 
 # The current forward context of this thread / contextvars.Context (None: none set).
