@@ -32,6 +32,7 @@ def test_hello_announces_the_worker(shared_worker):
     assert re.fullmatch(r"[0-9a-f]{16}", hello["instance"])
     assert {"stream", "context", "cancel"} <= set(hello["capabilities"])
     assert hello["modules"] == list(PUBLIC_MODULES)
+    assert hello["import_errors"] == {}
 
 
 def test_hello_from_the_caller_checks_the_protocol_version(shared_worker):
@@ -275,3 +276,15 @@ def test_frames_are_read_whole_even_when_large(shared_worker):
     blob = bytes(range(256)) * 40_000  # 10 MB
     assert shared_worker.call(D, "echo", blob) == blob
     assert msgpack.unpackb(packb(blob)) == blob
+
+
+def test_the_hello_names_allow_listed_modules_that_failed_to_import():
+    wp = spawn_worker(["--allow", D, "vllm_bridge.no_such_module"])
+    try:
+        assert wp.hello["import_errors"] == {
+            "vllm_bridge.no_such_module": "ModuleNotFoundError: No module named "
+            "'vllm_bridge.no_such_module'"
+        }
+        assert wp.call(D, "add", 1, 2) == 3  # the worker itself still serves
+    finally:
+        wp.stop()

@@ -110,6 +110,15 @@ defmodule VllmBridge.Runtime.PoolTest do
     refute :bad in Pool.names()
   end
 
+  test "a pool whose allow-list names a module that cannot be imported does not start" do
+    assert {:error, %Error{type: :bad_argument, message: m}} =
+             VllmBridge.start_pool(:rt_broken, allow: ["vllm_bridge.diag", "no_such_pkg.mod"])
+
+    assert m =~ "pool :rt_broken did not start"
+    assert m =~ "could not import allow-listed module(s): no_such_pkg.mod (ModuleNotFoundError"
+    refute :rt_broken in Pool.names()
+  end
+
   test "poll_us reaches each worker's command line, and a polling pool serves" do
     start_pool!(:rt_poll, size: 1, poll_us: 500)
     [%{os_pid: os_pid}] = workers!(:rt_poll)

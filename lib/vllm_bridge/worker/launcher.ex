@@ -106,6 +106,16 @@ defmodule VllmBridge.Worker.Launcher do
 
   defp check_hello({:ok, ["hello", %{"protocol" => @protocol_version} = hello]}) do
     case hello do
+      %{"import_errors" => failed} when is_map(failed) and map_size(failed) > 0 ->
+        list = Enum.map_join(Enum.sort(failed), "; ", fn {m, why} -> "#{m} (#{why})" end)
+
+        {:error,
+         Error.new(
+           :bad_argument,
+           "the worker could not import allow-listed module(s): #{list}; " <>
+             "fix the module or the pool's :allow option"
+         )}
+
       %{"pid" => pid, "instance" => inst} when is_integer(pid) and is_binary(inst) ->
         {:ok, hello}
 

@@ -98,17 +98,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return opts
 
 
-def _import_allowed(modules: tuple[str, ...]) -> None:
+def _import_allowed(modules: tuple[str, ...]) -> dict[str, str]:
+    """Import every allow-listed module; the ones that fail, with why (also logged)."""
+    failed = {}
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # reported again, by name, to each call that needs it
-            _log.warning(
-                "allow-listed module %s failed to import: %s: %s", name, type(exc).__name__, exc
-            )
+        except Exception as exc:  # announced in the hello, and named again by each call
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            _log.warning("allow-listed module %s failed to import: %s", name, failed[name])
+    return failed
 
 
-def _hello(instance: str, modules: tuple[str, ...]) -> list[Any]:
+def _hello(
+    instance: str, modules: tuple[str, ...], import_errors: dict[str, str]
+) -> list[Any]:
     import torch
 
     from vllm_bridge.diag import default_device
@@ -124,6 +128,7 @@ def _hello(instance: str, modules: tuple[str, ...]) -> list[Any]:
             "instance": instance,
             "capabilities": list(CAPABILITIES),
             "modules": list(modules),
+            "import_errors": import_errors,
         },
     ]
 
@@ -131,8 +136,15 @@ def _hello(instance: str, modules: tuple[str, ...]) -> list[Any]:
 class Worker:
     """One worker process: the reader loop and everything it feeds."""
 
-    def __init__(self, modules: tuple[str, ...], max_refs: int, poll_us: int = 0) -> None:
+    def __init__(
+        self,
+        modules: tuple[str, ...],
+        max_refs: int,
+        poll_us: int = 0,
+        import_errors: dict[str, str] | None = None,
+    ) -> None:
         self.modules = modules
+        self.import_errors = dict(import_errors or {})
         self.instance = secrets.token_hex(8)
         self.registry = TypeRegistry(modules)
         self.decoder = Decoder()
@@ -154,7 +166,7 @@ class Worker:
     def serve(self) -> int:
         """Announce, then serve until EOF; returns the exit status."""
         watch_parent()
-        self.channel.send(_hello(self.instance, self.modules))
+        self.channel.send(_hello(self.instance, self.modules, self.import_errors))
         logging.getLogger().addHandler(LogFrameHandler(self.channel))
         self.executor.start(final=self._close_sessions)
         self.executor.watch()
@@ -262,5 +274,5 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.captureWarnings(True)
     enlarge_pipes()
-    _import_allowed(opts.allow)
-    return Worker(opts.allow, opts.max_refs, opts.poll_us).serve()
+    import_errors = _import_allowed(opts.allow)
+    return Worker(opts.allow, opts.max_refs, opts.poll_us, import_errors).serve()
