@@ -159,6 +159,15 @@ defmodule VllmBridge do
     end
   end
 
+  def with_context(_target, _args, _kwargs, _opts, other),
+    do:
+      {:error,
+       Error.new(
+         :bad_argument,
+         "with_context needs a function of one argument (the entered value), got " <>
+           inspect(other, limit: 5)
+       )}
+
   defp exit_after_failure(handle, exc, opts, kind, reason, stack) do
     case __MODULE__.exit(handle, exc, opts) do
       {:ok, true} -> {:ok, nil}
@@ -255,7 +264,9 @@ defmodule VllmBridge do
   """
   @spec with_session((Session.t() -> result), keyword()) :: result | {:error, Error.t()}
         when result: term()
-  def with_session(fun, opts \\ []) when is_function(fun, 1) do
+  def with_session(fun, opts \\ [])
+
+  def with_session(fun, opts) when is_function(fun, 1) do
     with {:ok, session} <- Session.open(opts) do
       try do
         fun.(session)
@@ -264,6 +275,15 @@ defmodule VllmBridge do
       end
     end
   end
+
+  def with_session(other, _opts),
+    do:
+      {:error,
+       Error.new(
+         :bad_argument,
+         "with_session needs a function of one argument (the session), got " <>
+           inspect(other, limit: 5)
+       )}
 
   # -- the common path --------------------------------------------------------------------
 

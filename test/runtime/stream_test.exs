@@ -1,0 +1,138 @@
+defmodule VllmBridge.Runtime.StreamTest do
+  @moduledoc """
+  Streams through a pool: every chunk arrives, halting early cancels the generator and
+  gives the slot back, a Python error mid-stream raises, the per-chunk timeout.
+  """
+  use ExUnit.Case, async: false
+  @pool :rt_stream
+  use VllmBridge.StreamContextCase
+
+  describe "streams" do
+    test "every chunk arrives, in order; the stream can be enumerated twice" do
+      s = stream!("count", [50])
+      assert Enum.to_list(s) == Enum.to_list(0..49)
+      assert Enum.sum(s) == Enum.sum(0..49)
+      assert Enum.to_list(stream!("count", [0])) == []
+    end
+
+    test "nothing is sent until enumeration begins", %{w: w} do
+      s = stream!("count", [3, 0.0, "lazy"])
+      assert {:ok, %{"running" => nil}} = Worker.ping(w)
+      assert exit_log() == []
+      assert Enum.to_list(s) == [0, 1, 2]
+      assert [%{"name" => "lazy", "type" => nil}] = exit_log()
+    end
+
+    test "halting early cancels the generator and gives the slot back", %{w: w, meta: meta} do
+      s = stream!("count", [1_000_000, 0.01, "halted"])
+      assert Enum.take(s, 3) == [0, 1, 2]
+
+      wait_until(fn -> idle?(w, meta) end)
+      # The generator was closed, not run to its end.
+      assert [%{"name" => "halted", "type" => "builtins.GeneratorExit"}] = exit_log()
+      # Chunks already on their way were dropped, not left in our mailbox.
+      refute_received _
+      assert {:ok, 3} = diag("add", [1, 2])
+    end
+
+    test "an exception in the consumer cancels too", %{w: w, meta: meta} do
+      s = stream!("count", [1_000_000, 0.01, "raised"])
+
+      assert_raise RuntimeError, "consumer failed", fn ->
+        Enum.each(s, fn i -> if i == 2, do: raise("consumer failed") end)
+      end
+
+      wait_until(fn -> idle?(w, meta) end)
+      assert [%{"name" => "raised", "type" => "builtins.GeneratorExit"}] = exit_log()
+    end
+
+    test "a Python error mid-stream raises VllmBridge.Error after the chunks before it",
+         %{w: w, meta: meta} do
+      {:ok, s} =
+        VllmBridge.stream({"rt_stream_support", "fail_after"}, [3, "broke at 3"], %{}, opts())
+
+      me = self()
+
+      error = catch_error(Enum.each(s, &send(me, {:chunk, &1})))
+
+      assert %Error{type: :python_exception, python_type: "RuntimeError"} = error
+      assert error.message == "broke at 3"
+      assert error.traceback =~ "fail_after"
+      for i <- 0..2, do: assert_received({:chunk, ^i})
+      wait_until(fn -> idle?(w, meta) end)
+    end
+
+    test "errors before the first chunk raise: a bad argument, a value that is not iterable" do
+      assert %Error{type: :python_exception, python_type: "ValueError", message: m} =
+               catch_error(Enum.to_list(stream!("count", [-1])))
+
+      assert m =~ "-1"
+
+      assert %Error{type: :bad_argument, message: m} =
+               catch_error(Enum.to_list(stream!("add", [1, 2])))
+
+      assert m =~ "not iterable"
+      assert {:ok, 3} = diag("add", [1, 2])
+    end
+
+    test "bad arguments or options are refused before a stream exists" do
+      assert {:error, %Error{type: :bad_argument}} =
+               VllmBridge.stream({"vllm_bridge.diag", "count"}, [self()], %{}, opts())
+
+      assert {:error, %Error{type: :bad_argument}} = VllmBridge.stream(:nope, [], %{}, opts())
+
+      assert {:error, %Error{type: :bad_argument, message: m}} =
+               VllmBridge.stream({"vllm_bridge.diag", "count"}, [3], %{}, opts(timeout: -1))
+
+      assert m =~ "-1"
+    end
+
+    test "timeout bounds the wait for each chunk; the generator is cancelled",
+         %{w: w, meta: meta} do
+      # The first chunk comes at once, the second after 5 s: more than the 300 ms allowed.
+      s = stream!("count", [2, 0.0], %{}, timeout: 300)
+      assert Enum.to_list(s) == [0, 1]
+
+      slow = stream!("count", [3, 5.0, "slow"], %{}, timeout: 300)
+      assert %Error{type: :timeout, message: m} = catch_error(Enum.to_list(slow))
+      assert m =~ "timeout"
+
+      # Once the generator reaches its next chunk boundary it stops (closed, not run on).
+      wait_until(fn -> idle?(w, meta) end)
+      assert [%{"name" => "slow", "type" => "builtins.GeneratorExit"}] = exit_log()
+    end
+
+    test "a generator returned by a call streams from its reference" do
+      s = session!()
+      {:ok, %Ref{} = gen} = diag("count", [3], session_id: s.id)
+      {:ok, chunks} = VllmBridge.stream({gen, nil}, [], %{}, session_id: s.id)
+      assert Enum.to_list(chunks) == [0, 1, 2]
+    end
+
+    test "a stream in a session runs in the session's context" do
+      s = session!()
+      {:ok, nil} = diag("set_var", [10], session_id: s.id)
+      # `count` itself ignores the variable; reading it after shows the session is intact.
+      assert Enum.to_list(stream!("count", [2], %{}, session_id: s.id)) == [0, 1]
+      assert {:ok, 10} = diag("get_var", [], session_id: s.id)
+    end
+
+    test "the worker dying mid-stream raises :worker_exit; the pool serves again" do
+      [%{os_pid: os_pid, instance: inst}] = workers!(@pool)
+      s = stream!("count", [1_000_000, 0.01])
+
+      error =
+        catch_error(
+          Enum.each(s, fn
+            2 -> System.cmd("kill", ["-9", "#{os_pid}"])
+            _ -> :ok
+          end)
+        )
+
+      assert %Error{type: :worker_exit} = error
+      [%{instance: new}] = workers!(@pool)
+      assert new != inst
+      assert {:ok, 2} = diag("add", [1, 1])
+    end
+  end
+end
