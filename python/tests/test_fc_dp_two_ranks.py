@@ -15,7 +15,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
-import torch
 
 from vllm_bridge.config import ParallelConfig, VllmConfig
 

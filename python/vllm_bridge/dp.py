@@ -29,9 +29,7 @@ unusable until it is torn down and joined again.
 """
 
 import datetime
-import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +50,7 @@ from vllm_bridge._dp_decide import (
     cudagraph_mode_value,
     decide,
 )
+from vllm_bridge._dp_rendezvous import rendezvous
 from vllm_bridge._dp_settings import DEFAULT_TIMEOUT_S, resolve_settings
 from vllm_bridge.config import ParallelConfig
 from vllm_bridge.ubatch import check_ubatch_thresholds
@@ -115,21 +114,6 @@ _lock = threading.Lock()  # guards _state and serialises collectives within this
 _state: _State | None = None
 
 
-def _wait_for_master(addr: str, port: int, deadline: float, rank: int) -> None:
-    """Poll until rank 0's store accepts connections, so a missing master fails on time."""
-    while True:
-        try:
-            with socket.create_connection((addr, port), timeout=0.5):
-                return
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise DPTimeoutError(
-                    f"DP rank {rank}: no rank 0 rendezvous at {addr}:{port} "
-                    f"within the timeout ({exc})"
-                ) from None
-            time.sleep(0.05)
-
-
 def init_dp_group(
     rank: int | None = None,
     world_size: int | None = None,
@@ -174,7 +158,7 @@ def init_dp_group(
         if info.device != "cpu":
             # NCCL needs one device per rank; ranks on one host take turns over the GPUs.
             torch.cuda.set_device(torch.device(info.device))
-        _state = _State(info=info, store=_rendezvous(info))
+        _state = _State(info=info, store=rendezvous(info))
     return info
 
 
@@ -183,74 +167,6 @@ def _group_device(rank: int, backend: str) -> str:
     if "nccl" not in backend:
         return "cpu"
     return f"cuda:{rank % torch.cuda.device_count()}"
-
-
-def _open_store(info: DPGroupInfo, timeout: datetime.timedelta, deadline: float) -> dist.Store:
-    """Host (rank 0) or connect to the rendezvous store, giving up at ``deadline``.
-
-    A client whose connection is accepted by something that never answers (a frozen rank 0,
-    a foreign service on the port) can block in the store constructor past its own timeout,
-    so the constructor runs in a helper thread and is abandoned at the deadline.
-    """
-    where = f"{info.master_addr}:{info.master_port}"
-    result: list[Any] = []
-
-    def connect() -> None:
-        try:
-            result.append(
-                dist.TCPStore(
-                    info.master_addr,
-                    info.master_port,
-                    info.world_size,
-                    info.rank == 0,
-                    timeout=timeout,
-                    wait_for_workers=False,
-                )
-            )
-        except (RuntimeError, OSError) as exc:
-            result.append(exc)
-
-    thread = threading.Thread(target=connect, name="vllm-bridge-dp-store", daemon=True)
-    thread.start()
-    thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
-    if not result:
-        raise DPTimeoutError(
-            f"DP rank {info.rank}: {where} accepted the connection but did not answer as a "
-            f"rendezvous store within {info.timeout_s} s"
-        )
-    if isinstance(result[0], BaseException):
-        raise DPGroupError(
-            f"DP rank {info.rank}: cannot open the rendezvous store at {where}: {result[0]}"
-        ) from result[0]
-    return result[0]
-
-
-def _rendezvous(info: DPGroupInfo) -> dist.Store:
-    timeout = datetime.timedelta(seconds=info.timeout_s)
-    deadline = time.monotonic() + info.timeout_s
-    where = f"{info.master_addr}:{info.master_port}"
-    if info.rank != 0:
-        _wait_for_master(info.master_addr, info.master_port, deadline, info.rank)
-    store = _open_store(info, timeout, deadline)
-    # A failed init_process_group leaves torch's group counter advanced, and the counter
-    # prefixes the rendezvous keys: put it back so a retry meets its peers' keys.
-    world = getattr(dist.distributed_c10d, "_world", None)
-    group_count = getattr(world, "group_count", None)
-    try:
-        dist.init_process_group(
-            info.backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
-        )
-    except RuntimeError as exc:
-        store = None  # close the store now, not when the exception is collected
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        elif group_count is not None:
-            world.group_count = group_count
-        raise DPTimeoutError(
-            f"DP rank {info.rank} of {info.world_size}: not every rank joined at {where} "
-            f"within {info.timeout_s} s ({str(exc).splitlines()[0]})"
-        ) from exc
-    return store
 
 
 def destroy_dp_group() -> bool:
