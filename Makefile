@@ -19,7 +19,7 @@ test-python:
 	$(PY) -m pytest -q
 
 test-elixir:
-	MIX_ENV=test mix test
+	MIX_ENV=test mix test --warnings-as-errors
 
 bench: bootstrap
 	@mix vllm.bench

@@ -8,8 +8,7 @@ defmodule VllmBridge.MixProject do
       elixir: "~> 1.14",
       start_permanent: Mix.env() == :prod,
       elixirc_options: [warnings_as_errors: true],
-      deps: [],
-      docs: [main: "readme"]
+      deps: []
     ]
   end
 

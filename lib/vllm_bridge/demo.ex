@@ -22,6 +22,9 @@ defmodule VllmBridge.Demo do
   """
 
   alias VllmBridge.Demo.{Check, Ranks, Report, Schedule}
+  alias Vllm.Dp.Module, as: Dp
+  alias Vllm.ForwardContext.Module, as: FC
+  alias Vllm.Runner.Module, as: Runner
 
   @typedoc "What a demo run did."
   @type result :: %{
@@ -32,14 +35,14 @@ defmodule VllmBridge.Demo do
           check: Check.result() | nil
         }
 
-  @runner_kwargs %{
-    "enable_expert_parallel" => true,
-    "enable_dbo" => true,
-    "dbo_prefill_token_threshold" => 16,
-    "dbo_decode_token_threshold" => 8,
-    "cudagraph_mode" => "full_and_piecewise",
-    "moe_chunk_size" => 32
-  }
+  @runner_opts [
+    enable_expert_parallel: true,
+    enable_dbo: true,
+    dbo_prefill_token_threshold: 16,
+    dbo_decode_token_threshold: 8,
+    cudagraph_mode: "full_and_piecewise",
+    moe_chunk_size: 32
+  ]
 
   @doc """
   Runs the demo. Options: `:steps` (default 6), `:seed` (default 7, for the weights
@@ -87,24 +90,19 @@ defmodule VllmBridge.Demo do
     out.("sessions: #{sessions}")
 
     out.(
-      "DP group: #{info["world_size"]} ranks over #{info["backend"]} at " <>
-        "#{info["master_addr"]}:#{info["master_port"]} (joined in #{Report.ms(us / 1000)} ms)"
+      "DP group: #{info.world_size} ranks over #{info.backend} at " <>
+        "#{info.master_addr}:#{info.master_port} (joined in #{Report.ms(us / 1000)} ms)"
     )
   end
 
+  # The rank, size and rendezvous come from the worker's VLLM_DP_* environment.
   defp join_rank(ranks, rank) do
-    ranks |> Ranks.call!(rank, "vllm_bridge.dp", "init_dp_group") |> fields()
+    Ranks.run!(ranks, rank, "init_dp_group", &Dp.init_dp_group(__runtime__: &1))
   end
-
-  # A Python dataclass arrives as a registered struct or as a VllmBridge.Object.
-  defp fields(%VllmBridge.Object{fields: fields}), do: fields
-
-  defp fields(%_{} = struct),
-    do: Map.new(Map.from_struct(struct), fn {k, v} -> {to_string(k), v} end)
 
   defp save_weights(ranks, seed, dir, out) do
     path = Path.expand(Path.join(dir, "moe-seed#{seed}.pt"))
-    w = Ranks.call!(ranks, 0, "vllm_bridge.runner", "save_weights", [path, seed])
+    w = Ranks.run!(ranks, 0, "save_weights", &Runner.save_weights(path, seed, __runtime__: &1))
     c = w["config"]
 
     out.(
@@ -120,9 +118,15 @@ defmodule VllmBridge.Demo do
   defp load(ranks, path, out) do
     infos =
       Ranks.both(ranks, fn rank ->
-        Ranks.call!(ranks, rank, "vllm_bridge.runner", "create_runner", [], @runner_kwargs)
-        Ranks.call!(ranks, rank, "vllm_bridge.runner", "load_model", [path])
-        Ranks.call!(ranks, rank, "vllm_bridge.runner", "runner_info")
+        Ranks.run!(
+          ranks,
+          rank,
+          "create_runner",
+          &Runner.create_runner([{:__runtime__, &1} | @runner_opts])
+        )
+
+        Ranks.run!(ranks, rank, "load_model", &Runner.load_model(path, __runtime__: &1))
+        Ranks.run!(ranks, rank, "runner_info", &Runner.runner_info(__runtime__: &1))
       end)
 
     for info <- infos do
@@ -154,13 +158,19 @@ defmodule VllmBridge.Demo do
   end
 
   defp execute(ranks, rank, rank_steps) do
-    Ranks.call!(ranks, rank, "vllm_bridge.runner", "execute_model", [], Enum.at(rank_steps, rank))
+    step = Enum.at(rank_steps, rank)
+    Ranks.run!(ranks, rank, "execute_model", &Check.execute(step, &1))
   end
 
   defp stats(ranks, out) do
     stats =
       Ranks.both(ranks, fn rank ->
-        Ranks.call!(ranks, rank, "vllm_bridge.forward_context", "get_batchsize_stats", [1])
+        Ranks.run!(
+          ranks,
+          rank,
+          "get_batchsize_stats",
+          &FC.get_batchsize_stats(1, __runtime__: &1)
+        )
       end)
 
     out.("")
@@ -193,7 +203,7 @@ defmodule VllmBridge.Demo do
   defp check(ranks, weights, results, out) do
     out.("")
     out.("check: rank 0 alone (no DP) runs every rank's tokens of the same steps ...")
-    result = Check.run(ranks, weights["path"], results, @runner_kwargs)
+    result = Check.run(ranks, weights["path"], results, @runner_opts)
 
     verdict =
       if result.mismatches == [] and result.compared > 0, do: "identical", else: "DIFFERENT"
@@ -210,7 +220,7 @@ defmodule VllmBridge.Demo do
   end
 
   defp leave(ranks, rank) do
-    Ranks.call!(ranks, rank, "vllm_bridge.runner", "shutdown_runner")
-    Ranks.call!(ranks, rank, "vllm_bridge.dp", "destroy_dp_group")
+    Ranks.run!(ranks, rank, "shutdown_runner", &Runner.shutdown_runner(__runtime__: &1))
+    Ranks.run!(ranks, rank, "destroy_dp_group", &Dp.destroy_dp_group(__runtime__: &1))
   end
 end

@@ -14,7 +14,7 @@ defmodule VllmBridge.Bindings.UbatchTest do
   alias Vllm.Config.ParallelConfig
   alias Vllm.Ubatch.Module, as: UB
   alias Vllm.Ubatch.UBatchSlice
-  alias VllmBridge.{Error, Ref, Tensor}
+  alias VllmBridge.{Error, Tensor}
 
   setup_all do
     start_default_pool!()

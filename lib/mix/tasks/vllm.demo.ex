@@ -28,7 +28,16 @@ defmodule Mix.Tasks.Vllm.Demo do
 
     if Keyword.get(opts, :steps, 6) < 1, do: Mix.raise("--steps must be at least 1")
     Mix.Task.run("app.start")
-    VllmBridge.Demo.run(opts)
+    %{check: check} = VllmBridge.Demo.run(opts)
+
+    # The check is the demo's proof: a DP run that differs from rank 0 alone is a failure.
+    if check && not VllmBridge.Demo.Check.passed?(check) do
+      Mix.raise(
+        "the DP run differs from rank 0 alone: #{length(check.mismatches)} token mismatch(es), " <>
+          "largest logit difference #{check.max_abs_diff} (#{check.compared} tokens compared)"
+      )
+    end
+
     :ok
   end
 end

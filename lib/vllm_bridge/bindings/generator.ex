@@ -18,6 +18,7 @@ defmodule VllmBridge.Bindings.Generator do
   | `vllm_bridge.cudagraph` | no |
   | `vllm_bridge.ubatch` | no |
   | `vllm_bridge.dp` | no |
+  | `vllm_bridge.runner` | no (the demo's model runner) |
   """
 
   alias VllmBridge.Bindings.{Json, Naming}
@@ -29,7 +30,8 @@ defmodule VllmBridge.Bindings.Generator do
     {"vllm_bridge.config", false},
     {"vllm_bridge.cudagraph", false},
     {"vllm_bridge.ubatch", false},
-    {"vllm_bridge.dp", false}
+    {"vllm_bridge.dp", false},
+    {"vllm_bridge.runner", false}
   ]
 
   @pool :vllm_bindings_gen

@@ -9,6 +9,7 @@ defmodule VllmBridge.Demo.Check do
   """
 
   alias VllmBridge.Demo.{Ranks, Schedule}
+  alias Vllm.Runner.Module, as: Runner
   alias VllmBridge.Tensor
 
   @typedoc "What the check found."
@@ -20,32 +21,48 @@ defmodule VllmBridge.Demo.Check do
 
   @doc """
   Runs the reference on rank 0 (replacing its runner) and compares it with `steps`: a
-  list of `{rank_steps, rank_outputs}` of the DP run. `runner_kwargs` are the DP run's
-  `create_runner` arguments (the reference keeps its CUDA-graph settings).
+  list of `{rank_steps, rank_outputs}` of the DP run. `runner_opts` are the DP run's
+  `create_runner` options (the reference keeps its CUDA-graph settings).
   """
-  @spec run(Ranks.t(), String.t(), [{[map()], [map()]}], map()) :: result()
-  def run(ranks, weights_path, steps, runner_kwargs) do
-    kwargs = Map.merge(runner_kwargs, %{"data_parallel_size" => 1, "data_parallel_rank" => 0})
-    Ranks.call!(ranks, 0, "vllm_bridge.runner", "create_runner", [], kwargs)
-    Ranks.call!(ranks, 0, "vllm_bridge.runner", "load_model", [weights_path])
+  @spec run(Ranks.t(), String.t(), [{[map()], [map()]}], keyword()) :: result()
+  def run(ranks, weights_path, steps, runner_opts) do
+    opts = Keyword.merge(runner_opts, data_parallel_size: 1, data_parallel_rank: 0)
+    Ranks.run!(ranks, 0, "create_runner", &Runner.create_runner([{:__runtime__, &1} | opts]))
+    Ranks.run!(ranks, 0, "load_model", &Runner.load_model(weights_path, __runtime__: &1))
 
     steps
     |> Enum.with_index(1)
     |> Enum.reduce(%{compared: 0, mismatches: [], max_abs_diff: 0.0}, fn
       {{rank_steps, dp_outputs}, index}, acc ->
-        ref =
-          Ranks.call!(
-            ranks,
-            0,
-            "vllm_bridge.runner",
-            "execute_model",
-            [],
-            Schedule.merge(rank_steps)
-          )
-
+        merged = Schedule.merge(rank_steps)
+        ref = Ranks.run!(ranks, 0, "execute_model", &execute(merged, &1))
         compare(index, by_request(dp_outputs), by_request([ref]), acc)
     end)
     |> Map.update!(:mismatches, &Enum.reverse/1)
+  end
+
+  @doc """
+  Runs one step of a schedule (`VllmBridge.Demo.Schedule`) on the rank whose runtime
+  options `rt` are, through the generated binding of `vllm_bridge.runner.execute_model`.
+  """
+  @spec execute(map(), keyword()) :: {:ok, map()} | {:error, VllmBridge.Error.t()}
+  def execute(step, rt) do
+    Runner.execute_model(
+      step["num_scheduled_tokens"],
+      step["new_requests"],
+      step["finished"],
+      __runtime__: rt
+    )
+  end
+
+  @doc """
+  Whether a check passed: tokens compared, none different, and the logits within
+  `tolerance` (default 1.0e-4; DP and one rank agree bit for bit, micro-batched steps to
+  about 1.0e-6).
+  """
+  @spec passed?(result(), float()) :: boolean()
+  def passed?(result, tolerance \\ 1.0e-4) do
+    result.compared > 0 and result.mismatches == [] and result.max_abs_diff <= tolerance
   end
 
   # request id => {token, logits row as floats}

@@ -11,7 +11,7 @@ defmodule VllmBridge.Demo.Ranks do
   ranks share the machine's cores; torch's thread pool would otherwise oversubscribe
   them).
 
-  Calls go through the public API (`VllmBridge.call/4`) with the rank's session and the
+  Calls go through the generated bindings (`run!/4` hands them the rank's session and the
   `:ml_inference` timeout profile. `both/2` runs one function per rank concurrently (one
   task per rank): the DP collectives need every rank inside the same call at once.
   """
@@ -135,19 +135,27 @@ defmodule VllmBridge.Demo.Ranks do
   end
 
   @doc """
-  Calls `module.function(*args, **kwargs)` on `rank`; raises `VllmBridge.Error` (naming
-  the rank) when the call fails.
+  Runs `fun.(runtime_opts)` for DP rank `rank`: `runtime_opts` are the `__runtime__`
+  options of a generated binding (the rank's session, the `:ml_inference` timeout
+  profile). Returns the value of `{:ok, value}`; an error is raised naming the rank and
+  `what`.
   """
-  @spec call!(t(), non_neg_integer(), String.t(), String.t(), list(), map()) :: term()
-  def call!(%__MODULE__{sessions: sessions}, rank, module, function, args \\ [], kwargs \\ %{}) do
+  @spec run!(
+          t(),
+          non_neg_integer(),
+          String.t(),
+          (keyword() -> {:ok, term()} | {:error, Error.t()})
+        ) ::
+          term()
+  def run!(%__MODULE__{sessions: sessions}, rank, what, fun) do
     opts = [session_id: Enum.at(sessions, rank).id, timeout_profile: :ml_inference]
 
-    case VllmBridge.call({module, function}, args, kwargs, opts) do
+    case fun.(opts) do
       {:ok, value} ->
         value
 
       {:error, %Error{} = e} ->
-        raise %{e | message: "DP rank #{rank}: #{module}.#{function} failed: #{e.message}"}
+        raise %{e | message: "DP rank #{rank}: #{what} failed: #{e.message}"}
     end
   end
 
