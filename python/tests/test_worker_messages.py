@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import struct
 
 import msgpack
@@ -118,6 +119,20 @@ def test_log_records_become_log_frames(shared_worker):
     shared_worker.call(D, "log", "careful", level="warning")
     shared_worker.call(D, "log", "not forwarded", level="info")
     assert shared_worker.logs == [["log", "warning", "vllm_bridge.diag", "careful"]]
+
+
+def test_forwarded_records_are_not_also_printed_on_stderr():
+    w = spawn_worker(stderr=subprocess.PIPE)
+    try:
+        w.call(D, "log", "sent as a frame only", level="error")
+        assert w.logs == [["log", "error", "vllm_bridge.diag", "sent as a frame only"]]
+        w.close()
+        assert w.proc.wait(timeout=30) == 0
+        stderr = w.proc.stderr.read().decode()
+        assert "sent as a frame only" not in stderr
+        assert "fd 3 closed" not in stderr  # a routine shutdown says nothing
+    finally:
+        w.stop()
 
 
 # -- targets and the allow-list -----------------------------------------------------------

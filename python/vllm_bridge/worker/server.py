@@ -167,7 +167,12 @@ class Worker:
         """Announce, then serve until EOF; returns the exit status."""
         watch_parent()
         self.channel.send(_hello(self.instance, self.modules, self.import_errors))
-        logging.getLogger().addHandler(LogFrameHandler(self.channel))
+        root = logging.getLogger()
+        for handler in root.handlers:
+            # While the port is open records go to the Elixir side as log frames; stderr
+            # gets them only before the handshake and after EOF.
+            handler.addFilter(lambda _record: self.channel.closed)
+        root.addHandler(LogFrameHandler(self.channel))
         self.executor.start(final=self._close_sessions)
         self.executor.watch()
         return self._shutdown()
@@ -231,12 +236,14 @@ class Worker:
                 )
 
     def _close_sessions(self) -> None:
-        # Last thing the execution thread does, once the stream has ended.
+        # Last thing the execution thread does, once the stream has ended. Only worth a
+        # line when contexts were still entered (a routine shutdown stays quiet).
         sessions, contexts = self.dispatcher.close_all()
-        sys.stderr.write(
-            f"vllm_bridge.worker {os.getpid()}: fd 3 closed; exited {contexts} contexts "
-            f"of {sessions} sessions\n"
-        )
+        if contexts:
+            sys.stderr.write(
+                f"vllm_bridge.worker {os.getpid()}: fd 3 closed; exited {contexts} contexts "
+                f"of {sessions} sessions\n"
+            )
 
     def _shutdown(self) -> int:
         self.channel.close()
