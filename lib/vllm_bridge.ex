@@ -80,11 +80,15 @@ defmodule VllmBridge do
   Calls `target(*args, **kwargs)` and enters the context manager it returns:
   `{:ok, {handle, value}}`, where `value` is what `__enter__` returned and `handle` (a
   `%VllmBridge.Ref{}` of type `"context"`) is what `exit/3` needs. The context belongs to
-  the session (`session_id:`) and is exited when the session closes if not before.
+  a session and is exited when the session closes if not before, so `enter` needs one: a
+  `session_id:` in the options or the process's current session
+  (`VllmBridge.Session.current/0`); without one it is refused (`:bad_argument`). A target
+  `{%Ref{}, nil}` (a context manager held by reference) enters in the reference's session.
   """
   @spec enter(target(), list(), map() | keyword(), Runtime.opts()) :: result({Ref.t(), term()})
   def enter(target, args \\ [], kwargs \\ %{}, opts \\ []) do
     with {:ok, rt} <- Runtime.resolve(opts),
+         :ok <- in_a_session(rt, target),
          {:ok, parts} <- Wire.encode_invoke(target, args, kwargs),
          {:ok, [handle, value]} <- run(rt, "enter", bound_ref(target), nil, parts, true) do
       {:ok, {handle, value}}
@@ -92,6 +96,21 @@ defmodule VllmBridge do
       {:ok, other} -> {:error, Error.new(:protocol, "enter answered #{inspect(other, limit: 5)}")}
       {:error, e} -> {:error, e}
     end
+  end
+
+  # A context entered in no session would sit in the worker's shared default session,
+  # seen by every later session-less call that lands on that worker: refused.
+  defp in_a_session(%Runtime{session_id: id}, _target) when is_binary(id), do: :ok
+  defp in_a_session(_rt, {%Ref{}, _path}), do: :ok
+
+  defp in_a_session(_rt, target) do
+    {:error,
+     Error.new(
+       :bad_argument,
+       "enter of #{inspect(target, limit: 5)} needs a session (a context belongs to one): " <>
+         "pass session_id: in the runtime options, or use with_context/5 or a with_… " <>
+         "binding, which open one for the body"
+     )}
   end
 
   @doc """
@@ -127,13 +146,59 @@ defmodule VllmBridge do
   Enters the context manager `target(*args, **kwargs)` returns, runs `fun.(value)` and
   always exits: cleanly when `fun` returns (`{:ok, fun_result}`), with the error when it
   raises, throws or exits (re-raised unless `__exit__` suppressed it, then `{:ok, nil}`).
-  The exit waits for the context's worker whatever the affinity, and is not cancelled
-  (see `exit/3`). The generated `with_…` bindings use this.
+
+  It runs in the session of `session_id:` (or the process's current session); without
+  one it opens a temporary session (in `pool_name:`) for the enter, the body and the
+  exit, and closes it after. While `fun` runs, that session is this process's current
+  one, so calls from `fun` that name no `session_id` run in it and see the context:
+
+      VllmBridge.with_context({"vllm_bridge.forward_context", "set_forward_context"},
+        [nil, cfg], %{}, [], fn _ ->
+          VllmBridge.call({"vllm_bridge.forward_context", "is_forward_context_available"})
+        end)
+      #=> {:ok, {:ok, true}}
+
+  The generated `with_…` bindings use this.
   """
   @spec with_context(target(), list(), map() | keyword(), Runtime.opts(), (term() -> result)) ::
           {:ok, result | nil} | {:error, Error.t()}
         when result: term()
   def with_context(target, args, kwargs, opts, fun) when is_function(fun, 1) do
+    with {:ok, rt} <- Runtime.resolve(opts) do
+      case {rt.session_id, target} do
+        {nil, {%Ref{}, _}} ->
+          with_context_in(nil, target, args, kwargs, opts, fun)
+
+        {nil, _} ->
+          # No session given: a temporary one, in the pool the options name, for the body.
+          with_session(
+            fn s ->
+              opts = Keyword.put(opts || [], :session_id, s.id)
+              with_context_in(s, target, args, kwargs, opts, fun)
+            end,
+            Keyword.take(opts || [], [:pool_name])
+          )
+
+        {id, _} ->
+          with {:ok, s} <- Session.lookup(id),
+               do: with_context_in(s, target, args, kwargs, opts, fun)
+      end
+    end
+  end
+
+  def with_context(_target, _args, _kwargs, _opts, other),
+    do:
+      {:error,
+       Error.new(
+         :bad_argument,
+         "with_context needs a function of one argument (the entered value), got " <>
+           inspect(other, limit: 5)
+       )}
+
+  # Enter, run `fun` with the session as this process's current one, always exit.
+  defp with_context_in(session, target, args, kwargs, opts, fun) do
+    body = if session, do: fn v -> Session.with_current(session, fn -> fun.(v) end) end, else: fun
+
     with {:ok, {handle, value}} <- enter(target, args, kwargs, opts) do
       # The exit must run: it waits for the context's worker whatever the call's affinity
       # (under :strict_fail_fast a busy worker would otherwise leave the context entered).
@@ -141,7 +206,7 @@ defmodule VllmBridge do
         (opts || []) |> Keyword.drop([:pool_name]) |> Keyword.put(:affinity, :strict_queue)
 
       try do
-        fun.(value)
+        body.(value)
       rescue
         e ->
           exit_after_failure(handle, e, exit_opts, :error, e, __STACKTRACE__)
@@ -158,15 +223,6 @@ defmodule VllmBridge do
       end
     end
   end
-
-  def with_context(_target, _args, _kwargs, _opts, other),
-    do:
-      {:error,
-       Error.new(
-         :bad_argument,
-         "with_context needs a function of one argument (the entered value), got " <>
-           inspect(other, limit: 5)
-       )}
 
   defp exit_after_failure(handle, exc, opts, kind, reason, stack) do
     case __MODULE__.exit(handle, exc, opts) do
@@ -259,8 +315,10 @@ defmodule VllmBridge do
 
   @doc """
   Opens a session (`VllmBridge.Session.open/1` options), runs `fun.(session)` and always
-  closes the session; returns what `fun` returns (or the error of opening). Inside, pass
-  `session_id: session.id` (or the struct) in the runtime options.
+  closes the session; returns what `fun` returns (or the error of opening). While `fun`
+  runs the session is this process's current one (`VllmBridge.Session.current/0`): calls
+  from `fun` that name no `session_id` (and no other pool) run in it. Tasks started in
+  `fun` do not inherit it: pass them `session_id: session.id`.
   """
   @spec with_session((Session.t() -> result), keyword()) :: result | {:error, Error.t()}
         when result: term()
@@ -269,7 +327,7 @@ defmodule VllmBridge do
   def with_session(fun, opts) when is_function(fun, 1) do
     with {:ok, session} <- Session.open(opts) do
       try do
-        fun.(session)
+        Session.with_current(session, fn -> fun.(session) end)
       after
         Session.close(session)
       end

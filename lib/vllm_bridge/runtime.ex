@@ -8,7 +8,7 @@ defmodule VllmBridge.Runtime do
   | `:timeout` | ms (non-negative integer) or `:infinity` | the profile's |
   | `:timeout_profile` | `:default`, `:ml_inference`, `:batch_job`, `:streaming` | `:default` |
   | `:stream_timeout` | ms or `:infinity` | the profile's |
-  | `:session_id` | a session id (string), a `%VllmBridge.Session{}`, or `nil` | `nil` |
+  | `:session_id` | a session id (string), a `%VllmBridge.Session{}`, or `nil` | the process's current session (`VllmBridge.Session.current/0`), else `nil` |
   | `:pool_name` | the name of a started pool | `:default` |
   | `:affinity` | `:hint`, `:strict_queue`, `:strict_fail_fast` | `:strict_queue` |
 
@@ -96,8 +96,9 @@ defmodule VllmBridge.Runtime do
     now = System.monotonic_time(:millisecond)
 
     with [] <- Application.get_env(:vllm_bridge, :runtime, []),
-         {:ok, rt} <- quick(opts, %__MODULE__{}, 0) do
+         {:ok, rt, seen} <- quick(opts, %__MODULE__{}, 0) do
       budget = if kind == :stream, do: rt.stream_timeout, else: rt.timeout
+      rt = if Bitwise.band(seen, 2) == 0, do: current_session(rt), else: rt
       {:ok, %{rt | deadline: deadline(now, budget)}}
     else
       _ -> full_resolve(opts, kind, now)
@@ -111,7 +112,7 @@ defmodule VllmBridge.Runtime do
   # A profile, a key given twice, or a value that needs a message takes the full path.
   @quick_bits %{pool_name: 1, session_id: 2, timeout: 4, stream_timeout: 8, affinity: 16}
 
-  defp quick([], rt, _seen), do: {:ok, rt}
+  defp quick([], rt, seen), do: {:ok, rt, seen}
 
   defp quick([{key, value} | rest], rt, seen) when is_map_key(@quick_bits, key) do
     bit = Map.fetch!(@quick_bits, key)
@@ -151,7 +152,21 @@ defmodule VllmBridge.Runtime do
            ),
          {:ok, rt} <- build(opts, defaults) do
       budget = if kind == :stream, do: rt.stream_timeout, else: rt.timeout
+      rt = if Keyword.has_key?(opts, :session_id), do: rt, else: current_session(rt)
       {:ok, %{rt | deadline: deadline(now, budget)}}
+    end
+  end
+
+  # A call that names no session_id runs in the process's current session (set while a
+  # with_session/with_… function runs; VllmBridge.Session.current/0), unless it names
+  # another pool.
+  defp current_session(rt) do
+    case Process.get({VllmBridge.Session, :current}) do
+      %{id: id, pool: pool} when not rt.pool_given? or rt.pool_name == pool ->
+        %{rt | session_id: id}
+
+      _ ->
+        rt
     end
   end
 

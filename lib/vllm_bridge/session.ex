@@ -51,6 +51,9 @@ defmodule VllmBridge.Session do
 
   @open_keys [:pool_name, :worker, :owner, :id]
 
+  # The process-dictionary key of the current session (read by VllmBridge.Runtime too).
+  @current {__MODULE__, :current}
+
   @doc """
   Opens a session. Options: `pool_name:` (default the configured runtime pool,
   `:default`), `worker:` (index of the worker, e.g. a DP rank; default the least loaded),
@@ -121,6 +124,31 @@ defmodule VllmBridge.Session do
 
   def close(other, _timeout),
     do: {:error, Error.new(:bad_argument, "not a session: #{inspect(other, limit: 5)}")}
+
+  @doc """
+  The session this process's calls default to, or `nil`: while `VllmBridge.with_session/2`
+  or a `with_…` form (`VllmBridge.with_context/5`, the generated `with_…` bindings) runs
+  its function, a call from the same process that names no `session_id` (and no other
+  pool) runs in that session. `session_id: nil` opts a call out. Processes started inside
+  the function (tasks) do not inherit it: pass them the session.
+  """
+  @spec current() :: t() | nil
+  def current, do: Process.get(@current)
+
+  @doc """
+  Runs `fun.()` with `session` as this process's current session (see `current/0`), and
+  puts the previous one back afterwards, also when `fun` raises.
+  """
+  @spec with_current(t(), (() -> result)) :: result when result: term()
+  def with_current(%__MODULE__{} = session, fun) when is_function(fun, 0) do
+    previous = Process.put(@current, session)
+
+    try do
+      fun.()
+    after
+      if previous, do: Process.put(@current, previous), else: Process.delete(@current)
+    end
+  end
 
   @doc "The open session with this id."
   @spec lookup(String.t()) :: {:ok, t()} | {:error, Error.t()}

@@ -167,18 +167,34 @@ defmodule VllmBridge.Bindings.ForwardContextContextsTest do
     end
   end
 
-  test "set_forward_context without options: arities 2..10 and the default session" do
+  test "set_forward_context without options: arities 2..10, in the current session" do
     values = set_values()
 
-    for k <- 0..(length(values) - 1) do
-      args = [nil, @cfg | Enum.map(Enum.take(values, k), fn {_, {v, _}} -> v end)]
-      assert {:ok, {handle, nil}} = apply(FC, :set_forward_context, args)
-      assert {:ok, false} = VllmBridge.exit(handle)
-    end
+    # No session at all: refused (a context must belong to one), nothing entered.
+    assert {:error, %Error{type: :bad_argument, message: m}} = FC.set_forward_context(nil, @cfg)
+    assert m =~ "needs a session"
+    assert FC.is_forward_context_available() == {:ok, false}
 
-    args = [nil, @cfg | Enum.map(values, fn {_, {v, _}} -> v end)]
-    assert {:ok, {handle, nil}} = apply(FC, :set_forward_context, args)
-    assert {:ok, false} = VllmBridge.exit(handle)
+    VllmBridge.with_session(fn s ->
+      for k <- 0..length(values) do
+        args = [nil, @cfg | Enum.map(Enum.take(values, k), fn {_, {v, _}} -> v end)]
+
+        assert {:ok, {%VllmBridge.Ref{session: sid} = handle, nil}} =
+                 apply(FC, :set_forward_context, args)
+
+        assert sid == s.id
+        assert FC.is_forward_context_available() == {:ok, true}
+        assert {:ok, false} = VllmBridge.exit(handle)
+        assert FC.is_forward_context_available() == {:ok, false}
+      end
+    end)
+  end
+
+  test "inside a with_ form, calls that name no session see the context" do
+    assert {:ok, {:ok, %Ctx{virtual_engine: 3}}} =
+             FC.with_set_forward_context(nil, @cfg, 3, fn nil -> FC.get_forward_context() end)
+
+    assert {:error, %Error{type: :python_exception}} = FC.get_forward_context()
   end
 
   test "with_set_forward_context: every arity, in a temporary session, always exits" do
@@ -308,9 +324,19 @@ defmodule VllmBridge.Bindings.ForwardContextContextsTest do
     assert {:ok, false} = VllmBridge.exit(handle, nil, session_id: s)
     assert FC._forward_context(rt) == {:ok, nil}
 
-    assert {:ok, {h, nil}} = FC.override_forward_context(outer)
-    assert {:ok, false} = VllmBridge.exit(h)
-    assert {:ok, :ok} = FC.with_override_forward_context(inner, fn _ -> :ok end)
+    assert {:error, %Error{type: :bad_argument}} = FC.override_forward_context(outer)
+
+    VllmBridge.with_session(fn _ ->
+      assert {:ok, {h, nil}} = FC.override_forward_context(outer)
+      assert {:ok, %Ctx{virtual_engine: 1}} = FC.get_forward_context()
+      assert {:ok, false} = VllmBridge.exit(h)
+    end)
+
+    assert {:ok, 2} =
+             FC.with_override_forward_context(inner, fn _ ->
+               {:ok, ctx} = FC.get_forward_context()
+               ctx.virtual_engine
+             end)
 
     assert {:error, %Error{type: :bad_argument, message: m}} =
              FC.override_forward_context(%{virtual_engine: 1})

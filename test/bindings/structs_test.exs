@@ -190,11 +190,15 @@ defmodule VllmBridge.Bindings.StructsTest do
 
     assert {:ok, {handle, [4, 3]}} = DPMetadata.chunked_sizes(meta, 1, 4, 0, rt)
     assert {:ok, false} = VllmBridge.exit(handle, nil, session_id: s)
-    assert {:ok, {handle, [1, 1]}} = DPMetadata.chunked_sizes(meta, 1, 4, 1)
-    assert {:ok, false} = VllmBridge.exit(handle)
+    assert {:error, %Error{type: :bad_argument}} = DPMetadata.chunked_sizes(meta, 1, 4, 1)
 
-    assert {:ok, {handle, [3, 3, 2, 2]}} = DPMetadata.sp_local_sizes(meta, 2)
-    assert {:ok, false} = VllmBridge.exit(handle)
+    VllmBridge.with_session(fn _ ->
+      assert {:ok, {handle, [1, 1]}} = DPMetadata.chunked_sizes(meta, 1, 4, 1)
+      assert {:ok, false} = VllmBridge.exit(handle)
+      assert {:ok, {handle, [3, 3, 2, 2]}} = DPMetadata.sp_local_sizes(meta, 2)
+      assert {:ok, false} = VllmBridge.exit(handle)
+    end)
+
     assert {:ok, {handle, [5, 3]}} = DPMetadata.sp_local_sizes(meta, 1, rt)
     assert {:ok, false} = VllmBridge.exit(handle, nil, session_id: s)
 

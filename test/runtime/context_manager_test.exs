@@ -105,11 +105,12 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
     end
 
     test "exit with an error: a message, an exception; suppression is reported" do
-      {:ok, {h, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["g"], %{}, opts())
+      o = opts(session_id: session!().id)
+      {:ok, {h, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["g"], %{}, o)
       assert {:ok, false} = VllmBridge.exit(h, "went wrong")
 
       {:ok, {h, _}} =
-        VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["h"], %{suppress: true}, opts())
+        VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["h"], %{suppress: true}, o)
 
       assert {:ok, true} = VllmBridge.exit(h, %RuntimeError{message: "swallowed"})
 
@@ -207,7 +208,12 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
                end)
 
       assert {:error, %Error{type: :bad_argument, message: m}} =
-               VllmBridge.enter({"vllm_bridge.diag", "add"}, [1, 2], %{}, opts())
+               VllmBridge.enter(
+                 {"vllm_bridge.diag", "add"},
+                 [1, 2],
+                 %{},
+                 opts(session_id: session!().id)
+               )
 
       assert m =~ "not a context manager"
       assert exit_log() == []
@@ -240,7 +246,8 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
     test "bad arguments to exit are refused by name" do
       assert {:error, %Error{type: :bad_argument, message: m}} = VllmBridge.exit(:handle)
       assert m =~ ":handle"
-      {:ok, {h, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["m"], %{}, opts())
+      o = opts(session_id: session!().id)
+      {:ok, {h, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["m"], %{}, o)
       assert {:error, %Error{type: :bad_argument, message: m}} = VllmBridge.exit(h, 123)
       assert m =~ "123"
       assert {:ok, false} = VllmBridge.exit(h)

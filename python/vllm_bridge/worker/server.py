@@ -106,7 +106,7 @@ def _import_allowed(modules: tuple[str, ...]) -> dict[str, str]:
             importlib.import_module(name)
         except Exception as exc:  # announced in the hello, and named again by each call
             failed[name] = f"{type(exc).__name__}: {exc}"
-            _log.warning("allow-listed module %s failed to import: %s", name, failed[name])
+            _log.info("allow-listed module %s failed to import: %s", name, failed[name])
     return failed
 
 
