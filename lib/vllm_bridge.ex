@@ -51,7 +51,7 @@ defmodule VllmBridge do
   def call(target, args \\ [], kwargs \\ %{}, opts \\ []) do
     with {:ok, rt} <- Runtime.resolve(opts),
          {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
-      run(rt, "call", bound_ref(target), {args, kwargs}, parts, true)
+      run(rt, {"call", target}, bound_ref(target), {args, kwargs}, parts, true)
     end
   end
 
@@ -60,7 +60,7 @@ defmodule VllmBridge do
   def get(target, opts \\ []) do
     with {:ok, rt} <- Runtime.resolve(opts),
          {:ok, parts} <- Wire.encode_invoke(target, nil, nil) do
-      run(rt, "get", bound_ref(target), nil, parts, true)
+      run(rt, {"get", target}, bound_ref(target), nil, parts, true)
     end
   end
 
@@ -90,7 +90,7 @@ defmodule VllmBridge do
     with {:ok, rt} <- Runtime.resolve(opts),
          :ok <- in_a_session(rt, target),
          {:ok, parts} <- Wire.encode_invoke(target, args, kwargs),
-         {:ok, [handle, value]} <- run(rt, "enter", bound_ref(target), nil, parts, true) do
+         {:ok, [handle, value]} <- run(rt, {"enter", target}, bound_ref(target), nil, parts, true) do
       {:ok, {handle, value}}
     else
       {:ok, other} -> {:error, Error.new(:protocol, "enter answered #{inspect(other, limit: 5)}")}
@@ -130,7 +130,7 @@ defmodule VllmBridge do
     with {:ok, rt} <- Runtime.resolve(opts),
          {:ok, exc_map} <- exc_map(exc) do
       parts = [Wire.value(handle), Wire.value(exc_map)]
-      run(rt, "exit", handle, nil, parts, true)
+      run(rt, {"exit", handle}, handle, nil, parts, true)
     end
   end
 
@@ -281,7 +281,7 @@ defmodule VllmBridge do
       |> Enum.reduce_while({:ok, 0}, fn {{_inst, session}, group}, {:ok, n} ->
         rt = %{rt | session_id: rt.session_id || session}
 
-        case run(rt, "release", hd(group), nil, [Wire.value(group)], false) do
+        case run(rt, {"release", group}, hd(group), nil, [Wire.value(group)], false) do
           {:ok, k} when is_integer(k) ->
             {:cont, {:ok, n + k}}
 
@@ -354,18 +354,34 @@ defmodule VllmBridge do
   # at the deadline, not when the caller dies) and carry no deadline to the worker, which
   # runs requests in arrival order. A caller that stops waiting gets :timeout, and the
   # session's next call still finds the context exited.
-  defp run(rt, kind, bound, payload, parts, timed) do
-    with {:ok, route} <- Route.resolve(rt, kind, bound, payload),
-         {:ok, pid, _index} <- Route.checkout(route, rt.deadline) do
-      req = Request.new(kind, [Wire.value(route.session)], timed, parts)
+  defp run(rt, {kind, what}, bound, payload, parts, timed) do
+    result =
+      with {:ok, route} <- Route.resolve(rt, kind, bound, payload),
+           {:ok, pid, _index} <- Route.checkout(route, rt.deadline) do
+        req = Request.new(kind, [Wire.value(route.session)], timed, parts)
 
-      if kind in ["exit", "release"] do
-        pid
-        |> Request.send_request(req, :infinity, true, :reply_demonitor, false)
-        |> Request.await(rt.deadline, false)
-      else
-        Request.call(pid, req, rt.deadline, true)
+        if kind in ["exit", "release"] do
+          pid
+          |> Request.send_request(req, :infinity, true, :reply_demonitor, false)
+          |> Request.await(rt.deadline, false)
+        else
+          Request.call(pid, req, rt.deadline, true)
+        end
       end
+
+    case result do
+      {:error, %Error{type: :timeout} = e} -> {:error, timed_out(e, kind, what, rt)}
+      other -> other
     end
   end
+
+  # A timeout names what timed out and the timeout it had.
+  defp timed_out(e, kind, what, rt),
+    do: %{e | message: "#{kind} #{describe(what)}: #{e.message} (timeout #{rt.timeout} ms)"}
+
+  defp describe({module, path}) when is_binary(module), do: "#{module}.#{path}"
+  defp describe({%Ref{} = ref, nil}), do: "reference #{ref.id} (#{ref.type})"
+  defp describe({%Ref{} = ref, path}), do: "reference #{ref.id} (#{ref.type}).#{path}"
+  defp describe(%Ref{} = ref), do: "of reference #{ref.id} (#{ref.type})"
+  defp describe(refs) when is_list(refs), do: "of #{length(refs)} reference(s)"
 end

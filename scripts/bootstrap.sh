@@ -23,7 +23,12 @@ if [ -z "$py" ]; then
 fi
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv with $py"
-  "$py" -m venv .venv
+  if ! "$py" -m venv .venv; then
+    rm -rf .venv
+    say "could not create a virtual environment with $py: it needs Python 3.10+ with its"
+    say "venv module (on Debian/Ubuntu: apt-get install python3-venv), or set PYTHON=..."
+    exit 1
+  fi
 fi
 stamp=.venv/.vllm_bridge_installed
 want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)

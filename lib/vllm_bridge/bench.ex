@@ -58,7 +58,7 @@ defmodule VllmBridge.Bench do
       try do
         {:ok, [w | _]} = VllmBridge.Pool.workers(@pool)
         hello = VllmBridge.Worker.hello(w.pid)
-        say.("1/5 round trip ...")
+        say.("round trip (section 1) ...")
         lat = Latency.run(@pool, python, part.(:latency))
 
         pinned =
@@ -67,17 +67,17 @@ defmodule VllmBridge.Bench do
 
         polling = polling_latency(python, part.(:latency))
         lat = lat |> Map.put(:pinned_run, pinned) |> Map.put(:polling_run, polling)
-        say.("2/5 throughput ...")
+        say.("throughput (section 2) ...")
         thr = Throughput.run(@pool, python, part.(:throughput))
         thr = Map.put(thr, :default_pool, default_pool_rate(part.(:throughput)))
-        say.("4/5 tensors ...")
+        say.("tensors (section 4) ...")
         ten = Tensors.run(@pool, python, part.(:tensors))
         {hello, lat, thr, ten}
       after
         VllmBridge.stop_pool(@pool)
       end
 
-    say.("3/5 multiprocessing.Pool.apply, 5/5 forward context (Python) ...")
+    say.("multiprocessing.Pool.apply and the forward context, in Python (sections 3 and 5) ...")
     mp = PythonPeers.mp_pool_apply(python, part.(:mp))
     fc = PythonPeers.forward_context(python, part.(:fc_args) || [])
     {report, targets} = report(hello, lat, thr, mp, ten, fc, opts[:quick])
