@@ -19,7 +19,11 @@ defmodule VllmBridge.StreamContextCase do
           size: 1,
           max_in_flight: 2,
           allow: ["vllm_bridge.diag", "rt_stream_support"],
-          worker_env: [{"PYTHONPATH", support_dir()}]
+          # test/support first, whatever the environment's PYTHONPATH already holds after.
+          worker_env: [
+            {"PYTHONPATH",
+             Enum.join([support_dir() | List.wrap(System.get_env("PYTHONPATH"))], ":")}
+          ]
         )
 
         :ok
