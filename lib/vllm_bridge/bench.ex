@@ -211,14 +211,24 @@ defmodule VllmBridge.Bench do
   defp pinned_lines(nil),
     do: ["   (not pinned to one CPU: needs Linux and taskset)"]
 
-  defp pinned_lines(p) do
-    full50 = Stats.percentile(p.full, 50)
-    raw50 = Stats.percentile(p.raw, 50)
+  defp pinned_lines(p),
+    do: placement_lines("BEAM, workers and echo pinned to CPU #{p.pinned}:", p)
+
+  defp polling_lines(p),
+    do:
+      placement_lines(
+        "placement as the OS picks it, workers started with poll_us: 100 (not a default):",
+        p
+      )
+
+  defp placement_lines(title, run) do
+    full50 = Stats.percentile(run.full, 50)
+    raw50 = Stats.percentile(run.raw, 50)
 
     [
-      "   BEAM, workers and echo pinned to CPU #{p.pinned}:",
-      "   full stack                                        p50 #{us(full50)}  p99 #{us(Stats.percentile(p.full, 99))}",
-      "   raw Port echo                                     p50 #{us(raw50)}  p99 #{us(Stats.percentile(p.raw, 99))}",
+      "   " <> title,
+      "   full stack                                        p50 #{us(full50)}  p99 #{us(Stats.percentile(run.full, 99))}",
+      "   raw Port echo                                     p50 #{us(raw50)}  p99 #{us(Stats.percentile(run.raw, 99))}",
       "   full / raw at p50: #{Stats.fmt(full50 / raw50, 2)}x"
     ]
   end
