@@ -196,18 +196,6 @@ defmodule VllmBridge.Bench do
     ] ++ pinned_lines(lat.pinned_run) ++ polling_lines(lat.polling_run)
   end
 
-  defp polling_lines(p) do
-    full50 = Stats.percentile(p.full, 50)
-    raw50 = Stats.percentile(p.raw, 50)
-
-    [
-      "   placement as the OS picks it, workers started with poll_us: 100 (not a default):",
-      "   full stack                                        p50 #{us(full50)}  p99 #{us(Stats.percentile(p.full, 99))}",
-      "   raw Port echo                                     p50 #{us(raw50)}  p99 #{us(Stats.percentile(p.raw, 99))}",
-      "   full / raw at p50: #{Stats.fmt(full50 / raw50, 2)}x"
-    ]
-  end
-
   defp pinned_lines(nil),
     do: ["   (not pinned to one CPU: needs Linux and taskset)"]
 
