@@ -66,15 +66,16 @@ defmodule VllmBridge.Bindings do
   A `@contextmanager` function `cm(...)` gets two forms:
 
     * `cm(...)` enters it and returns `{:ok, {handle, value}}`, `value` being what it
-      yields; the context stays entered in the call's session (or the worker's default
-      session) until `VllmBridge.exit(handle, nil, session_id: ...)`, or until the session
-      closes;
+      yields; the context stays entered in the call's session (`__runtime__:
+      [session_id: s]` or the process's current session; with neither, the call is
+      refused) until `VllmBridge.exit(handle)`, or until the session closes;
     * `with_cm(..., fun)` takes the same arguments followed by a function. It enters the
       context in a session, calls `fun.(value)` or `fun.(value, session)` and always
       exits, on the same worker. The session is the one named by
-      `__runtime__: [session_id: s]`, else a temporary one (opened on the call's pool,
-      closed afterwards). Calls inside `fun` see the context when they pass
-      `__runtime__: [session_id: session]`. Returns `{:ok, fun_result}`; when `fun`
+      `__runtime__: [session_id: s]`, else the process's current one, else a temporary one
+      (opened on the call's pool, closed afterwards). While `fun` runs that session is the
+      process's current one, so calls from `fun` that name no session see the context
+      (`VllmBridge.Session.current/0`). Returns `{:ok, fun_result}`; when `fun`
       raises, throws or exits, Python's `__exit__` receives the error and the error is
       re-raised in the caller (unless `__exit__` suppressed it: then `{:ok, nil}`).
   """
@@ -115,20 +116,10 @@ defmodule VllmBridge.Bindings do
   def with_context(spec, args, fun) when is_function(fun, 1) or is_function(fun, 2) do
     with {:ok, py_args, kwargs, runtime} <- Args.split(with_spec(spec), args, 1),
          :ok <- runtime_list(spec, args, runtime) do
-      case Keyword.get(runtime, :session_id) do
-        nil ->
-          open = Keyword.take(runtime, [:pool_name])
-
-          VllmBridge.with_session(
-            fn session -> run_with(spec, py_args, kwargs, runtime, session, fun) end,
-            open
-          )
-
-        given ->
-          with {:ok, session} <- session(given) do
-            run_with(spec, py_args, kwargs, runtime, session, fun)
-          end
-      end
+      # VllmBridge.with_context picks the session (the given one, the current one, or a
+      # temporary one) and makes it current while the body runs.
+      body = if is_function(fun, 2), do: &fun.(&1, Session.current()), else: fun
+      VllmBridge.with_context(spec.target, py_args, kwargs, runtime, body)
     end
   end
 
@@ -139,12 +130,6 @@ defmodule VllmBridge.Bindings do
        "#{with_spec(spec).name}/#{length(args) + 1}: the last argument must be a function of 1 or 2 " <>
          "arguments (the entered value, and the session), got #{inspect(other, limit: 5)}"
      )}
-  end
-
-  defp run_with(spec, py_args, kwargs, runtime, session, fun) do
-    runtime = Keyword.put(runtime, :session_id, session.id)
-    body = if is_function(fun, 2), do: &fun.(&1, session), else: fun
-    VllmBridge.with_context(spec.target, py_args, kwargs, runtime, body)
   end
 
   # The spec of the with_ form: its name, for messages.
@@ -162,16 +147,5 @@ defmodule VllmBridge.Bindings do
          :bad_argument,
          "#{with_spec(spec).name}/#{length(args) + 1}: __runtime__ must be a keyword list, got " <>
            inspect(runtime, limit: 5)
-       )}
-
-  defp session(%Session{} = s), do: {:ok, s}
-  defp session(id) when is_binary(id), do: Session.lookup(id)
-
-  defp session(other),
-    do:
-      {:error,
-       Error.new(
-         :bad_argument,
-         "session_id must be a string or a VllmBridge.Session, got #{inspect(other, limit: 5)}"
        )}
 end

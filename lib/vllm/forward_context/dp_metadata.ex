@@ -103,7 +103,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
         ])
 
   @doc """
-  Enters `chunked_sizes`'s context manager in a session, calls `fun` with what it yields (`[integer()]`), and the session when `fun` takes two arguments, and always exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` reaches Python's `__exit__` and is re-raised here. The session is the one of `__runtime__: [session_id: s]`, else a temporary one. Arguments as for `chunked_sizes/4`; see "Context managers" in `VllmBridge.Bindings`.
+  Enters `chunked_sizes`'s context manager in a session, calls `fun` with what it yields (`[integer()]`), and the session when `fun` takes two arguments, and always exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` reaches Python's `__exit__` and is re-raised here. The session is the one of `__runtime__: [session_id: s]`, else the current one, else a temporary one; calls from `fun` run in it. Arguments as for `chunked_sizes/4`; see "Context managers" in `VllmBridge.Bindings`.
   """
   @spec with_chunked_sizes(
           Vllm.ForwardContext.DPMetadata.t(),
@@ -334,7 +334,7 @@ defmodule Vllm.ForwardContext.DPMetadata do
       ])
 
   @doc """
-  Enters `sp_local_sizes`'s context manager in a session, calls `fun` with what it yields (`[integer()]`), and the session when `fun` takes two arguments, and always exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` reaches Python's `__exit__` and is re-raised here. The session is the one of `__runtime__: [session_id: s]`, else a temporary one. Arguments as for `sp_local_sizes/2`; see "Context managers" in `VllmBridge.Bindings`.
+  Enters `sp_local_sizes`'s context manager in a session, calls `fun` with what it yields (`[integer()]`), and the session when `fun` takes two arguments, and always exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` reaches Python's `__exit__` and is re-raised here. The session is the one of `__runtime__: [session_id: s]`, else the current one, else a temporary one; calls from `fun` run in it. Arguments as for `sp_local_sizes/2`; see "Context managers" in `VllmBridge.Bindings`.
   """
   @spec with_sp_local_sizes(
           Vllm.ForwardContext.DPMetadata.t(),

@@ -1188,7 +1188,7 @@ defmodule Vllm.ForwardContext.Module do
     do: VllmBridge.Bindings.enter(@binding_override_forward_context, [forward_context, opts])
 
   @doc """
-  Enters `override_forward_context`'s context manager in a session, calls `fun` with what it yields (`nil`), and the session when `fun` takes two arguments, and always exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` reaches Python's `__exit__` and is re-raised here. The session is the one of `__runtime__: [session_id: s]`, else a temporary one. Arguments as for `override_forward_context/1`; see "Context managers" in `VllmBridge.Bindings`.
+  Enters `override_forward_context`'s context manager in a session, calls `fun` with what it yields (`nil`), and the session when `fun` takes two arguments, and always exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` reaches Python's `__exit__` and is re-raised here. The session is the one of `__runtime__: [session_id: s]`, else the current one, else a temporary one; calls from `fun` run in it. Arguments as for `override_forward_context/1`; see "Context managers" in `VllmBridge.Bindings`.
   """
   @spec with_override_forward_context(
           Vllm.ForwardContext.t() | nil,
@@ -1585,7 +1585,7 @@ defmodule Vllm.ForwardContext.Module do
         ])
 
   @doc """
-  Enters `set_forward_context`'s context manager in a session, calls `fun` with what it yields (`nil`), and the session when `fun` takes two arguments, and always exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` reaches Python's `__exit__` and is re-raised here. The session is the one of `__runtime__: [session_id: s]`, else a temporary one. Arguments as for `set_forward_context/2`; see "Context managers" in `VllmBridge.Bindings`.
+  Enters `set_forward_context`'s context manager in a session, calls `fun` with what it yields (`nil`), and the session when `fun` takes two arguments, and always exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` reaches Python's `__exit__` and is re-raised here. The session is the one of `__runtime__: [session_id: s]`, else the current one, else a temporary one; calls from `fun` run in it. Arguments as for `set_forward_context/2`; see "Context managers" in `VllmBridge.Bindings`.
   """
   @spec with_set_forward_context(
           term(),

@@ -218,7 +218,8 @@ defmodule VllmBridge.Bindings.Gen.Functions do
               "yields (`#{value}`), and the session when `fun` takes two arguments, and always " <>
               "exits, on one worker. Returns `{:ok, fun_result}`; an error raised in `fun` " <>
               "reaches Python's `__exit__` and is re-raised here. The session is the one of " <>
-              "`__runtime__: [session_id: s]`, else a temporary one. Arguments as for " <>
+              "`__runtime__: [session_id: s]`, else the current one, else a temporary one; calls " <>
+              "from `fun` run in it. Arguments as for " <>
               "`#{fun.name}/#{n}`; see \"Context managers\" in `VllmBridge.Bindings`."
           )
         else
