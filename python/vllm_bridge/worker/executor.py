@@ -108,11 +108,6 @@ class Executor:
         """Number of requests waiting."""
         return len(self._queue)
 
-    @property
-    def stopping(self) -> bool:
-        """True once EOF was read or :meth:`stop` was called."""
-        return self._stopping
-
     def submit(self, request: Request) -> None:
         """Queue ``request`` behind those already queued."""
         with self._cond:
