@@ -109,19 +109,8 @@ defmodule VllmBridge.Request do
     end
   end
 
-  defp forget({_pid, id, mref}) do
-    Process.demonitor(mref, [:flush])
-
-    receive do
-      {^mref, :reply, bin} -> Wire.decode_reply(bin)
-    after
-      0 ->
-        flush(mref)
-
-        {:error,
-         Error.new(:timeout, "no reply to request #{id} before its deadline; it still runs")}
-    end
-  end
+  defp forget({_pid, id, mref}),
+    do: late_reply(mref, "no reply to request #{id} before its deadline; it still runs")
 
   @doc """
   Gives up on a request: tells the worker to cancel it, deactivates the alias and takes
@@ -130,6 +119,12 @@ defmodule VllmBridge.Request do
   @spec give_up(handle()) :: {:ok, term()} | {:error, Error.t()}
   def give_up({pid, id, mref}) do
     send(pid, {:"$vb_cancel", id})
+    late_reply(mref, "no reply to request #{id} before its deadline")
+  end
+
+  # Deactivates the alias, then takes a reply that made it in before that, else drops
+  # whatever else arrived and answers :timeout with `message`.
+  defp late_reply(mref, message) do
     Process.demonitor(mref, [:flush])
 
     receive do
@@ -137,7 +132,7 @@ defmodule VllmBridge.Request do
     after
       0 ->
         flush(mref)
-        {:error, Error.new(:timeout, "no reply to request #{id} before its deadline")}
+        {:error, Error.new(:timeout, message)}
     end
   end
 

@@ -23,9 +23,7 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
 
   setup do
     # Every test starts from a serving, idle pool.
-    [%{instance: instance}] = workers!(@pool)
-    {:ok, meta} = Pool.meta(@pool)
-    wait_until(fn -> Slots.load(meta, 0) == 0 and Slots.waiting(meta) == 0 end)
+    {[%{instance: instance}], meta} = await_idle!(@pool)
     %{meta: meta, instance: instance}
   end
 

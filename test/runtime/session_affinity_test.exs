@@ -22,13 +22,7 @@ defmodule VllmBridge.Runtime.SessionAffinityTest do
   end
 
   setup do
-    ws = workers!(@pool)
-    {:ok, meta} = Pool.meta(@pool)
-
-    wait_until(fn ->
-      Enum.all?(0..1, &(Slots.load(meta, &1) == 0)) and Slots.waiting(meta) == 0
-    end)
-
+    {ws, meta} = await_idle!(@pool)
     %{ws: ws, meta: meta}
   end
 

@@ -10,8 +10,8 @@ defmodule VllmBridge.Runtime.SessionTest do
 
   import VllmBridge.RuntimeHelpers
 
-  alias VllmBridge.{Error, Pool, Ref, Session, Worker}
-  alias VllmBridge.Pool.{Directory, Slots}
+  alias VllmBridge.{Error, Ref, Session, Worker}
+  alias VllmBridge.Pool.Directory
 
   # Two workers, one call in flight each: one hold/1 fills a worker.
   @pool :rt_sess
@@ -22,12 +22,7 @@ defmodule VllmBridge.Runtime.SessionTest do
   end
 
   setup do
-    ws = workers!(@pool)
-    {:ok, meta} = Pool.meta(@pool)
-
-    wait_until(fn ->
-      Enum.all?(0..1, &(Slots.load(meta, &1) == 0)) and Slots.waiting(meta) == 0
-    end)
+    {ws, meta} = await_idle!(@pool)
 
     # The sessions of earlier tests are closed (their owner, the test process, is gone;
     # the close reaches the worker asynchronously): no reference is held any more.

@@ -3,6 +3,7 @@ defmodule VllmBridge.RuntimeHelpers do
   # Helpers for the runtime tests (test/runtime): waiting for a condition, OS processes.
 
   alias VllmBridge.Pool
+  alias VllmBridge.Pool.Slots
   alias VllmBridge.Worker.Launcher
 
   @doc "Polls `fun` until it returns a truthy value (returned) or `ms` pass (flunks)."
@@ -31,6 +32,21 @@ defmodule VllmBridge.RuntimeHelpers do
     :ok = Pool.await_ready(pool, 60_000)
     {:ok, ws} = Pool.workers(pool)
     ws
+  end
+
+  @doc """
+  Waits until pool `pool` serves with nothing in flight on any worker and nobody queued;
+  returns `{workers, meta}` (each test of a pool starts from there).
+  """
+  def await_idle!(pool) do
+    ws = workers!(pool)
+    {:ok, meta} = Pool.meta(pool)
+
+    wait_until(fn ->
+      Enum.all?(ws, &(Slots.load(meta, &1.index) == 0)) and Slots.waiting(meta) == 0
+    end)
+
+    {ws, meta}
   end
 
   @doc "Whether an OS process is alive (and not a zombie)."
