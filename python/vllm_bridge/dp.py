@@ -53,6 +53,7 @@ from vllm_bridge._dp_decide import (
 from vllm_bridge._dp_rendezvous import rendezvous
 from vllm_bridge._dp_settings import DEFAULT_TIMEOUT_S, resolve_settings
 from vllm_bridge.config import ParallelConfig
+from vllm_bridge.platforms import rank_device
 from vllm_bridge.ubatch import check_ubatch_thresholds
 
 __all__ = [
@@ -166,7 +167,7 @@ def _group_device(rank: int, backend: str) -> str:
     """The device a rank's NCCL collectives use (``cpu`` for a group without NCCL)."""
     if "nccl" not in backend:
         return "cpu"
-    return f"cuda:{rank % torch.cuda.device_count()}"
+    return rank_device(rank)
 
 
 def destroy_dp_group() -> bool:

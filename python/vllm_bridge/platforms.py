@@ -37,6 +37,12 @@ class Platform:
         return {}
 
 
+def rank_device(rank: int) -> str:
+    """The GPU of DP rank ``rank`` when several ranks share a host: ``cuda:<rank mod the
+    GPU count>`` (the model and the group's NCCL collectives both use it). Needs CUDA."""
+    return f"cuda:{rank % torch.cuda.device_count()}"
+
+
 def detect_platform() -> Platform:
     """The platform of this process: CUDA when a CUDA device is usable, else CPU."""
     if torch.cuda.is_available():

@@ -27,6 +27,7 @@ from vllm_bridge.model.config import ModelConfig
 from vllm_bridge.model.weights import WeightsFile
 from vllm_bridge.model.weights import save_weights as _save_weights
 from vllm_bridge.model_runner import ModelRunner, StepOutput
+from vllm_bridge.platforms import rank_device
 
 __all__ = [
     "DEFAULT_CAPTURE_SIZES",
@@ -116,7 +117,7 @@ def create_runner(
     compilation = CompilationConfig(cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=sizes)
     model_config = ModelConfig.from_dict(model) if model is not None else None
     if device is None and torch.cuda.is_available():
-        device = f"cuda:{data_parallel_rank % torch.cuda.device_count()}"
+        device = rank_device(data_parallel_rank)
     runner = ModelRunner(
         VllmConfig(parallel_config=parallel, compilation_config=compilation),
         model_config,
