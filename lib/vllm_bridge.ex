@@ -84,6 +84,10 @@ defmodule VllmBridge do
   `session_id:` in the options or the process's current session
   (`VllmBridge.Session.current/0`); without one it is refused (`:bad_argument`). A target
   `{%Ref{}, nil}` (a context manager held by reference) enters in the reference's session.
+
+  An `enter` that times out leaves nothing entered: `{:error, %Error{type: :timeout}}`,
+  and the context is exited again as soon as `__enter__` returns (see
+  `VllmBridge.Request`), so later calls of the session do not run inside it.
   """
   @spec enter(target(), list(), map() | keyword(), Runtime.opts()) :: result({Ref.t(), term()})
   def enter(target, args \\ [], kwargs \\ %{}, opts \\ []) do

@@ -10,8 +10,18 @@ defmodule VllmBridge.Request do
   late reply is dropped by the runtime instead of lingering in the caller's mailbox.
 
   Messages a worker sends to the alias: `{alias, :reply, frame}`, `{alias, :chunk,
-  frame}`, `{alias, :end, nil}`, `{alias, :worker_exit, message}` and `{alias,
-  :reply_error, %VllmBridge.Error{}}`.
+  frame}`, `{alias, :end, nil}`, `{alias, :worker_exit, message}`, `{alias,
+  :reply_error, %VllmBridge.Error{}}` and, for an `enter` the caller cancels, `{alias,
+  :cancelled, nil}`.
+
+  **An `enter` that times out leaves no context behind.** Its reply carries the only
+  handle that can exit the context, so it must not be dropped unseen. Instead of
+  deactivating the alias at once, the caller settles with the worker process: it sends
+  `cancel` and waits for whichever comes first of the reply (then the caller exits the
+  context itself, with an `exit` nobody waits for) and the worker's `:cancelled` (then
+  the worker exits the context if a successful reply still comes; the Python side
+  already exits one whose `__enter__` was still running when the cancel came). Either
+  way the call answers `:timeout`.
   """
 
   alias VllmBridge.{Error, Runtime, Wire}
@@ -43,10 +53,79 @@ defmodule VllmBridge.Request do
   def call(nil, _req, _deadline, _counted),
     do: {:error, Error.new(:worker_exit, "the worker process is not running")}
 
+  def call(pid, %__MODULE__{kind: "enter"} = req, deadline, counted) do
+    {_, id, mref} = handle = send_request(pid, req, deadline, counted, :reply_demonitor)
+
+    receive do
+      {^mref, :reply, bin} -> Wire.decode_reply(bin)
+      {^mref, :worker_exit, message} -> worker_exit(message)
+      {^mref, :reply_error, %Error{} = e} -> {:error, e}
+      {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
+    after
+      Runtime.remaining(deadline) ->
+        settle_enter(handle, "no reply to enter #{id} before its deadline")
+    end
+  end
+
   def call(pid, req, deadline, counted) do
     handle = send_request(pid, req, deadline, counted, :reply_demonitor)
     await(handle, deadline)
   end
+
+  # How long a caller that gave up on an `enter` waits for its worker process to answer
+  # the cancel (it answers at once unless it is itself stuck).
+  @settle_ms 5_000
+
+  @doc """
+  Gives up on the `enter` of `handle` without losing its context (see the moduledoc):
+  sends `cancel`, then takes the reply (and exits the context it entered) or the
+  worker's `:cancelled`, whichever comes first. Answers `:timeout` with `message`, or
+  `:worker_exit` if the worker went down.
+  """
+  @spec settle_enter(handle(), String.t()) :: {:error, Error.t()}
+  def settle_enter({pid, id, mref}, message) do
+    send(pid, {:"$vb_cancel", id})
+
+    result =
+      receive do
+        {^mref, :reply, bin} ->
+          case Wire.decode_reply(bin) do
+            {:ok, [%VllmBridge.Ref{} = handle, _value]} ->
+              # Entered after all, but too late for the caller: leave it again.
+              cast(pid, exit_request(handle), :infinity)
+              {:error, Error.new(:timeout, message <> "; the context was exited again")}
+
+            {:error, %Error{type: :cancelled}} ->
+              {:error, Error.new(:timeout, message <> "; the context was exited again")}
+
+            _other ->
+              {:error, Error.new(:timeout, message)}
+          end
+
+        {^mref, :cancelled, nil} ->
+          {:error, Error.new(:timeout, message <> "; the context is exited if it is entered")}
+
+        {^mref, :worker_exit, worker_message} ->
+          worker_exit(worker_message)
+
+        {^mref, :reply_error, %Error{}} ->
+          {:error, Error.new(:timeout, message)}
+
+        {:DOWN, ^mref, :process, _, reason} ->
+          worker_down(reason)
+      after
+        @settle_ms -> {:error, Error.new(:timeout, message)}
+      end
+
+    Process.demonitor(mref, [:flush])
+    flush(mref)
+    result
+  end
+
+  @doc "The request that exits an entered context `handle`, in the handle's session."
+  @spec exit_request(VllmBridge.Ref.t()) :: t()
+  def exit_request(%VllmBridge.Ref{} = handle),
+    do: new("exit", [Wire.value(handle.session)], true, [Wire.value(handle), Wire.value(nil)])
 
   @doc """
   Sends `req` and returns at once; `mode` is the alias mode (`:reply_demonitor` for one
@@ -66,7 +145,12 @@ defmodule VllmBridge.Request do
     id = :erlang.unique_integer([:positive])
     mref = :erlang.monitor(:process, pid, [{:alias, mode}])
     caller = if watch, do: self()
-    send(pid, {:"$vb_req", id, mref, caller, frame(req, id, deadline), deadline, counted})
+
+    send(
+      pid,
+      {:"$vb_req", id, mref, caller, frame(req, id, deadline), deadline, counted, kind(req)}
+    )
+
     {pid, id, mref}
   end
 
@@ -74,9 +158,14 @@ defmodule VllmBridge.Request do
   @spec cast(pid(), t(), integer() | :infinity) :: :ok
   def cast(pid, %__MODULE__{} = req, deadline) do
     id = :erlang.unique_integer([:positive])
-    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false})
+    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false, kind(req)})
     :ok
   end
+
+  # What the worker process needs to know of the kind: whether the reply holds the handle
+  # of an entered context (see the moduledoc).
+  defp kind(%{kind: "enter"}), do: :enter
+  defp kind(_req), do: :other
 
   defp frame(%{kind: kind, pre: pre, timed: true, post: post}, id, deadline) do
     ms =

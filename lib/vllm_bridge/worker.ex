@@ -17,7 +17,9 @@ defmodule VllmBridge.Worker do
       supervisor starts a new one (a new Python process, a new `instance`).
     * **Timeouts.** A caller that times out sends `cancel` through here and forgets the
       call; the late reply is dropped. If the call is still in the table `cancel_grace` ms
-      later, the Python process is stuck in it and is killed (so it restarts).
+      later, the Python process is stuck in it and is killed (so it restarts). An `enter`
+      is settled instead of forgotten (see `VllmBridge.Request`): if its successful reply
+      comes after the caller gave up, this process exits the context it entered.
     * **Callers that die.** Each waiting caller is monitored while its request is in
       flight. When one dies, its requests are cancelled at once: a queued call is dropped
       by the Python side and a stream stops at its next chunk, so their slots come back;
@@ -148,6 +150,7 @@ defmodule VllmBridge.Worker do
           index: index,
           meta: meta,
           calls: %{},
+          enters: %{},
           arrivals: 0,
           start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
           cancel_grace: Keyword.get(opts, :cancel_grace, @cancel_grace),
@@ -224,7 +227,7 @@ defmodule VllmBridge.Worker do
   # A call in the table: `{alias, counted, deadline, status, monitor}`, where status is
   # :live (a caller waits on `alias`, monitored by `monitor`), :detached (nobody waits),
   # :abandoned (the caller died; cancel sent) or {:cancelled, since} (grace running).
-  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted}, state) do
+  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted, kind}, state) do
     if Map.has_key?(state.calls, id) do
       if alias,
         do: send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
@@ -242,7 +245,8 @@ defmodule VllmBridge.Worker do
         end
 
       calls = Map.put(state.calls, id, entry)
-      {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
+      enters = if kind == :enter, do: Map.put(state.enters, id, true), else: state.enters
+      {:noreply, %{state | calls: calls, enters: enters, arrivals: state.arrivals + 1}}
     end
   end
 
@@ -305,14 +309,33 @@ defmodule VllmBridge.Worker do
   defp finish(state, id, tag, bin) do
     case Map.pop(state.calls, id) do
       {{alias, counted, _, status, mon}, calls} ->
+        {enter?, enters} = Map.pop(state.enters, id, false)
         if status == :live, do: send(alias, {alias, tag, bin})
         # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
         if mon, do: Process.demonitor(mon)
         if counted, do: release(state)
-        %{state | calls: calls}
+        if enter? and status != :live, do: exit_orphan(state, id, bin)
+        %{state | calls: calls, enters: enters}
 
       {nil, _} ->
         state
+    end
+  end
+
+  # The reply of an enter whose caller is gone (it gave up, or died): it holds the only
+  # handle of the context, so the context is exited here; the exit's reply is dropped.
+  defp exit_orphan(state, id, bin) do
+    case Wire.decode_reply(bin) do
+      {:ok, [%VllmBridge.Ref{} = handle, _value]} ->
+        Logger.info(
+          "vllm_bridge worker #{label(state)}: enter #{id} succeeded after its caller " <>
+            "gave up; exiting its context (reference #{handle.id})"
+        )
+
+        Request.cast(self(), Request.exit_request(handle), :infinity)
+
+      _not_entered ->
+        :ok
     end
   end
 
@@ -325,6 +348,10 @@ defmodule VllmBridge.Worker do
     case state.calls do
       %{^id => {alias, counted, deadline, status, mon}} when status in [:live, :abandoned] ->
         if status == :live, do: Port.command(state.port, Wire.request("cancel", id, []))
+        # The caller of an enter waits for this, or for the reply (VllmBridge.Request).
+        if status == :live and is_map_key(state.enters, id),
+          do: send(alias, {alias, :cancelled, nil})
+
         if mon, do: Process.demonitor(mon)
         Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
         now = System.monotonic_time(:millisecond)
@@ -385,7 +412,7 @@ defmodule VllmBridge.Worker do
     end
 
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
-    %{state | calls: %{}, port: nil}
+    %{state | calls: %{}, enters: %{}, port: nil}
   end
 
   defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"

@@ -96,6 +96,23 @@ def test_a_cancelled_stream_stops_and_closes_its_generator(shared_worker):
     ]
 
 
+def test_an_enter_cancelled_while_entering_exits_the_context_again(shared_worker):
+    w = shared_worker
+    w.call(D, "exit_log", True)
+    refs = w.ping()["refs"]
+    rid = next_id()
+    w.send(["enter", rid, "slow-enter", 30_000, ["m", D, "recorder"], ["late", False, 0.3], {}])
+    wait_running(w, rid)
+    w.send(["cancel", rid])
+    kind, got, err = w.reply(rid)
+    assert (kind, got, err["type"]) == ("error", rid, "cancelled")
+    assert "the context was exited again" in err["message"]
+    # Exited cleanly, and the session is left as it was: nothing entered, no handle kept.
+    assert w.call(D, "exit_log") == [{"name": "late", "type": None, "message": None}]
+    assert w.call(D, "get_var", session="slow-enter") is None
+    assert w.ping()["refs"] == refs
+
+
 def test_a_queued_stream_that_is_cancelled_never_starts(shared_worker):
     w = shared_worker
     w.call(D, "exit_log", True)

@@ -228,12 +228,15 @@ class ExitRecorder:
     it was entered in: exited anywhere else, ``__exit__`` raises ``ValueError``.
     """
 
-    def __init__(self, name: str, suppress: bool = False) -> None:
+    def __init__(self, name: str, suppress: bool = False, enter_delay: float = 0.0) -> None:
         self.name = name
         self.suppress = suppress
+        self.enter_delay = enter_delay
         self._token: contextvars.Token[Any] | None = None
 
     def __enter__(self) -> str:
+        if self.enter_delay:
+            time.sleep(self.enter_delay)
         self._token = _VAR.set(self.name)
         return self.name
 
@@ -245,13 +248,13 @@ class ExitRecorder:
         return self.suppress
 
 
-def recorder(name: str, suppress: bool = False) -> ExitRecorder:
+def recorder(name: str, suppress: bool = False, enter_delay: float = 0.0) -> ExitRecorder:
     """A context manager entering as ``name`` that records its exit (see
     :class:`ExitRecorder`); it suppresses the exception it exits with when ``suppress``
-    is true."""
+    is true, and its ``__enter__`` sleeps ``enter_delay`` seconds first (a slow entry)."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {name!r}")
-    return ExitRecorder(name, bool(suppress))
+    return ExitRecorder(name, bool(suppress), _check_seconds("enter_delay", enter_delay))
 
 
 def count(n: int, delay: float = 0.0, name: str | None = None) -> Iterator[int]:

@@ -8,6 +8,8 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
   @pool :rt_context
   use VllmBridge.StreamContextCase
 
+  alias VllmBridge.{Request, Wire}
+
   describe "context managers" do
     test "enter returns the handle and value; exit leaves the context" do
       s = session!()
@@ -199,6 +201,71 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       unhold(busy)
       assert {:ok, nil} = Task.await(next, 30_000)
       assert [%{"name" => "p", "type" => nil}] = exit_log()
+    end
+
+    test "an enter that times out while __enter__ runs leaves no context behind",
+         %{w: w, meta: meta} do
+      s = session!()
+      {:ok, %{"refs" => refs}} = Worker.ping(w)
+
+      assert {:error, %Error{type: :timeout, message: m}} =
+               VllmBridge.enter(
+                 {"vllm_bridge.diag", "recorder"},
+                 ["late", false, 0.3],
+                 %{},
+                 opts(session_id: s.id, timeout: 50)
+               )
+
+      assert m =~ "enter"
+      wait_until(fn -> idle?(w, meta) end)
+      # Exited cleanly once __enter__ returned; the session is as it was.
+      assert [%{"name" => "late", "type" => nil}] = exit_log()
+      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
+      assert {:ok, %{"refs" => ^refs}} = Worker.ping(w)
+      refute_received {_, :reply, _}
+    end
+
+    test "an enter whose successful reply comes after its caller gave up is exited by the worker",
+         %{w: w, meta: meta} do
+      s = session!()
+      {:ok, %{"refs" => refs}} = Worker.ping(w)
+      {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "recorder"}, ["orphan"], %{})
+      req = Request.new("enter", [Wire.value(s.id)], true, parts)
+
+      # The cancel is in the worker process's mailbox before the reply can be: the enter
+      # (a fast one, already entered when the cancel reaches Python) answers ok to a call
+      # its caller has given up.
+      :sys.suspend(w)
+      {_, id, mref} = Request.send_request(w, req, :infinity, false, :reply_demonitor)
+      send(w, {:"$vb_cancel", id})
+      :sys.resume(w)
+
+      assert_receive {^mref, :cancelled, nil}, 5_000
+      wait_until(fn -> exit_log() != [] end)
+      assert [%{"name" => "orphan", "type" => nil}] = exit_log()
+      wait_until(fn -> idle?(w, meta) end)
+      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
+      assert {:ok, %{"refs" => ^refs}} = Worker.ping(w)
+      # The reply itself never reached the caller that gave up.
+      refute_received {^mref, :reply, _}
+    end
+
+    test "a caller that gives up on an enter whose reply already came exits the context itself",
+         %{w: w, meta: meta} do
+      s = session!()
+      {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "recorder"}, ["mine"], %{})
+      req = Request.new("enter", [Wire.value(s.id)], true, parts)
+      {_, _, mref} = handle = Request.send_request(w, req, :infinity, false, :reply_demonitor)
+      # The reply is in this process's mailbox, not yet taken, when the caller gives up.
+      wait_until(fn -> match?({:messages, [_ | _]}, Process.info(self(), :messages)) end)
+
+      assert {:error, %Error{type: :timeout, message: "gave up; the context was exited again"}} =
+               Request.settle_enter(handle, "gave up")
+
+      wait_until(fn -> idle?(w, meta) end)
+      assert [%{"name" => "mine", "type" => nil}] = exit_log()
+      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
+      refute_received {^mref, _, _}
     end
 
     test "a context that cannot be entered: the error, and the fun never runs" do

@@ -166,6 +166,16 @@ class Dispatcher:
             self.sessions.drop(session, handle.ref_id)
             raise
         entered = session.contexts[handle.ref_id] = EnteredContext(manager, exit_)
+        if req.cancelled:
+            # The caller gave up while __enter__ ran: it will never learn the handle, so
+            # nobody could exit the context; leave it now, cleanly (nothing ran inside).
+            del session.contexts[handle.ref_id]
+            self.sessions.drop(session, handle.ref_id)
+            self._call_exit(entered, None)
+            raise Cancelled(
+                f"enter {req.id} was cancelled while {where} was being entered; "
+                "the context was exited again"
+            )
         try:
             return self._reply(req, session, "ok", [handle, value])
         except BaseException as exc:

@@ -17,7 +17,8 @@ a *role* that two threads pass between them under one lock:
 
 A request whose deadline passed before its turn is answered with a ``timeout`` error and
 not started. A queued request can be cancelled (it is dropped; the caller answers it); a
-running one is only marked (a stream stops at its next chunk).
+running one is only marked (a stream stops at its next chunk; an ``enter`` exits the
+context again once ``__enter__`` returns).
 """
 
 from __future__ import annotations
