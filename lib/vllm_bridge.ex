@@ -21,9 +21,16 @@ defmodule VllmBridge do
   objects that cannot travel by value. Every function returns `{:ok, value}` or
   `{:error, %VllmBridge.Error{}}` (see `VllmBridge.Error` for the types); nothing here
   raises on a bad argument.
+
+  **References** belong to an owner, and are released when it goes: those made in a
+  session to the session (released when it closes or its owner process exits), those
+  made outside any session to the process that made the call or read the stream
+  (released when that process exits; `VllmBridge.Session.LooseRefs`). `release/2`
+  releases either earlier.
   """
 
   alias VllmBridge.{Error, Pool, Ref, Request, Route, Runtime, Session, Wire}
+  alias VllmBridge.Session.LooseRefs
 
   @typedoc "What to call: a module attribute path, or an attribute of a referenced object."
   @type target :: {String.t(), String.t()} | {Ref.t(), String.t() | nil}
@@ -287,6 +294,7 @@ defmodule VllmBridge do
 
         case run(rt, {"release", group}, hd(group), nil, [Wire.value(group)], false) do
           {:ok, k} when is_integer(k) ->
+            LooseRefs.forget(group)
             {:cont, {:ok, n + k}}
 
           {:ok, other} ->
@@ -369,7 +377,7 @@ defmodule VllmBridge do
           |> Request.send_request(req, :infinity, true, :reply_demonitor, false)
           |> Request.await(rt.deadline, false)
         else
-          Request.call(pid, req, rt.deadline, true)
+          pid |> Request.call(req, rt.deadline, true) |> adopt_loose(route)
         end
       end
 
@@ -378,6 +386,15 @@ defmodule VllmBridge do
       other -> other
     end
   end
+
+  # References a call outside any session brought back belong to the calling process
+  # (VllmBridge.Session.LooseRefs): released when it exits.
+  defp adopt_loose({:ok, value} = result, %Route{session: nil}) do
+    LooseRefs.track(self(), Ref.collect(value, session: :none))
+    result
+  end
+
+  defp adopt_loose(result, _route), do: result
 
   # A timeout names what timed out and the timeout it had.
   defp timed_out(e, kind, what, rt),

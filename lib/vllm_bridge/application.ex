@@ -11,6 +11,7 @@ defmodule VllmBridge.Application do
       VllmBridge.Pool.Directory,
       {Registry, keys: :unique, name: VllmBridge.Pool.Names},
       VllmBridge.Session.Manager,
+      VllmBridge.Session.LooseRefs,
       {DynamicSupervisor, name: VllmBridge.PoolSupervisor, strategy: :one_for_one}
     ]
 

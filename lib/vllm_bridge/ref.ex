@@ -19,4 +19,28 @@ defmodule VllmBridge.Ref do
           session: String.t() | nil,
           type: String.t()
         }
+
+  @doc """
+  Every reference in `term` (lists, maps, tuples, structs; a tensor holds none), in no
+  particular order. `session: :none` keeps only those of the worker's default session.
+  """
+  @spec collect(term(), keyword()) :: [t()]
+  def collect(term, opts \\ []) do
+    refs = walk(term, [])
+
+    if Keyword.get(opts, :session) == :none,
+      do: Enum.filter(refs, &(&1.session == nil)),
+      else: refs
+  end
+
+  defp walk(%__MODULE__{} = ref, acc), do: [ref | acc]
+  defp walk(%VllmBridge.Tensor{}, acc), do: acc
+  defp walk(%_{} = struct, acc), do: struct |> Map.from_struct() |> walk(acc)
+  defp walk([h | t], acc), do: walk(t, walk(h, acc))
+
+  defp walk(m, acc) when is_map(m),
+    do: Enum.reduce(m, acc, fn {k, v}, a -> walk(v, walk(k, a)) end)
+
+  defp walk(t, acc) when is_tuple(t), do: t |> Tuple.to_list() |> walk(acc)
+  defp walk(_other, acc), do: acc
 end

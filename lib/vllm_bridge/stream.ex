@@ -12,7 +12,8 @@ defmodule VllmBridge.Stream do
   timeout, the worker dying) raises `VllmBridge.Error`.
   """
 
-  alias VllmBridge.{Error, Request, Route, Runtime, Wire}
+  alias VllmBridge.{Error, Ref, Request, Route, Runtime, Wire}
+  alias VllmBridge.Session.LooseRefs
 
   @doc false
   @spec new(Wire.target(), list(), map() | keyword(), Runtime.opts()) ::
@@ -40,7 +41,14 @@ defmodule VllmBridge.Stream do
          {:ok, pid, _i} <- Route.checkout(route, rt.deadline) do
       req = Request.new("stream", [Wire.value(route.session)], true, parts)
       handle = Request.send_request(pid, req, rt.deadline, true, :demonitor)
-      %{handle: handle, deadline: rt.deadline, idle: rt.timeout, done: false}
+
+      %{
+        handle: handle,
+        deadline: rt.deadline,
+        idle: rt.timeout,
+        done: false,
+        loose: !route.session
+      }
     else
       {:error, %Error{} = e} -> raise e
     end
@@ -52,8 +60,13 @@ defmodule VllmBridge.Stream do
     receive do
       {^mref, :chunk, bin} ->
         case Wire.decode_reply(bin) do
-          {:ok, value} -> {[value], st}
-          {:error, e} -> raise e
+          {:ok, value} ->
+            # Outside a session, what the chunk references belongs to this process.
+            if st.loose, do: LooseRefs.track(self(), Ref.collect(value, session: :none))
+            {[value], st}
+
+          {:error, e} ->
+            raise e
         end
 
       {^mref, :end, _} ->

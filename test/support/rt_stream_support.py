@@ -14,3 +14,13 @@ def fail_after(n: int, message: str) -> Iterator[int]:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
     yield from range(n)
     raise RuntimeError(message)
+
+
+def opaques(n: int) -> Iterator[object]:
+    """Yield ``n`` objects that can only travel as references (``vllm_bridge.diag.Opaque``)."""
+    from vllm_bridge.diag import Opaque
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    for i in range(n):
+        yield Opaque(i)

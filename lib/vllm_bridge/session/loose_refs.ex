@@ -1,0 +1,133 @@
+defmodule VllmBridge.Session.LooseRefs do
+  @moduledoc """
+  Owners of the references that calls made outside any session bring back.
+
+  Such a reference lives in its worker's default session, which no process owns, so
+  nothing would ever release it. Instead it belongs to the process that made the call,
+  as a session belongs to its owner: when that process exits, its loose references are
+  released (in a task of their own, so a busy worker never holds this process up);
+  `VllmBridge.release/2` releases them earlier and forgets them here. A process that
+  hands such a reference to a longer-lived one should make the call in a session that
+  process owns instead.
+  """
+  use GenServer
+
+  require Logger
+
+  alias VllmBridge.Ref
+
+  @doc false
+  @spec start_link(keyword()) :: GenServer.on_start()
+  def start_link(_opts), do: GenServer.start_link(__MODULE__, nil, name: __MODULE__)
+
+  @doc false
+  @spec child_spec(term()) :: Supervisor.child_spec()
+  def child_spec(arg), do: super(arg)
+
+  @doc """
+  Records `refs` (references of the default session) as owned by `owner`; they are
+  released when `owner` exits. A no-op for an empty list.
+  """
+  @spec track(pid(), [Ref.t()]) :: :ok
+  def track(_owner, []), do: :ok
+  def track(owner, refs) when is_pid(owner), do: GenServer.cast(__MODULE__, {:track, owner, refs})
+
+  @doc "Forgets `refs` (they were released); references not tracked are ignored."
+  @spec forget([Ref.t()]) :: :ok
+  def forget([]), do: :ok
+  def forget(refs), do: GenServer.cast(__MODULE__, {:forget, refs})
+
+  @doc "How many references `owner` holds here (for tests and diagnostics)."
+  @spec count(pid()) :: non_neg_integer()
+  def count(owner), do: GenServer.call(__MODULE__, {:count, owner})
+
+  # State: owners %{pid => {monitor, %{key => ref}}}, where %{key => pid} points back;
+  # a key is {instance, id}.
+  @impl true
+  def init(nil), do: {:ok, %{owners: %{}, where: %{}}}
+
+  @impl true
+  def handle_cast({:track, owner, refs}, state) do
+    {mon, held} =
+      case state.owners do
+        %{^owner => entry} -> entry
+        _ -> {Process.monitor(owner), %{}}
+      end
+
+    held = Enum.reduce(refs, held, &Map.put(&2, key(&1), &1))
+    where = Enum.reduce(refs, state.where, &Map.put(&2, key(&1), owner))
+    {:noreply, %{state | owners: Map.put(state.owners, owner, {mon, held}), where: where}}
+  end
+
+  def handle_cast({:forget, refs}, state) do
+    {:noreply, Enum.reduce(refs, state, &drop/2)}
+  end
+
+  @impl true
+  def handle_call({:count, owner}, _from, state) do
+    n =
+      case state.owners do
+        %{^owner => {_, held}} -> map_size(held)
+        _ -> 0
+      end
+
+    {:reply, n, state}
+  end
+
+  @impl true
+  def handle_info({:DOWN, _mon, :process, owner, _reason}, state) do
+    case Map.pop(state.owners, owner) do
+      {{_mon, held}, owners} ->
+        refs = Map.values(held)
+        Task.start(fn -> release(refs) end)
+        {:noreply, %{state | owners: owners, where: Map.drop(state.where, Map.keys(held))}}
+
+      {nil, _} ->
+        {:noreply, state}
+    end
+  end
+
+  def handle_info(_other, state), do: {:noreply, state}
+
+  defp drop(ref, state) do
+    k = key(ref)
+
+    case Map.pop(state.where, k) do
+      {nil, _} ->
+        state
+
+      {owner, where} ->
+        {mon, held} = Map.fetch!(state.owners, owner)
+        held = Map.delete(held, k)
+
+        owners =
+          if held == %{} do
+            Process.demonitor(mon, [:flush])
+            Map.delete(state.owners, owner)
+          else
+            Map.put(state.owners, owner, {mon, held})
+          end
+
+        %{state | owners: owners, where: where}
+    end
+  end
+
+  # A reference whose worker is gone went with it; anything else is worth a line.
+  defp release(refs) do
+    case VllmBridge.release(refs, timeout: 60_000) do
+      {:ok, _n} ->
+        :ok
+
+      {:error, %VllmBridge.Error{type: :session_lost}} ->
+        :ok
+
+      {:error, e} ->
+        Logger.warning(
+          "vllm_bridge: releasing #{length(refs)} reference(s) of a process that exited " <>
+            "failed: #{Exception.message(e)}"
+        )
+    end
+  end
+
+  defp key(%Ref{instance: instance, id: id}), do: {instance, id}
+end
