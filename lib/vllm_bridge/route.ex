@@ -176,11 +176,5 @@ defmodule VllmBridge.Route do
 
   @doc "Whether a term holds a `%VllmBridge.Ref{}` anywhere (lists, maps, tuples, structs)."
   @spec has_ref?(term()) :: boolean()
-  def has_ref?(%Ref{}), do: true
-  def has_ref?(%VllmBridge.Tensor{}), do: false
-  def has_ref?(%_{} = struct), do: struct |> Map.from_struct() |> has_ref?()
-  def has_ref?([h | t]), do: has_ref?(h) or has_ref?(t)
-  def has_ref?(m) when is_map(m), do: Enum.any?(m, fn {k, v} -> has_ref?(k) or has_ref?(v) end)
-  def has_ref?(t) when is_tuple(t), do: t |> Tuple.to_list() |> has_ref?()
-  def has_ref?(_), do: false
+  def has_ref?(term), do: Ref.collect(term) != []
 end
