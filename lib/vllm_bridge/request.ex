@@ -17,11 +17,14 @@ defmodule VllmBridge.Request do
   **An `enter` that times out leaves no context behind.** Its reply carries the only
   handle that can exit the context, so it must not be dropped unseen. Instead of
   deactivating the alias at once, the caller settles with the worker process: it sends
-  `cancel` and waits for whichever comes first of the reply (then the caller exits the
-  context itself, with an `exit` nobody waits for) and the worker's `:cancelled` (then
-  the worker exits the context if a successful reply still comes; the Python side
-  already exits one whose `__enter__` was still running when the cancel came). Either
-  way the call answers `:timeout`.
+  `cancel` and waits for whichever the worker sends first, in order:
+
+    * the reply, which the worker had already passed on: the `enter` succeeded, a little
+      late, and the caller has the handle (`{:ok, ...}` as usual);
+    * `:cancelled`: the cancel went on to Python, which exits the context (once
+      `__enter__` returns if it still runs, else at once), before any request that
+      reaches it after the cancel, such as the caller's next call. The call answers
+      `:timeout`.
   """
 
   alias VllmBridge.{Error, Runtime, Wire}
@@ -72,60 +75,39 @@ defmodule VllmBridge.Request do
     await(handle, deadline)
   end
 
-  # How long a caller that gave up on an `enter` waits for its worker process to answer
-  # the cancel (it answers at once unless it is itself stuck).
-  @settle_ms 5_000
-
   @doc """
   Gives up on the `enter` of `handle` without losing its context (see the moduledoc):
-  sends `cancel`, then takes the reply (and exits the context it entered) or the
-  worker's `:cancelled`, whichever comes first. Answers `:timeout` with `message`, or
-  `:worker_exit` if the worker went down.
+  asks the worker process to cancel it, then takes the reply, or the worker's
+  `:cancelled` (answered with a `:timeout` carrying `message`), whichever the worker
+  sent first. The worker sends `:cancelled` always, so the wait ends, or it goes down
+  (`:worker_exit`).
   """
-  @spec settle_enter(handle(), String.t()) :: {:error, Error.t()}
+  @spec settle_enter(handle(), String.t()) :: {:ok, term()} | {:error, Error.t()}
   def settle_enter({pid, id, mref}, message) do
-    send(pid, {:"$vb_cancel", id})
+    send(pid, {:"$vb_settle", id, mref})
 
     result =
       receive do
         {^mref, :reply, bin} ->
-          case Wire.decode_reply(bin) do
-            {:ok, [%VllmBridge.Ref{} = handle, _value]} ->
-              # Entered after all, but too late for the caller: leave it again.
-              cast(pid, exit_request(handle), :infinity)
-              {:error, Error.new(:timeout, message <> "; the context was exited again")}
-
-            {:error, %Error{type: :cancelled}} ->
-              {:error, Error.new(:timeout, message <> "; the context was exited again")}
-
-            _other ->
-              {:error, Error.new(:timeout, message)}
-          end
+          Wire.decode_reply(bin)
 
         {^mref, :cancelled, nil} ->
-          {:error, Error.new(:timeout, message <> "; the context is exited if it is entered")}
+          {:error, Error.new(:timeout, message <> "; the context is not left entered")}
 
         {^mref, :worker_exit, worker_message} ->
           worker_exit(worker_message)
 
-        {^mref, :reply_error, %Error{}} ->
-          {:error, Error.new(:timeout, message)}
+        {^mref, :reply_error, %Error{} = e} ->
+          {:error, e}
 
         {:DOWN, ^mref, :process, _, reason} ->
           worker_down(reason)
-      after
-        @settle_ms -> {:error, Error.new(:timeout, message)}
       end
 
     Process.demonitor(mref, [:flush])
     flush(mref)
     result
   end
-
-  @doc "The request that exits an entered context `handle`, in the handle's session."
-  @spec exit_request(VllmBridge.Ref.t()) :: t()
-  def exit_request(%VllmBridge.Ref{} = handle),
-    do: new("exit", [Wire.value(handle.session)], true, [Wire.value(handle), Wire.value(nil)])
 
   @doc """
   Sends `req` and returns at once; `mode` is the alias mode (`:reply_demonitor` for one
@@ -148,7 +130,7 @@ defmodule VllmBridge.Request do
 
     send(
       pid,
-      {:"$vb_req", id, mref, caller, frame(req, id, deadline), deadline, counted, kind(req)}
+      {:"$vb_req", id, mref, caller, frame(req, id, deadline), deadline, counted}
     )
 
     {pid, id, mref}
@@ -158,14 +140,9 @@ defmodule VllmBridge.Request do
   @spec cast(pid(), t(), integer() | :infinity) :: :ok
   def cast(pid, %__MODULE__{} = req, deadline) do
     id = :erlang.unique_integer([:positive])
-    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false, kind(req)})
+    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false})
     :ok
   end
-
-  # What the worker process needs to know of the kind: whether the reply holds the handle
-  # of an entered context (see the moduledoc).
-  defp kind(%{kind: "enter"}), do: :enter
-  defp kind(_req), do: :other
 
   defp frame(%{kind: kind, pre: pre, timed: true, post: post}, id, deadline) do
     ms =

@@ -17,9 +17,9 @@ defmodule VllmBridge.Worker do
       supervisor starts a new one (a new Python process, a new `instance`).
     * **Timeouts.** A caller that times out sends `cancel` through here and forgets the
       call; the late reply is dropped. If the call is still in the table `cancel_grace` ms
-      later, the Python process is stuck in it and is killed (so it restarts). An `enter`
-      is settled instead of forgotten (see `VllmBridge.Request`): if its successful reply
-      comes after the caller gave up, this process exits the context it entered.
+      later, the Python process is stuck in it and is killed (so it restarts). The caller
+      of an `enter` settles instead (`$vb_settle`): the cancel, then `:cancelled` sent
+      back, always, after any reply already passed on (see `VllmBridge.Request`).
     * **Callers that die.** Each waiting caller is monitored while its request is in
       flight. When one dies, its requests are cancelled at once: a queued call is dropped
       by the Python side and a stream stops at its next chunk, so their slots come back;
@@ -150,7 +150,6 @@ defmodule VllmBridge.Worker do
           index: index,
           meta: meta,
           calls: %{},
-          enters: %{},
           arrivals: 0,
           start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
           cancel_grace: Keyword.get(opts, :cancel_grace, @cancel_grace),
@@ -227,7 +226,7 @@ defmodule VllmBridge.Worker do
   # A call in the table: `{alias, counted, deadline, status, monitor}`, where status is
   # :live (a caller waits on `alias`, monitored by `monitor`), :detached (nobody waits),
   # :abandoned (the caller died; cancel sent) or {:cancelled, since} (grace running).
-  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted, kind}, state) do
+  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted}, state) do
     if Map.has_key?(state.calls, id) do
       if alias,
         do: send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
@@ -245,12 +244,19 @@ defmodule VllmBridge.Worker do
         end
 
       calls = Map.put(state.calls, id, entry)
-      enters = if kind == :enter, do: Map.put(state.enters, id, true), else: state.enters
-      {:noreply, %{state | calls: calls, enters: enters, arrivals: state.arrivals + 1}}
+      {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
     end
   end
 
   def handle_info({:"$vb_cancel", id}, state), do: {:noreply, cancel(state, id)}
+
+  # The caller of an `enter` gives up (VllmBridge.Request.settle_enter/2): cancel as
+  # above, then answer, always. A reply already passed on reaches the caller first.
+  def handle_info({:"$vb_settle", id, alias}, state) do
+    state = cancel(state, id)
+    send(alias, {alias, :cancelled, nil})
+    {:noreply, state}
+  end
 
   def handle_info({:"$vb_grace", id}, state) do
     case state.calls do
@@ -309,33 +315,14 @@ defmodule VllmBridge.Worker do
   defp finish(state, id, tag, bin) do
     case Map.pop(state.calls, id) do
       {{alias, counted, _, status, mon}, calls} ->
-        {enter?, enters} = Map.pop(state.enters, id, false)
         if status == :live, do: send(alias, {alias, tag, bin})
         # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
         if mon, do: Process.demonitor(mon)
         if counted, do: release(state)
-        if enter? and status != :live, do: exit_orphan(state, id, bin)
-        %{state | calls: calls, enters: enters}
+        %{state | calls: calls}
 
       {nil, _} ->
         state
-    end
-  end
-
-  # The reply of an enter whose caller is gone (it gave up, or died): it holds the only
-  # handle of the context, so the context is exited here; the exit's reply is dropped.
-  defp exit_orphan(state, id, bin) do
-    case Wire.decode_reply(bin) do
-      {:ok, [%VllmBridge.Ref{} = handle, _value]} ->
-        Logger.info(
-          "vllm_bridge worker #{label(state)}: enter #{id} succeeded after its caller " <>
-            "gave up; exiting its context (reference #{handle.id})"
-        )
-
-        Request.cast(self(), Request.exit_request(handle), :infinity)
-
-      _not_entered ->
-        :ok
     end
   end
 
@@ -348,10 +335,6 @@ defmodule VllmBridge.Worker do
     case state.calls do
       %{^id => {alias, counted, deadline, status, mon}} when status in [:live, :abandoned] ->
         if status == :live, do: Port.command(state.port, Wire.request("cancel", id, []))
-        # The caller of an enter waits for this, or for the reply (VllmBridge.Request).
-        if status == :live and is_map_key(state.enters, id),
-          do: send(alias, {alias, :cancelled, nil})
-
         if mon, do: Process.demonitor(mon)
         Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
         now = System.monotonic_time(:millisecond)
@@ -412,7 +395,7 @@ defmodule VllmBridge.Worker do
     end
 
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
-    %{state | calls: %{}, enters: %{}, port: nil}
+    %{state | calls: %{}, port: nil}
   end
 
   defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"

@@ -113,6 +113,28 @@ def test_an_enter_cancelled_while_entering_exits_the_context_again(shared_worker
     assert w.ping()["refs"] == refs
 
 
+def test_a_cancel_of_a_finished_enter_exits_its_context_before_later_requests(shared_worker):
+    w = shared_worker
+    w.call(D, "exit_log", True)
+    refs = w.ping()["refs"]
+    rid = next_id()
+    w.send(["enter", rid, "done-enter", 30_000, ["m", D, "recorder"], ["done"], {}])
+    kind, _, (handle, value) = w.reply(rid)
+    assert (kind, value) == ("ok", "done")
+    # The caller gave up anyway (its cancel crossed the reply): the next request of the
+    # session, sent right after the cancel, already runs outside the context.
+    w.send(["cancel", rid])
+    assert w.call(D, "get_var", session="done-enter") is None
+    assert w.call(D, "exit_log") == [{"name": "done", "type": None, "message": None}]
+    assert w.ping()["refs"] == refs
+    # Its handle is gone with it; a cancel of an id that entered nothing changes nothing.
+    w.send(["exit", next_id(), "done-enter", 30_000, handle, None])
+    assert w.recv()[2]["type"] == "bad_argument"
+    w.send(["cancel", rid])
+    assert w.call(D, "add", 1, 1) == 2
+    assert w.inbox == []
+
+
 def test_a_queued_stream_that_is_cancelled_never_starts(shared_worker):
     w = shared_worker
     w.call(D, "exit_log", True)

@@ -225,33 +225,56 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       refute_received {_, :reply, _}
     end
 
-    test "an enter whose successful reply comes after its caller gave up is exited by the worker",
+    test "an enter given up after it finished is exited before the session's next call",
          %{w: w, meta: meta} do
       s = session!()
       {:ok, %{"refs" => refs}} = Worker.ping(w)
       {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "recorder"}, ["orphan"], %{})
       req = Request.new("enter", [Wire.value(s.id)], true, parts)
 
-      # The cancel is in the worker process's mailbox before the reply can be: the enter
-      # (a fast one, already entered when the cancel reaches Python) answers ok to a call
-      # its caller has given up.
+      # The caller gives up before the worker process has seen the reply (both messages
+      # wait in its mailbox): it answers :cancelled, and the reply, ok, is dropped.
       :sys.suspend(w)
       {_, id, mref} = Request.send_request(w, req, :infinity, false, :reply_demonitor)
-      send(w, {:"$vb_cancel", id})
+      send(w, {:"$vb_settle", id, mref})
       :sys.resume(w)
 
       assert_receive {^mref, :cancelled, nil}, 5_000
-      wait_until(fn -> exit_log() != [] end)
+      # At once, no waiting: the session's next call already runs outside the context.
+      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
       assert [%{"name" => "orphan", "type" => nil}] = exit_log()
       wait_until(fn -> idle?(w, meta) end)
-      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
       assert {:ok, %{"refs" => ^refs}} = Worker.ping(w)
-      # The reply itself never reached the caller that gave up.
       refute_received {^mref, :reply, _}
     end
 
-    test "a caller that gives up on an enter whose reply already came exits the context itself",
+    test "an enter whose caller dies while __enter__ runs leaves no context behind",
          %{w: w, meta: meta} do
+      s = session!()
+      me = self()
+
+      pid =
+        spawn(fn ->
+          send(me, :entering)
+
+          VllmBridge.enter(
+            {"vllm_bridge.diag", "recorder"},
+            ["dead", false, 0.3],
+            %{},
+            opts(session_id: s.id)
+          )
+        end)
+
+      assert_receive :entering
+      wait_until(fn -> match?({:ok, %{"running" => id}} when is_integer(id), Worker.ping(w)) end)
+      Process.exit(pid, :kill)
+      wait_until(fn -> idle?(w, meta) end)
+      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
+      assert [%{"name" => "dead", "type" => nil}] = exit_log()
+    end
+
+    test "a caller that gives up on an enter whose reply was passed on keeps the context",
+         %{w: w} do
       s = session!()
       {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "recorder"}, ["mine"], %{})
       req = Request.new("enter", [Wire.value(s.id)], true, parts)
@@ -259,13 +282,20 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       # The reply is in this process's mailbox, not yet taken, when the caller gives up.
       wait_until(fn -> match?({:messages, [_ | _]}, Process.info(self(), :messages)) end)
 
-      assert {:error, %Error{type: :timeout, message: "gave up; the context was exited again"}} =
-               Request.settle_enter(handle, "gave up")
-
-      wait_until(fn -> idle?(w, meta) end)
+      assert {:ok, [%Ref{type: "context"} = h, "mine"]} = Request.settle_enter(handle, "late")
+      assert {:ok, "mine"} = diag("get_var", [], session_id: s.id)
+      assert exit_log() == []
+      assert {:ok, false} = VllmBridge.exit(h, nil, opts(session_id: s.id))
       assert [%{"name" => "mine", "type" => nil}] = exit_log()
-      assert {:ok, nil} = diag("get_var", [], session_id: s.id)
       refute_received {^mref, _, _}
+    end
+
+    test "a settle always ends: the worker answers one for a request it no longer has",
+         %{w: w} do
+      mref = :erlang.monitor(:process, w, [{:alias, :reply_demonitor}])
+
+      assert {:error, %Error{type: :timeout, message: "gone; the context is not left entered"}} =
+               Request.settle_enter({w, 987_654_321, mref}, "gone")
     end
 
     test "a context that cannot be entered: the error, and the fun never runs" do

@@ -87,6 +87,13 @@ class Close(Request):
 
 
 @dataclass(slots=True)
+class Abandon(Request):
+    """Never on the wire: made by the worker from a ``cancel`` of an ``enter`` that had
+    already finished. Its context is exited, if still entered, before any request that
+    arrived after the ``cancel`` runs; nothing is sent back."""
+
+
+@dataclass(slots=True)
 class Control:
     """``ping``, ``cancel`` and ``hello``: handled by the reader thread at once."""
 

@@ -17,7 +17,7 @@ from vllm_bridge.protocol.decoder import materialize
 from vllm_bridge.protocol.encoder import Segment, segments_length
 from vllm_bridge.protocol.errors import BadArgument, BridgeError, Cancelled, error_map
 from vllm_bridge.protocol.framing import MAX_FRAME
-from vllm_bridge.protocol.messages import Close, Exit, Invoke, Release, Request
+from vllm_bridge.protocol.messages import Abandon, Close, Exit, Invoke, Release, Request
 from vllm_bridge.protocol.registry import TypeRegistry
 from vllm_bridge.protocol.types import Ref, qualified_name
 from vllm_bridge.worker.channel import Channel
@@ -48,13 +48,17 @@ class Dispatcher:
 
     # -- entry points (execution thread) -------------------------------------------------
 
-    def handle(self, req: Request) -> Frame:
-        """Run ``req``; returns its final reply, encoded (chunks are sent on the way).
+    def handle(self, req: Request) -> Frame | None:
+        """Run ``req``; returns its final reply, encoded (chunks are sent on the way), or
+        ``None`` when nothing is to be sent back (an :class:`Abandon`).
 
         Never raises: failures become the ``error`` reply.
         """
         if isinstance(req, Close):
             return self._close(req)
+        if isinstance(req, Abandon):
+            self._abandon(req)
+            return None
         session = self.sessions.get(req.session)
         return session.context.run(self._in_session, req, session)
 
@@ -165,7 +169,7 @@ class Dispatcher:
         except BaseException:
             self.sessions.drop(session, handle.ref_id)
             raise
-        entered = session.contexts[handle.ref_id] = EnteredContext(manager, exit_)
+        entered = session.contexts[handle.ref_id] = EnteredContext(manager, exit_, req.id)
         if req.cancelled:
             # The caller gave up while __enter__ ran: it will never learn the handle, so
             # nobody could exit the context; leave it now, cleanly (nothing ran inside).
@@ -232,6 +236,18 @@ class Dispatcher:
             refs, contexts = len(session.refs), len(session.contexts)
             session.context.run(self._exit_all, session)
         return self.channel.encoder.encode(["ok", req.id, {"refs": refs, "contexts": contexts}])
+
+    def _abandon(self, req: Abandon) -> None:
+        # The caller of enter ``req.id`` gave up after it had finished: it may never have
+        # seen the handle, so the context is left now, cleanly, in its own session.
+        for session in self.sessions.all():
+            for ref_id, entered in list(session.contexts.items()):
+                if entered.enter_id == req.id:
+                    del session.contexts[ref_id]
+                    self.sessions.drop(session, ref_id)
+                    session.context.run(self._exit_quietly, entered, ref_id)
+                    _log.info("exited context %s: the caller of enter %s gave up", ref_id, req.id)
+                    return
 
     def _exit_all(self, session: Session) -> None:
         for ref_id, entered in reversed(list(session.contexts.items())):

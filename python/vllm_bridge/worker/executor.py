@@ -63,7 +63,8 @@ class Executor:
     ) -> None:
         """
         Args:
-            handle: Runs one request and returns its final reply, encoded; must not raise.
+            handle: Runs one request and returns its final reply, encoded (``None``: no
+                reply); must not raise.
             expired: The reply of a request whose deadline passed before it started.
             write: Sends a reply. The final reply is sent after the request stops
                 counting as running, so a ``pong`` never names a request already answered.

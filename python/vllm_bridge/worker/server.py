@@ -36,6 +36,7 @@ from vllm_bridge.protocol.encoder import Encoder
 from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.protocol.framing import FrameReader, enlarge_pipes
 from vllm_bridge.protocol.messages import (
+    Abandon,
     Control,
     Invoke,
     Request,
@@ -203,13 +204,12 @@ class Worker:
             self.channel.error(exc.request_id, "protocol", str(exc))
             return None
         if isinstance(req, Control):
-            self._control(req)
-            return None
+            return self._control(req)
         if isinstance(req, Invoke):
             req.special = decoded.special
         return req
 
-    def _control(self, req: Control) -> None:
+    def _control(self, req: Control) -> Request | None:
         if req.kind == "ping":
             status = {
                 "running": self.executor.running_id,
@@ -223,6 +223,10 @@ class Worker:
             if dropped is not None:
                 message = f"{dropped.kind} {dropped.id} was cancelled before it started"
                 self.channel.error(dropped.id, "cancelled", message)
+            elif self.executor.running_id != req.id:
+                # Already finished: if it was an enter, its context is exited in turn,
+                # before anything that arrived after this cancel.
+                return Abandon("abandon", req.id, None, None)
         elif req.kind == "hello":
             version = (req.info or {}).get("protocol")
             if version == PROTOCOL_VERSION:
@@ -234,6 +238,7 @@ class Worker:
                     f"protocol version {version!r} is not spoken by this worker, which "
                     f"speaks version {PROTOCOL_VERSION}",
                 )
+        return None
 
     def _close_sessions(self) -> None:
         # Last thing the execution thread does, once the stream has ended. Only worth a

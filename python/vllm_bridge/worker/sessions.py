@@ -38,6 +38,8 @@ class EnteredContext:
 
     manager: Any
     exit: Callable[..., Any]
+    #: Id of the ``enter`` request that entered it (a ``cancel`` of that id exits it).
+    enter_id: int | None = None
 
 
 @dataclass
