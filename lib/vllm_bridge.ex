@@ -25,8 +25,8 @@ defmodule VllmBridge do
   **References** belong to an owner, and are released when it goes: those made in a
   session to the session (released when it closes or its owner process exits), those
   made outside any session to the process that made the call or read the stream
-  (released when that process exits; `VllmBridge.Session.LooseRefs`). `release/2`
-  releases either earlier.
+  (released when that process exits, so a `Task` that returns one hands over a reference
+  about to go; `VllmBridge.Session.LooseRefs`). `release/2` releases either earlier.
   """
 
   alias VllmBridge.{Error, Pool, Ref, Request, Route, Runtime, Session, Wire}
@@ -141,7 +141,11 @@ defmodule VllmBridge do
     with {:ok, rt} <- Runtime.resolve(opts),
          {:ok, exc_map} <- exc_map(exc) do
       parts = [Wire.value(handle), Wire.value(exc_map)]
-      run(rt, {"exit", handle}, handle, nil, parts, true)
+
+      with {:ok, _} = ok <- run(rt, {"exit", handle}, handle, nil, parts, true) do
+        LooseRefs.forget([handle])
+        ok
+      end
     end
   end
 
@@ -279,6 +283,9 @@ defmodule VllmBridge do
 
   @doc """
   Releases references (one or a list) in the workers that hold them; the number released.
+  Without it a reference lives as long as its owner: its session, or, made outside any
+  session, the process that made the call (see **References** above). Released refs of
+  that process are forgotten, so nothing is released twice.
   """
   @spec release(Ref.t() | [Ref.t()], Runtime.opts()) :: result(non_neg_integer())
   def release(refs, opts \\ [])

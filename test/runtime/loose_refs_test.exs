@@ -89,6 +89,84 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     wait_until(fn -> refs(w) == base end)
   end
 
+  test "exiting a context entered through a loose reference forgets its handle", %{w: w} do
+    base = refs(w)
+
+    {pid, counts} =
+      in_process(fn ->
+        {:ok, cm} = diag("recorder", ["loose"])
+        {:ok, {h, "loose"}} = VllmBridge.enter({cm, nil}, [], %{}, opts())
+        entered = LooseRefs.count(self())
+        {:ok, false} = VllmBridge.exit(h, nil, opts())
+        {entered, LooseRefs.count(self())}
+      end)
+
+    # The manager and the handle, then the manager alone.
+    assert counts == {2, 1}
+    assert refs(w) == base + 1
+    exit_process(pid)
+    wait_until(fn -> refs(w) == base end)
+    assert [%{"name" => "loose", "type" => nil}] = exit_log()
+  end
+
+  test "a worker that restarted does not keep the references on the others from going" do
+    pool = :rt_loose_two
+    start_pool!(pool, size: 2, max_in_flight: 1, allow: ["vllm_bridge.diag"])
+    {ws, _meta} = await_idle!(pool)
+    [s0, s1] = for i <- 0..1, do: elem(Session.open(pool_name: pool, worker: i), 1)
+    o = [pool_name: pool]
+    count = fn i -> elem(Worker.ping(Enum.at(ws, i).pid), 1)["refs"] end
+    bases = {count.(0), count.(1)}
+
+    # One reference on each worker: the other one is held busy while the owner calls.
+    on = fn busy, owner ->
+      held = hold(o ++ [session_id: busy.id])
+      send(owner, :call)
+      assert_receive {:called, ^owner, {:ok, %Ref{} = ref}}, 30_000
+      unhold(held)
+      ref
+    end
+
+    me = self()
+
+    owner =
+      spawn(fn ->
+        for _ <- 1..2 do
+          receive do:
+                    (:call ->
+                       send(
+                         me,
+                         {:called, self(),
+                          VllmBridge.call({"vllm_bridge.diag", "opaque"}, [], %{}, o)}
+                       ))
+        end
+
+        receive do: (:go -> :ok)
+      end)
+
+    r0 = on.(s1, owner)
+    r1 = on.(s0, owner)
+    assert {r0.instance, r1.instance} == {Enum.at(ws, 0).instance, Enum.at(ws, 1).instance}
+    assert {count.(0), count.(1)} == {elem(bases, 0) + 1, elem(bases, 1) + 1}
+
+    # The Python process of the worker whose references would be released first dies (and
+    # restarts: its reference went with it); then the owner.
+    lost = if r0.instance < r1.instance, do: 0, else: 1
+    kept = 1 - lost
+    System.cmd("kill", ["-9", "#{Enum.at(ws, lost).os_pid}"])
+
+    gone = Enum.at(ws, lost).instance
+
+    wait_until(fn ->
+      {:ok, now} = Pool.workers(pool)
+      match?(%{instance: i} when i != gone, Enum.at(now, lost))
+    end)
+
+    exit_process(owner)
+    wait_until(fn -> count.(kept) == elem(bases, kept) end)
+    Enum.each([s0, s1], &Session.close/1)
+  end
+
   test "a session's references stay the session's: the calling process does not own them",
        %{w: w} do
     base = refs(w)

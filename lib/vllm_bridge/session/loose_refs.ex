@@ -6,9 +6,11 @@ defmodule VllmBridge.Session.LooseRefs do
   nothing would ever release it. Instead it belongs to the process that made the call,
   as a session belongs to its owner: when that process exits, its loose references are
   released (in a task of their own, so a busy worker never holds this process up);
-  `VllmBridge.release/2` releases them earlier and forgets them here. A process that
-  hands such a reference to a longer-lived one should make the call in a session that
-  process owns instead.
+  `VllmBridge.release/2` releases them earlier and forgets them here, and so does
+  `VllmBridge.exit/3` for the handle of a context entered outside any session. A
+  process that hands such a reference to a longer-lived one (a `Task` returning one to
+  its caller, say) should make the call in a session the longer-lived process owns
+  instead: the reference goes when the task ends.
   """
   use GenServer
 
@@ -112,20 +114,24 @@ defmodule VllmBridge.Session.LooseRefs do
     end
   end
 
-  # A reference whose worker is gone went with it; anything else is worth a line.
+  # Worker by worker, so that one gone (its references went with it) does not keep the
+  # others'; waiting for a busy worker rather than failing fast, whatever the configured
+  # affinity. Anything else that fails is worth a line.
   defp release(refs) do
-    case VllmBridge.release(refs, timeout: 60_000) do
-      {:ok, _n} ->
-        :ok
+    for {_instance, group} <- Enum.group_by(refs, & &1.instance) do
+      case VllmBridge.release(group, timeout: 60_000, affinity: :strict_queue) do
+        {:ok, _n} ->
+          :ok
 
-      {:error, %VllmBridge.Error{type: :session_lost}} ->
-        :ok
+        {:error, %VllmBridge.Error{type: :session_lost}} ->
+          :ok
 
-      {:error, e} ->
-        Logger.warning(
-          "vllm_bridge: releasing #{length(refs)} reference(s) of a process that exited " <>
-            "failed: #{Exception.message(e)}"
-        )
+        {:error, e} ->
+          Logger.warning(
+            "vllm_bridge: releasing #{length(group)} reference(s) of a process that " <>
+              "exited failed: #{Exception.message(e)}"
+          )
+      end
     end
   end
 
