@@ -56,23 +56,10 @@ defmodule VllmBridge.Request do
   def call(nil, _req, _deadline, _counted),
     do: {:error, Error.new(:worker_exit, "the worker process is not running")}
 
-  def call(pid, %__MODULE__{kind: "enter"} = req, deadline, counted) do
-    {_, id, mref} = handle = send_request(pid, req, deadline, counted, :reply_demonitor)
-
-    receive do
-      {^mref, :reply, bin} -> Wire.decode_reply(bin)
-      {^mref, :worker_exit, message} -> worker_exit(message)
-      {^mref, :reply_error, %Error{} = e} -> {:error, e}
-      {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
-    after
-      Runtime.remaining(deadline) ->
-        settle_enter(handle, "no reply to enter #{id} before its deadline")
-    end
-  end
-
   def call(pid, req, deadline, counted) do
     handle = send_request(pid, req, deadline, counted, :reply_demonitor)
-    await(handle, deadline)
+    # An enter's reply holds the only handle of its context: settled, not dropped.
+    await(handle, deadline, if(req.kind == "enter", do: :settle, else: true))
   end
 
   @doc """
@@ -160,9 +147,11 @@ defmodule VllmBridge.Request do
   @doc """
   Waits until `deadline` for the one reply of a request sent with `send_request/6`. Past
   the deadline the request is cancelled (`give_up/1`), or with `cancel` false only
-  forgotten: it still runs, and its reply is dropped.
+  forgotten: it still runs, and its reply is dropped; with `:settle`, the request (an
+  `enter`) is settled with the worker (`settle_enter/2`).
   """
-  @spec await(handle(), integer() | :infinity, boolean()) :: {:ok, term()} | {:error, Error.t()}
+  @spec await(handle(), integer() | :infinity, boolean() | :settle) ::
+          {:ok, term()} | {:error, Error.t()}
   def await({pid, id, mref}, deadline, cancel \\ true) do
     receive do
       {^mref, :reply, bin} -> Wire.decode_reply(bin)
@@ -171,7 +160,11 @@ defmodule VllmBridge.Request do
       {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
     after
       Runtime.remaining(deadline) ->
-        if cancel, do: give_up({pid, id, mref}), else: forget({pid, id, mref})
+        case cancel do
+          true -> give_up({pid, id, mref})
+          false -> forget({pid, id, mref})
+          :settle -> settle_enter({pid, id, mref}, "no reply to enter #{id} before its deadline")
+        end
     end
   end
 
