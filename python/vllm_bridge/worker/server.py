@@ -223,9 +223,10 @@ class Worker:
             if dropped is not None:
                 message = f"{dropped.kind} {dropped.id} was cancelled before it started"
                 self.channel.error(dropped.id, "cancelled", message)
-            elif self.executor.running_id != req.id:
-                # Already finished: if it was an enter, its context is exited in turn,
-                # before anything that arrived after this cancel.
+            else:
+                # Running (marked) or already finished: if it is an enter, the context it
+                # entered is exited in turn, before anything that arrived after this
+                # cancel; also when the mark came too late for the enter to see it.
                 return Abandon("abandon", req.id, None, None)
         elif req.kind == "hello":
             version = (req.info or {}).get("protocol")
