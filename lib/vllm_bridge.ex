@@ -297,7 +297,7 @@ defmodule VllmBridge do
       refs
       |> Enum.group_by(&{&1.instance, &1.session})
       |> Enum.reduce_while({:ok, 0}, fn {{_inst, session}, group}, {:ok, n} ->
-        rt = %{rt | session_id: rt.session_id || session}
+        rt = if rt.session_current?, do: rt, else: %{rt | session_id: rt.session_id || session}
 
         case run(rt, {"release", group}, hd(group), nil, [Wire.value(group)], false) do
           {:ok, k} when is_integer(k) ->

@@ -52,7 +52,7 @@ defmodule VllmBridge.Route do
            %__MODULE__{
              meta: meta,
              constraint: constraint,
-             session: rt.session_id || ref.session,
+             session: bound_session(rt, ref),
              expect: ref.instance
            }}
         end
@@ -116,6 +116,12 @@ defmodule VllmBridge.Route do
       end
     end
   end
+
+  # A request bound to a reference runs in the reference's session, unless the call names
+  # another one (then Python refuses it by name); the process's current session, which
+  # the call did not name, does not count.
+  defp bound_session(%Runtime{session_current?: true}, ref), do: ref.session
+  defp bound_session(rt, ref), do: rt.session_id || ref.session
 
   defp verify(%{expect: expect}, _i, instance) when is_binary(expect) and expect != instance,
     do: {:error, Error.new(:session_lost, "the worker of instance #{expect} is gone")}

@@ -55,6 +55,7 @@ defmodule VllmBridge.Runtime do
             session_id: nil,
             pool_name: :default,
             pool_given?: false,
+            session_current?: false,
             affinity: :strict_queue
 
   @typedoc "Milliseconds, or `:infinity`."
@@ -69,6 +70,7 @@ defmodule VllmBridge.Runtime do
           session_id: String.t() | nil,
           pool_name: term(),
           pool_given?: boolean(),
+          session_current?: boolean(),
           affinity: :hint | :strict_queue | :strict_fail_fast
         }
 
@@ -163,7 +165,7 @@ defmodule VllmBridge.Runtime do
   defp current_session(rt) do
     case Process.get({VllmBridge.Session, :current}) do
       %{id: id, pool: pool} when not rt.pool_given? or rt.pool_name == pool ->
-        %{rt | session_id: id}
+        %{rt | session_id: id, session_current?: true}
 
       _ ->
         rt

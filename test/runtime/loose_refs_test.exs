@@ -167,6 +167,29 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     Enum.each([s0, s1], &Session.close/1)
   end
 
+  test "a loose reference is used and released in its own session, also inside with_session",
+       %{w: w} do
+    base = refs(w)
+    {:ok, ref} = diag("opaque", [5])
+
+    VllmBridge.with_session(
+      fn s ->
+        # The current session, not named by these calls, does not capture the reference.
+        assert {:ok, 5} = VllmBridge.get({ref, "value"}, opts())
+        # Naming another session still is an error, by name.
+        assert {:error, %Error{type: :bad_argument, message: m}} =
+                 VllmBridge.get({ref, "value"}, opts(session_id: s.id))
+
+        assert m =~ "belongs to session None"
+        assert {:ok, 1} = VllmBridge.release(ref, opts())
+      end,
+      pool_name: @pool
+    )
+
+    assert LooseRefs.count(self()) == 0
+    assert refs(w) == base
+  end
+
   test "a session's references stay the session's: the calling process does not own them",
        %{w: w} do
     base = refs(w)
