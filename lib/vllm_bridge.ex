@@ -94,7 +94,10 @@ defmodule VllmBridge do
 
   An `enter` that times out leaves nothing entered: `{:error, %Error{type: :timeout}}`,
   and the context is exited again as soon as `__enter__` returns (see
-  `VllmBridge.Request`), so later calls of the session do not run inside it.
+  `VllmBridge.Request`), so later calls of the session do not run inside it. Like any
+  call given up while it runs, an `__enter__` still running `cancel_grace` ms after the
+  timeout (5 s by default) has its Python process killed, so the worker restarts and its
+  sessions are lost (`VllmBridge.Worker`).
   """
   @spec enter(target(), list(), map() | keyword(), Runtime.opts()) :: result({Ref.t(), term()})
   def enter(target, args \\ [], kwargs \\ %{}, opts \\ []) do

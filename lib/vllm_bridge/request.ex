@@ -14,14 +14,17 @@ defmodule VllmBridge.Request do
   :reply_error, %VllmBridge.Error{}}` and, for an `enter` the caller cancels, `{alias,
   :cancelled, nil}`.
 
-  **An `enter` that times out leaves no context behind.** Its reply carries the only
-  handle that can exit the context, so it must not be dropped unseen. Instead of
-  deactivating the alias at once, the caller settles with the worker process: it sends
-  `cancel` and waits for whichever the worker sends first, in order:
+  **A caller that gives up loses nothing.** A reply may carry the only handle of an
+  entered context, or references nobody else has, so it must not be dropped unseen.
+  Instead of deactivating the alias at once, the caller settles with the worker process
+  (`give_up/2`): it asks for the cancel and waits for whichever the worker sends first,
+  in order:
 
-    * the reply, which the worker had already passed on: the `enter` succeeded, a little
-      late, and the caller has the handle (`{:ok, ...}` as usual);
-    * `:cancelled`: the cancel went on to Python, which exits the context (once
+    * the reply, which the worker had already passed on: the call succeeded, a little
+      late, and the caller has its result (`{:ok, ...}` as usual);
+    * `:cancelled`: the cancel went on to Python, and whatever reply still comes stops at
+      the worker process, which releases the default session's references in it
+      (`VllmBridge.Worker`); Python exits the context of a cancelled `enter` (once
       `__enter__` returns if it still runs, else at once), before any request that
       reaches it after the cancel, such as the caller's next call. The call answers
       `:timeout`.
@@ -60,40 +63,6 @@ defmodule VllmBridge.Request do
     handle = send_request(pid, req, deadline, counted, :reply_demonitor)
     # An enter's reply holds the only handle of its context: settled, not dropped.
     await(handle, deadline, if(req.kind == "enter", do: :settle, else: true))
-  end
-
-  @doc """
-  Gives up on the `enter` of `handle` without losing its context (see the moduledoc):
-  asks the worker process to cancel it, then takes the reply, or the worker's
-  `:cancelled` (answered with a `:timeout` carrying `message`), whichever the worker
-  sent first. The worker sends `:cancelled` always, so the wait ends, or it goes down
-  (`:worker_exit`).
-  """
-  @spec settle_enter(handle(), String.t()) :: {:ok, term()} | {:error, Error.t()}
-  def settle_enter({pid, id, mref}, message) do
-    send(pid, {:"$vb_settle", id, mref})
-
-    result =
-      receive do
-        {^mref, :reply, bin} ->
-          Wire.decode_reply(bin)
-
-        {^mref, :cancelled, nil} ->
-          {:error, Error.new(:timeout, message <> "; the context is not left entered")}
-
-        {^mref, :worker_exit, worker_message} ->
-          worker_exit(worker_message)
-
-        {^mref, :reply_error, %Error{} = e} ->
-          {:error, e}
-
-        {:DOWN, ^mref, :process, _, reason} ->
-          worker_down(reason)
-      end
-
-    Process.demonitor(mref, [:flush])
-    flush(mref)
-    result
   end
 
   @doc """
@@ -146,9 +115,9 @@ defmodule VllmBridge.Request do
 
   @doc """
   Waits until `deadline` for the one reply of a request sent with `send_request/6`. Past
-  the deadline the request is cancelled (`give_up/1`), or with `cancel` false only
-  forgotten: it still runs, and its reply is dropped; with `:settle`, the request (an
-  `enter`) is settled with the worker (`settle_enter/2`).
+  the deadline the request is cancelled (`give_up/2`), or with `cancel` false only
+  forgotten: it still runs, and its reply is dropped; `:settle` is `true` for an `enter`
+  (its timeout message says the context is not left entered).
   """
   @spec await(handle(), integer() | :infinity, boolean() | :settle) ::
           {:ok, term()} | {:error, Error.t()}
@@ -161,9 +130,17 @@ defmodule VllmBridge.Request do
     after
       Runtime.remaining(deadline) ->
         case cancel do
-          true -> give_up({pid, id, mref})
-          false -> forget({pid, id, mref})
-          :settle -> settle_enter({pid, id, mref}, "no reply to enter #{id} before its deadline")
+          true ->
+            give_up({pid, id, mref}, "no reply to request #{id} before its deadline")
+
+          false ->
+            forget({pid, id, mref})
+
+          :settle ->
+            give_up(
+              {pid, id, mref},
+              "no reply to enter #{id} before its deadline; the context is not left entered"
+            )
         end
     end
   end
@@ -172,14 +149,34 @@ defmodule VllmBridge.Request do
     do: late_reply(mref, "no reply to request #{id} before its deadline; it still runs")
 
   @doc """
-  Gives up on a request: tells the worker to cancel it, deactivates the alias and takes
-  back any reply that made it in before that.
+  Gives up on a request, settling it with the worker process: asks it to cancel the
+  request, then takes the reply, if the worker had passed it on already (a late success,
+  returned as one), or else the worker's `:cancelled` (a `:timeout` with `message`).
+  The worker sends `:cancelled` always, after anything it passed on, so the wait ends
+  (or it goes down: `:worker_exit`); and no reply is dropped on the way to a caller that
+  no longer listens, so nothing it carries is lost unseen (see the moduledoc).
   """
-  @spec give_up(handle()) :: {:ok, term()} | {:error, Error.t()}
-  def give_up({pid, id, mref}) do
-    send(pid, {:"$vb_cancel", id})
-    late_reply(mref, "no reply to request #{id} before its deadline")
+  @spec give_up(handle(), String.t()) :: {:ok, term()} | {:error, Error.t()}
+  def give_up({pid, id, mref}, message) do
+    send(pid, {:"$vb_settle", id, mref})
+
+    result =
+      receive do
+        {^mref, :reply, bin} -> Wire.decode_reply(bin)
+        {^mref, :cancelled, nil} -> {:error, Error.new(:timeout, message)}
+        {^mref, :worker_exit, worker_message} -> worker_exit(worker_message)
+        {^mref, :reply_error, %Error{} = e} -> {:error, e}
+        {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
+      end
+
+    Process.demonitor(mref, [:flush])
+    flush(mref)
+    result
   end
+
+  @doc "The request that releases `refs` of the worker's default session (a `cast`)."
+  @spec release_loose([VllmBridge.Ref.t()]) :: t()
+  def release_loose(refs), do: new("release", [Wire.value(nil)], false, [Wire.value(refs)])
 
   # Deactivates the alias, then takes a reply that made it in before that, else drops
   # whatever else arrived and answers :timeout with `message`.

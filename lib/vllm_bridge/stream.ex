@@ -109,10 +109,39 @@ defmodule VllmBridge.Stream do
 
   defp stop(%{done: true} = st), do: finished(st)
 
-  defp stop(%{handle: {pid, id, mref}} = st) do
+  # Outside a session, chunks already on their way hold references nobody else can reach:
+  # settle with the worker (as VllmBridge.Request.give_up/2 does) and release those of
+  # the chunks that came before its :cancelled (it releases those of later ones itself).
+  # The answer comes on an alias of its own: the stream's may be gone already (a stream
+  # that raised), and the worker's messages keep their order whatever alias they use.
+  defp stop(%{handle: {pid, id, mref}, loose: true} = st) do
+    ack = :erlang.monitor(:process, pid, [{:alias, :demonitor}])
+    send(pid, {:"$vb_settle", id, ack})
+    refs = drain(mref, ack, [])
+    Process.demonitor(ack, [:flush])
+    Request.flush(ack)
+    if refs != [], do: Request.cast(pid, Request.release_loose(refs), :infinity)
+    finished(st)
+  end
+
+  defp stop(%{handle: {pid, id, _mref}} = st) do
     send(pid, {:"$vb_cancel", id})
     finished(st)
-    _ = mref
-    :ok
+  end
+
+  defp drain(mref, ack, refs) do
+    receive do
+      {^ack, :cancelled, nil} ->
+        refs
+
+      {^mref, :chunk, bin} ->
+        case Wire.decode_reply(bin) do
+          {:ok, value} -> drain(mref, ack, Ref.collect(value, session: :none) ++ refs)
+          {:error, _} -> drain(mref, ack, refs)
+        end
+
+      {:DOWN, ^ack, :process, _, _} ->
+        []
+    end
   end
 end

@@ -15,11 +15,13 @@ defmodule VllmBridge.Worker do
     * **Death.** When the Python process exits, every call in flight gets
       `{:error, %VllmBridge.Error{type: :worker_exit}}` at once and this process stops; its
       supervisor starts a new one (a new Python process, a new `instance`).
-    * **Timeouts.** A caller that times out sends `cancel` through here and forgets the
-      call; the late reply is dropped. If the call is still in the table `cancel_grace` ms
-      later, the Python process is stuck in it and is killed (so it restarts). The caller
-      of an `enter` settles instead (`$vb_settle`): the cancel, then `:cancelled` sent
-      back, always, after any reply already passed on (see `VllmBridge.Request`).
+    * **Timeouts.** A caller that times out settles the call through here (`$vb_settle`):
+      the cancel goes to Python if the call is still in the table, and `:cancelled` goes
+      back to the caller, always, after any reply already passed on (see
+      `VllmBridge.Request`). The late reply is dropped here, and the references of the
+      default session in it (which nobody could reach) are released. If the call is still
+      in the table `cancel_grace` ms later, the Python process is stuck in it and is
+      killed (so it restarts).
     * **Callers that die.** Each waiting caller is monitored while its request is in
       flight. When one dies, its requests are cancelled at once: a queued call is dropped
       by the Python side and a stream stops at its next chunk, so their slots come back;
@@ -201,7 +203,7 @@ defmodule VllmBridge.Worker do
       {:chunk, id} when id != nil ->
         case state.calls do
           %{^id => {alias, _, _, :live, _}} -> send(alias, {alias, :chunk, bin})
-          _ -> :ok
+          _ -> release_dropped(bin)
         end
 
         {:noreply, state}
@@ -250,7 +252,7 @@ defmodule VllmBridge.Worker do
 
   def handle_info({:"$vb_cancel", id}, state), do: {:noreply, cancel(state, id)}
 
-  # The caller of an `enter` gives up (VllmBridge.Request.settle_enter/2): cancel as
+  # A caller gives up (VllmBridge.Request.give_up/2, or a stream that stops): cancel as
   # above, then answer, always. A reply already passed on reaches the caller first.
   def handle_info({:"$vb_settle", id, alias}, state) do
     state = cancel(state, id)
@@ -315,7 +317,7 @@ defmodule VllmBridge.Worker do
   defp finish(state, id, tag, bin) do
     case Map.pop(state.calls, id) do
       {{alias, counted, _, status, mon}, calls} ->
-        if status == :live, do: send(alias, {alias, tag, bin})
+        if status == :live, do: send(alias, {alias, tag, bin}), else: release_dropped(bin)
         # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
         if mon, do: Process.demonitor(mon)
         if counted, do: release(state)
@@ -323,6 +325,20 @@ defmodule VllmBridge.Worker do
 
       {nil, _} ->
         state
+    end
+  end
+
+  # A reply or chunk nobody will read (its caller gave up or died): the references of the
+  # worker's default session in it would be out of everybody's reach (no session owns
+  # them, no process got them), so they are released here. Decoded only on this path.
+  defp release_dropped(nil), do: :ok
+
+  defp release_dropped(bin) do
+    with {:ok, value} <- Wire.decode_reply(bin),
+         [_ | _] = refs <- VllmBridge.Ref.collect(value, session: :none) do
+      Request.cast(self(), Request.release_loose(refs), :infinity)
+    else
+      _ -> :ok
     end
   end
 

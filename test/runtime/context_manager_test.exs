@@ -282,7 +282,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       # The reply is in this process's mailbox, not yet taken, when the caller gives up.
       wait_until(fn -> match?({:messages, [_ | _]}, Process.info(self(), :messages)) end)
 
-      assert {:ok, [%Ref{type: "context"} = h, "mine"]} = Request.settle_enter(handle, "late")
+      assert {:ok, [%Ref{type: "context"} = h, "mine"]} = Request.give_up(handle, "late")
       assert {:ok, "mine"} = diag("get_var", [], session_id: s.id)
       assert exit_log() == []
       assert {:ok, false} = VllmBridge.exit(h, nil, opts(session_id: s.id))
@@ -294,8 +294,8 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
          %{w: w} do
       mref = :erlang.monitor(:process, w, [{:alias, :reply_demonitor}])
 
-      assert {:error, %Error{type: :timeout, message: "gone; the context is not left entered"}} =
-               Request.settle_enter({w, 987_654_321, mref}, "gone")
+      assert {:error, %Error{type: :timeout, message: "gone"}} =
+               Request.give_up({w, 987_654_321, mref}, "gone")
     end
 
     test "a context that cannot be entered: the error, and the fun never runs" do

@@ -190,6 +190,33 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     assert refs(w) == base
   end
 
+  test "a call that timed out: the references of its late reply are released", %{w: w, meta: meta} do
+    base = refs(w)
+
+    assert {:error, %Error{type: :timeout}} =
+             VllmBridge.call({"rt_stream_support", "slow_opaque"}, [0.3], %{}, opts(timeout: 100))
+
+    wait_until(fn -> idle?(w, meta) end)
+    wait_until(fn -> refs(w) == base end)
+  end
+
+  test "a stream stopped early: references in the chunks it did not read are released",
+       %{w: w} do
+    base = refs(w)
+
+    {pid, [%Ref{}]} =
+      in_process(fn ->
+        {:ok, s} = VllmBridge.stream({"rt_stream_support", "opaques"}, [50], %{}, opts())
+        Enum.take(s, 1)
+      end)
+
+    # The one it read is its own; the 49 it did not are gone.
+    wait_until(fn -> refs(w) == base + 1 end)
+    assert LooseRefs.count(pid) == 1
+    exit_process(pid)
+    wait_until(fn -> refs(w) == base end)
+  end
+
   test "a session's references stay the session's: the calling process does not own them",
        %{w: w} do
     base = refs(w)

@@ -24,3 +24,15 @@ def opaques(n: int) -> Iterator[object]:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
     for i in range(n):
         yield Opaque(i)
+
+
+def slow_opaque(delay: float) -> object:
+    """Sleep ``delay`` seconds, then return an object that can only travel as a reference."""
+    import time
+
+    from vllm_bridge.diag import Opaque
+
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+        raise ValueError(f"delay must be a non-negative number, got {delay!r}")
+    time.sleep(delay)
+    return Opaque(delay)

@@ -34,7 +34,7 @@ from typing import Any
 
 from vllm_bridge.protocol.errors import DeadlineExceeded
 from vllm_bridge.protocol.framing import FrameError, FrameReader
-from vllm_bridge.protocol.messages import Request
+from vllm_bridge.protocol.messages import Abandon, Request
 
 _log = logging.getLogger("vllm_bridge.worker")
 
@@ -125,7 +125,8 @@ class Executor:
         """
         with self._cond:
             for request in self._queue:
-                if request.id == request_id:
+                # An Abandon carries the id of the enter it cleans up after: never dropped.
+                if request.id == request_id and not isinstance(request, Abandon):
                     self._queue.remove(request)
                     return request
             if self._running is not None and self._running.id == request_id:
