@@ -152,6 +152,7 @@ defmodule VllmBridge.Worker do
           index: index,
           meta: meta,
           calls: %{},
+          settled: MapSet.new(),
           arrivals: 0,
           start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
           cancel_grace: Keyword.get(opts, :cancel_grace, @cancel_grace),
@@ -167,9 +168,15 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def handle_continue(:handshake, state) do
-    case Launcher.handshake(state.port, state.start_timeout) do
-      {:ok, hello} ->
-        state = %{state | hello: hello, instance: hello["instance"], os_pid: hello["pid"]}
+    case Launcher.handshake_settling(state.port, state.start_timeout) do
+      {:ok, hello, settled} ->
+        state = %{
+          state
+          | hello: hello,
+            instance: hello["instance"],
+            os_pid: hello["pid"],
+            settled: settled
+        }
 
         if state.meta do
           Directory.worker_up(state.pool, state.index, self(), state.instance)
@@ -229,24 +236,32 @@ defmodule VllmBridge.Worker do
   # :live (a caller waits on `alias`, monitored by `monitor`), :detached (nobody waits),
   # :abandoned (the caller died; cancel sent) or {:cancelled, since} (grace running).
   def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted}, state) do
-    if Map.has_key?(state.calls, id) do
-      if alias,
-        do: send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
+    cond do
+      MapSet.member?(state.settled, id) ->
+        # Its caller gave up while this process was starting, and was answered then.
+        if counted, do: release(state)
+        {:noreply, %{state | settled: MapSet.delete(state.settled, id)}}
 
-      if counted, do: release(state)
-      {:noreply, state}
-    else
-      Port.command(state.port, frame)
+      Map.has_key?(state.calls, id) ->
+        if alias,
+          do:
+            send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
 
-      entry =
-        cond do
-          caller -> {alias, counted, deadline, :live, Process.monitor(caller)}
-          alias -> {alias, counted, deadline, :live, nil}
-          true -> {nil, counted, deadline, :detached, nil}
-        end
+        if counted, do: release(state)
+        {:noreply, state}
 
-      calls = Map.put(state.calls, id, entry)
-      {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
+      true ->
+        Port.command(state.port, frame)
+
+        entry =
+          cond do
+            caller -> {alias, counted, deadline, :live, Process.monitor(caller)}
+            alias -> {alias, counted, deadline, :live, nil}
+            true -> {nil, counted, deadline, :detached, nil}
+          end
+
+        calls = Map.put(state.calls, id, entry)
+        {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
     end
   end
 

@@ -50,6 +50,38 @@ defmodule VllmBridge.Runtime.WorkerTest do
       assert msg =~ "exited with status 3 before its handshake"
     end
 
+    test "a caller that gives up while its worker starts is answered then, not after the start" do
+      {:ok, w} =
+        Worker.start_link(
+          worker_module: "runtime_fake_worker",
+          env: [{"PYTHONPATH", support_dir()}, {"FAKE_WORKER_MODE", "silent"}],
+          start_timeout: 600_000
+        )
+
+      # The handshake never comes (the fake stays silent): both wait for it, and give up
+      # at their deadlines without it.
+      assert {:error, %Error{type: :timeout}} = Worker.ping(w, 50)
+
+      assert {:error, %Error{type: :timeout}} =
+               Worker.call(w, "vllm_bridge.diag", "add", [1, 2], %{}, 50)
+
+      assert Process.alive?(w)
+      Process.unlink(w)
+      Process.exit(w, :kill)
+    end
+
+    test "a call given up while its worker starts is dropped, never run later" do
+      {:ok, w} = Worker.start_link()
+
+      assert {:error, %Error{type: :timeout}} =
+               Worker.call(w, "vllm_bridge.diag", "set_var", ["ghost"], %{}, 1)
+
+      assert {:ok, _} = Worker.await_ready(w)
+      assert {:ok, nil} = Worker.call(w, "vllm_bridge.diag", "get_var", [], %{}, 30_000)
+      assert Worker.in_flight(w) == 0
+      Worker.close(w)
+    end
+
     test "a missing interpreter is a bad argument naming it" do
       assert {:error, %Error{type: :bad_argument, message: msg}} =
                VllmBridge.start_pool(:no_python, python: "/nonexistent/python3")

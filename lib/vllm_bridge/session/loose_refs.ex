@@ -11,6 +11,11 @@ defmodule VllmBridge.Session.LooseRefs do
   process that hands such a reference to a longer-lived one (a `Task` returning one to
   its caller, say) should make the call in a session the longer-lived process owns
   instead: the reference goes when the task ends.
+
+  A limit: a process that dies with chunks of a stream (or a reply) still unread in its
+  mailbox takes their references with it, unreleased until the worker restarts (a stream
+  has no flow control, so that can be many); so does a stream halted by a process other
+  than the one that enumerates it. Within a session, closing the session frees them.
   """
   use GenServer
 

@@ -70,26 +70,53 @@ defmodule VllmBridge.Worker.Launcher do
   """
   @spec handshake(port(), timeout()) :: {:ok, map()} | {:error, Error.t()}
   def handshake(port, timeout) do
+    with {:ok, hello, _settled} <- handshake_settling(port, timeout), do: {:ok, hello}
+  end
+
+  @doc """
+  `handshake/2` for the worker process: meanwhile it answers the callers that give up
+  (`{:"$vb_settle", id, alias}`, see `VllmBridge.Request.give_up/2`) with `:cancelled`
+  at once, and returns their ids, whose requests (still in its mailbox) it must drop.
+  """
+  @spec handshake_settling(port(), timeout()) ::
+          {:ok, map(), MapSet.t(non_neg_integer())} | {:error, Error.t()}
+  def handshake_settling(port, timeout) do
     os_pid = os_pid(port)
+    deadline = System.monotonic_time(:millisecond) + timeout
 
-    result =
-      receive do
-        {^port, {:data, data}} -> check_hello(Codec.decode(data))
-        {^port, {:exit_status, status}} -> {:exited, status}
-      after
-        timeout ->
-          {:error,
-           Error.new(
-             :worker_exit,
-             "the Python worker (os pid #{os_pid}) sent no handshake within #{timeout} ms " <>
-               "(start_timeout)"
-           )}
-      end
+    case await_hello(port, os_pid, timeout, deadline, MapSet.new()) do
+      {{:ok, hello}, settled} ->
+        {:ok, hello, settled}
 
+      {other, _settled} ->
+        failed(other, port, os_pid)
+    end
+  end
+
+  defp await_hello(port, os_pid, timeout, deadline, settled) do
+    receive do
+      {^port, {:data, data}} ->
+        {check_hello(Codec.decode(data)), settled}
+
+      {^port, {:exit_status, status}} ->
+        {{:exited, status}, settled}
+
+      {:"$vb_settle", id, alias} ->
+        send(alias, {alias, :cancelled, nil})
+        await_hello(port, os_pid, timeout, deadline, MapSet.put(settled, id))
+    after
+      max(deadline - System.monotonic_time(:millisecond), 0) ->
+        {{:error,
+          Error.new(
+            :worker_exit,
+            "the Python worker (os pid #{os_pid}) sent no handshake within #{timeout} ms " <>
+              "(start_timeout)"
+          )}, settled}
+    end
+  end
+
+  defp failed(result, port, os_pid) do
     case result do
-      {:ok, hello} ->
-        {:ok, hello}
-
       {:exited, status} ->
         {:error,
          Error.new(
