@@ -12,10 +12,19 @@ defmodule VllmBridge.Stream do
   (which monitors it) cancels the stream the same way. An error during enumeration (a
   Python exception, a timeout, the worker dying) raises `VllmBridge.Error`. Enumerate a
   stream in one process: its chunks go to the process that began it.
+
+  Flow control: the generator runs at most 32 chunks ahead of what the enumerating
+  process has read (it waits in Python for room), so a fast generator cannot fill a slow
+  consumer's mailbox; reading gives room back.
   """
 
   alias VllmBridge.{Error, Ref, Request, Route, Runtime, Wire}
   alias VllmBridge.Session.LooseRefs
+
+  # Python's vllm_bridge.protocol.flow.STREAM_WINDOW, and the credit sent back each time
+  # half of it has been read.
+  @window 32
+  @credit div(@window, 2)
 
   @doc false
   @spec new(Wire.target(), list(), map() | keyword(), Runtime.opts()) ::
@@ -49,7 +58,8 @@ defmodule VllmBridge.Stream do
         deadline: rt.deadline,
         idle: rt.timeout,
         done: false,
-        loose: !route.session
+        loose: !route.session,
+        read: 0
       }
     else
       {:error, %Error{} = e} -> raise e
@@ -58,14 +68,14 @@ defmodule VllmBridge.Stream do
 
   defp next(%{done: true} = st), do: {:halt, st}
 
-  defp next(%{handle: {_pid, id, mref}} = st) do
+  defp next(%{handle: {pid, id, mref}} = st) do
     receive do
       {^mref, :chunk, bin} ->
         case Wire.decode_reply(bin) do
           {:ok, value} ->
             # Outside a session, what the chunk references belongs to this process.
             if st.loose, do: LooseRefs.track(self(), Ref.collect(value, session: :none))
-            {[value], st}
+            {[value], credit(pid, id, st)}
 
           {:error, e} ->
             raise e
@@ -100,6 +110,18 @@ defmodule VllmBridge.Stream do
       wait(st) ->
         raise Error.new(:timeout, "stream #{id}: no chunk within its timeout or stream_timeout")
     end
+  end
+
+  # The worker sends at most @window chunks ahead of what this process has read: room
+  # for @credit more every @credit chunks read (docs/PROTOCOL.md, "Flow control").
+  @doc "Chunks a stream may run ahead of its reader (the worker's hello says the same)."
+  @spec window() :: pos_integer()
+  def window, do: @window
+
+  defp credit(pid, id, %{read: read} = st) do
+    read = read + 1
+    if rem(read, @credit) == 0, do: send(pid, {:"$vb_credit", id, @credit})
+    %{st | read: read}
   end
 
   defp wait(%{deadline: deadline, idle: idle}), do: min(Runtime.remaining(deadline), idle)

@@ -267,6 +267,19 @@ defmodule VllmBridge.Worker do
 
   def handle_info({:"$vb_cancel", id}, state), do: {:noreply, cancel(state, id)}
 
+  # A stream's consumer gives room back (VllmBridge.Stream): passed on while it is live.
+  def handle_info({:"$vb_credit", id, n}, state) do
+    case state.calls do
+      %{^id => {_, _, _, :live, _}} ->
+        Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
+
+      _ ->
+        :ok
+    end
+
+    {:noreply, state}
+  end
+
   # A caller gives up (VllmBridge.Request.give_up/2, or a stream that stops): cancel as
   # above, then answer, always. A reply already passed on reaches the caller first.
   def handle_info({:"$vb_settle", id, alias}, state) do

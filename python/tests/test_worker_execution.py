@@ -135,6 +135,43 @@ def test_a_cancel_of_a_finished_enter_exits_its_context_before_later_requests(sh
     assert w.inbox == []
 
 
+def test_a_stream_sends_a_window_of_chunks_ahead_then_waits_for_credit(shared_worker):
+    from vllm_bridge.protocol.flow import STREAM_WINDOW
+
+    w = shared_worker
+    rid = next_id()
+    w.send(["stream", rid, None, 30_000, ["m", D, "count"], [1000], {}])
+    got = [w.reply(rid) for _ in range(STREAM_WINDOW)]
+    assert got == [["chunk", rid, i] for i in range(STREAM_WINDOW)]
+    # No credit yet: the generator waits (still running), and nothing more comes.
+    for _ in range(3):
+        assert w.ping()["running"] == rid
+    assert not any(m[1] == rid for m in w.inbox)
+    w.send(["credit", rid, 5])
+    assert [w.reply(rid) for _ in range(5)] == [
+        ["chunk", rid, i] for i in range(STREAM_WINDOW, STREAM_WINDOW + 5)
+    ]
+    assert w.ping()["running"] == rid
+    assert not any(m[1] == rid for m in w.inbox)
+    # A cancel reaches a stream that waits for credit.
+    w.send(["cancel", rid])
+    assert w.reply(rid)[0:1] == ["error"]
+    assert w.ping()["running"] is None
+
+
+def test_a_credit_must_be_a_positive_count(shared_worker):
+    w = shared_worker
+    for bad in (0, -1, "3", True, None):
+        rid = next_id()
+        w.send(["credit", rid, bad])
+        kind, got, err = w.reply(rid)
+        assert (kind, got, err["type"]) == ("error", rid, "protocol")
+        assert "credit n must be a positive integer" in err["message"]
+    w.send(["credit", 987_654_321, 4])  # no such stream: ignored
+    assert w.call(D, "add", 1, 1) == 2
+    assert w.inbox == []
+
+
 def test_a_queued_stream_that_is_cancelled_never_starts(shared_worker):
     w = shared_worker
     w.call(D, "exit_log", True)

@@ -109,6 +109,23 @@ defmodule VllmBridge.Runtime.StreamTest do
       assert Enum.to_list(chunks) == [0, 1, 2]
     end
 
+    test "a fast generator runs at most a window ahead of a slow reader; all of it arrives" do
+      s = stream!("count", [200])
+
+      {seen, most} =
+        Enum.reduce(s, {[], 0}, fn x, {seen, most} ->
+          # Give the generator time to run ahead, then look at what waits in the mailbox.
+          if rem(x, 40) == 0, do: Process.sleep(100)
+          {:message_queue_len, n} = Process.info(self(), :message_queue_len)
+          {[x | seen], max(most, n)}
+        end)
+
+      assert Enum.reverse(seen) == Enum.to_list(0..199)
+      # The window is 32 chunks; the rest of the mailbox is empty in this test.
+      assert most <= 32
+      assert most >= 16
+    end
+
     test "a stream in a session runs in the session's context" do
       s = session!()
       {:ok, nil} = diag("set_var", [10], session_id: s.id)

@@ -95,6 +95,9 @@ defmodule VllmBridge.Runtime.WorkerTest do
       assert hello["protocol"] == 1
       assert hello["instance"] =~ ~r/^[0-9a-f]{16}$/
       assert "cancel" in hello["capabilities"] and "stream" in hello["capabilities"]
+      # The flow control of streams: both sides use the same window.
+      assert "credit" in hello["capabilities"]
+      assert hello["stream_window"] == VllmBridge.Stream.window()
       assert "vllm_bridge.diag" in hello["modules"]
     end
 

@@ -13,9 +13,9 @@ defmodule VllmBridge.Session.LooseRefs do
   instead: the reference goes when the task ends.
 
   A limit: a process that dies with chunks of a stream (or a reply) still unread in its
-  mailbox takes their references with it, unreleased until the worker restarts (a stream
-  has no flow control, so that can be many); so does a stream halted by a process other
-  than the one that enumerates it. Within a session, closing the session frees them.
+  mailbox takes their references with it, unreleased until the worker restarts (at most
+  a stream's window of chunks, `VllmBridge.Stream.window/0`); so does a stream halted by
+  a process other than the one that enumerates it. Within a session, closing the session frees them.
   """
   use GenServer
 
@@ -119,7 +119,7 @@ defmodule VllmBridge.Session.LooseRefs do
     end
   end
 
-  # Worker by worker, so that one gone (its references went with it) does not keep the
+  # Worker by worker, so that one gone or going (its references go with it) does not keep the
   # others'; waiting for a busy worker rather than failing fast, whatever the configured
   # affinity. Anything else that fails is worth a line.
   defp release(refs) do
@@ -128,7 +128,7 @@ defmodule VllmBridge.Session.LooseRefs do
         {:ok, _n} ->
           :ok
 
-        {:error, %VllmBridge.Error{type: :session_lost}} ->
+        {:error, %VllmBridge.Error{type: type}} when type in [:session_lost, :worker_exit] ->
           :ok
 
         {:error, e} ->

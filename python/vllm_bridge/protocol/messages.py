@@ -64,6 +64,8 @@ class Invoke(Request):
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: True when args or kwargs hold dataclass/enum values or references.
     special: bool = False
+    #: A stream's room (:class:`vllm_bridge.protocol.flow.Flow`), set when it starts.
+    flow: Any = field(default=None, compare=False)
 
 
 @dataclass(slots=True)
@@ -95,7 +97,7 @@ class Abandon(Request):
 
 @dataclass(slots=True)
 class Control:
-    """``ping``, ``cancel`` and ``hello``: handled by the reader thread at once."""
+    """``ping``, ``cancel``, ``credit`` and ``hello``: handled by the reader thread at once."""
 
     kind: str
     id: int
@@ -111,6 +113,7 @@ _ARITY = {
     "release": 4,
     "close": 3,
     "cancel": 2,
+    "credit": 3,
     "ping": 2,
     "hello": 3,
 }
@@ -156,6 +159,11 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
         raise RequestError(f"{kind} id must be a non-negative integer, got {msg[1]!r:.60}", None)
     if kind in ("ping", "cancel"):
         return Control(kind, rid)
+    if kind == "credit":
+        n = msg[2]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RequestError(f"credit n must be a positive integer, got {n!r:.60}", rid)
+        return Control(kind, rid, {"n": n})
     if kind == "hello":
         if not isinstance(msg[2], dict):
             raise RequestError(f"hello info must be a map, got {msg[2]!r:.60}", rid)

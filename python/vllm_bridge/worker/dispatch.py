@@ -16,6 +16,7 @@ from msgpack import packb as _packb
 from vllm_bridge.protocol.decoder import materialize
 from vllm_bridge.protocol.encoder import Segment, segments_length
 from vllm_bridge.protocol.errors import BadArgument, BridgeError, Cancelled, error_map
+from vllm_bridge.protocol.flow import Flow
 from vllm_bridge.protocol.framing import MAX_FRAME
 from vllm_bridge.protocol.messages import Abandon, Close, Exit, Invoke, Release, Request
 from vllm_bridge.protocol.registry import TypeRegistry
@@ -136,9 +137,12 @@ class Dispatcher:
                 f"{where} gave a {qualified_name(type(result))}, which is not iterable: "
                 "stream needs a generator or an iterable"
             ) from None
+        flow = req.flow = Flow()
         try:
             while True:
-                if req.cancelled:
+                # Room for the next chunk first (a consumer that reads slowly holds the
+                # generator back), then the item.
+                if req.cancelled or not flow.take():
                     raise Cancelled(f"stream {req.id} was cancelled")
                 try:
                     item = next(iterator)

@@ -100,6 +100,11 @@ class Executor:
         self.thread.start()
 
     @property
+    def running(self) -> Request | None:
+        """The request running now, if any."""
+        return self._running
+
+    @property
     def running_id(self) -> int | None:
         """Id of the request running now, if any."""
         running = self._running
@@ -131,6 +136,7 @@ class Executor:
                     return request
             if self._running is not None and self._running.id == request_id:
                 self._running.cancelled = True
+                _stop_flow(self._running)
         return None
 
     def stop(self) -> None:
@@ -139,6 +145,8 @@ class Executor:
             self._queue.clear()
             self._stopping = True
             self._cond.notify_all()
+            if self._running is not None:
+                _stop_flow(self._running)
         self._wake()
 
     # -- the execution thread ------------------------------------------------------------
@@ -289,3 +297,10 @@ class Executor:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:  # the pipe is full of wake-ups already
             pass
+
+
+def _stop_flow(request: Request) -> None:
+    """A stream waiting for credit stops waiting (it was cancelled, or the input ended)."""
+    flow = getattr(request, "flow", None)
+    if flow is not None:
+        flow.stop()

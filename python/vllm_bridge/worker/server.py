@@ -34,6 +34,7 @@ from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.protocol.decoder import Decoder
 from vllm_bridge.protocol.encoder import Encoder
 from vllm_bridge.protocol.errors import BadArgument
+from vllm_bridge.protocol.flow import STREAM_WINDOW
 from vllm_bridge.protocol.framing import FrameReader, enlarge_pipes
 from vllm_bridge.protocol.messages import (
     Abandon,
@@ -57,7 +58,7 @@ EXIT_GRACE_SECONDS = 2.0
 DEFAULT_MAX_REFS = 10_000
 #: Largest ``--poll-us``: 10 ms of polling after a frame is already a lot of CPU.
 MAX_POLL_US = 10_000
-CAPABILITIES = ("stream", "context", "cancel", "refs", "log")
+CAPABILITIES = ("stream", "context", "cancel", "credit", "refs", "log")
 
 _log = logging.getLogger("vllm_bridge.worker")
 
@@ -127,6 +128,7 @@ def _hello(
             "torch": torch.__version__,
             "device": default_device(),
             "instance": instance,
+            "stream_window": STREAM_WINDOW,
             "capabilities": list(CAPABILITIES),
             "modules": list(modules),
             "import_errors": import_errors,
@@ -228,6 +230,11 @@ class Worker:
                 # entered is exited in turn, before anything that arrived after this
                 # cancel; also when the mark came too late for the enter to see it.
                 return Abandon("abandon", req.id, None, None)
+        elif req.kind == "credit":
+            running = self.executor.running
+            flow = getattr(running, "flow", None) if running is not None else None
+            if flow is not None and running.id == req.id:
+                flow.grant((req.info or {})["n"])
         elif req.kind == "hello":
             version = (req.info or {}).get("protocol")
             if version == PROTOCOL_VERSION:

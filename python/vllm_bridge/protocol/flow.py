@@ -1,0 +1,48 @@
+"""Flow control of a stream: a stream sends at most :data:`STREAM_WINDOW` chunks ahead of
+what its consumer has read, so a fast generator cannot fill a slow consumer's mailbox.
+
+The consumer gives room back with ``credit`` messages (``["credit", id, n]``: ``n`` more
+chunks); the Elixir side sends one every :data:`STREAM_WINDOW` / 2 chunks it reads (see
+docs/PROTOCOL.md).
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: Chunks a stream may send before its first credit.
+STREAM_WINDOW = 32
+
+
+class Flow:
+    """The room of one stream. The execution thread takes room for each chunk (waiting
+    while there is none); the reading thread grants credits, or stops the stream."""
+
+    def __init__(self, window: int = STREAM_WINDOW) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        self._cond = threading.Condition()
+        self._room = window
+        self._stopped = False
+
+    def grant(self, n: int) -> None:
+        """Room for ``n`` more chunks."""
+        with self._cond:
+            self._room += n
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Wake a waiting :meth:`take` for good (the stream was cancelled or the input ended)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def take(self) -> bool:
+        """Take room for one chunk, waiting until there is some; False once stopped."""
+        with self._cond:
+            while self._room <= 0 and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return False
+            self._room -= 1
+            return True
