@@ -15,7 +15,9 @@ defmodule VllmBridge.Stream do
 
   Flow control: the generator runs at most 32 chunks ahead of what the enumerating
   process has read (it waits in Python for room), so a fast generator cannot fill a slow
-  consumer's mailbox; reading gives room back.
+  consumer's mailbox; reading gives room back. While other requests wait for the same
+  worker (a call made for each chunk, a second stream read in step), it does not wait:
+  they run after it, and the reader may be waiting for them.
   """
 
   alias VllmBridge.{Error, Ref, Request, Route, Runtime, Wire}

@@ -159,6 +159,26 @@ def test_a_stream_sends_a_window_of_chunks_ahead_then_waits_for_credit(shared_wo
     assert w.ping()["running"] is None
 
 
+def test_a_stream_waiting_for_credit_runs_on_when_a_request_waits_behind_it(shared_worker):
+    from vllm_bridge.protocol.flow import STREAM_WINDOW
+
+    w = shared_worker
+    rid = next_id()
+    n = STREAM_WINDOW + 8
+    w.send(["stream", rid, None, 30_000, ["m", D, "count"], [n], {}])
+    assert [w.reply(rid) for _ in range(STREAM_WINDOW)] == [
+        ["chunk", rid, i] for i in range(STREAM_WINDOW)
+    ]
+    assert w.ping()["running"] == rid  # waiting for credit
+    # The reader now waits for a call of its own, queued behind the stream: the stream
+    # must not wait for a credit that would only come after that call.
+    add = send_call(w, "add", [2, 3])
+    rest = [w.reply(rid) for _ in range(n - STREAM_WINDOW)]
+    assert rest == [["chunk", rid, i] for i in range(STREAM_WINDOW, n)]
+    assert w.reply(rid) == ["end", rid]
+    assert w.reply(add) == ["ok", add, 5]
+
+
 def test_a_credit_must_be_a_positive_count(shared_worker):
     w = shared_worker
     for bad in (0, -1, "3", True, None):

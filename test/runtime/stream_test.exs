@@ -126,6 +126,29 @@ defmodule VllmBridge.Runtime.StreamTest do
       assert most >= 16
     end
 
+    test "a reader that calls the same worker for each chunk, or reads two streams in step" do
+      # One worker: each call (and the second stream) waits behind the first stream, which
+      # must not wait for credit meanwhile.
+      n = 3 * VllmBridge.Stream.window()
+
+      sums =
+        Enum.map(stream!("count", [n], %{}, timeout: 30_000), fn x ->
+          {:ok, y} = diag("add", [x, 1], timeout: 30_000)
+          y
+        end)
+
+      assert sums == Enum.to_list(1..n)
+
+      pairs =
+        Stream.zip(
+          stream!("count", [n], %{}, timeout: 30_000),
+          stream!("count", [n], %{}, timeout: 30_000)
+        )
+        |> Enum.to_list()
+
+      assert pairs == Enum.map(0..(n - 1), &{&1, &1})
+    end
+
     test "a stream in a session runs in the session's context" do
       s = session!()
       {:ok, nil} = diag("set_var", [10], session_id: s.id)

@@ -9,6 +9,7 @@ docs/PROTOCOL.md).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 #: Chunks a stream may send before its first credit.
 STREAM_WINDOW = 32
@@ -16,14 +17,25 @@ STREAM_WINDOW = 32
 
 class Flow:
     """The room of one stream. The execution thread takes room for each chunk (waiting
-    while there is none); the reading thread grants credits, or stops the stream."""
+    while there is none); the reading thread grants credits, or stops the stream.
 
-    def __init__(self, window: int = STREAM_WINDOW) -> None:
+    ``others_waiting`` says whether requests wait behind the stream: then it does not wait
+    for room (its reader may be waiting for one of them: a call per chunk, two streams
+    read in step), and runs on as it would without flow control. :meth:`nudge` makes a
+    waiting :meth:`take` look again.
+    """
+
+    def __init__(
+        self,
+        window: int = STREAM_WINDOW,
+        others_waiting: Callable[[], bool] = lambda: False,
+    ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
         self._cond = threading.Condition()
         self._room = window
         self._stopped = False
+        self._others_waiting = others_waiting
 
     def grant(self, n: int) -> None:
         """Room for ``n`` more chunks."""
@@ -37,10 +49,16 @@ class Flow:
             self._stopped = True
             self._cond.notify_all()
 
-    def take(self) -> bool:
-        """Take room for one chunk, waiting until there is some; False once stopped."""
+    def nudge(self) -> None:
+        """Make a waiting :meth:`take` look again (a request was queued behind the stream)."""
         with self._cond:
-            while self._room <= 0 and not self._stopped:
+            self._cond.notify_all()
+
+    def take(self) -> bool:
+        """Take room for one chunk, waiting until there is some (or until requests wait
+        behind the stream); False once stopped."""
+        with self._cond:
+            while self._room <= 0 and not self._stopped and not self._others_waiting():
                 self._cond.wait()
             if self._stopped:
                 return False

@@ -9,6 +9,7 @@ failure becomes an ``error`` reply: a Python exception never stops the worker.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from msgpack import packb as _packb
@@ -46,6 +47,9 @@ class Dispatcher:
         self.resolver = resolver
         self.registry = registry
         self.channel = channel
+        #: Whether requests wait behind the running one (set by the worker): a stream
+        #: does not wait for credit then.
+        self.others_waiting: Callable[[], bool] = lambda: False
 
     # -- entry points (execution thread) -------------------------------------------------
 
@@ -137,7 +141,7 @@ class Dispatcher:
                 f"{where} gave a {qualified_name(type(result))}, which is not iterable: "
                 "stream needs a generator or an iterable"
             ) from None
-        flow = req.flow = Flow()
+        flow = req.flow = Flow(others_waiting=self.others_waiting)
         try:
             while True:
                 # Room for the next chunk first (a consumer that reads slowly holds the

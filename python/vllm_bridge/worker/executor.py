@@ -116,10 +116,15 @@ class Executor:
         return len(self._queue)
 
     def submit(self, request: Request) -> None:
-        """Queue ``request`` behind those already queued."""
+        """Queue ``request`` behind those already queued (a stream that waits for credit
+        then stops waiting: see :class:`vllm_bridge.protocol.flow.Flow`)."""
         with self._cond:
             self._queue.append(request)
             self._cond.notify_all()
+            running = self._running
+        flow = getattr(running, "flow", None)
+        if flow is not None:
+            flow.nudge()
 
     def cancel(self, request_id: int) -> Request | None:
         """Cancel the request with this id.
