@@ -299,9 +299,7 @@ defmodule VllmBridge do
          :ok <- all_refs(refs) do
       refs
       |> Enum.group_by(&{&1.instance, &1.session})
-      |> Enum.reduce_while({:ok, 0}, fn {{_inst, session}, group}, {:ok, n} ->
-        rt = if rt.session_current?, do: rt, else: %{rt | session_id: rt.session_id || session}
-
+      |> Enum.reduce_while({:ok, 0}, fn {_instance_and_session, group}, {:ok, n} ->
         case run(rt, {"release", group}, hd(group), nil, [Wire.value(group)], false) do
           {:ok, k} when is_integer(k) ->
             LooseRefs.forget(group)

@@ -11,7 +11,7 @@ defmodule VllmBridge.Request do
 
   Messages a worker sends to the alias: `{alias, :reply, frame}`, `{alias, :chunk,
   frame}`, `{alias, :end, nil}`, `{alias, :worker_exit, message}`, `{alias,
-  :reply_error, %VllmBridge.Error{}}` and, for an `enter` the caller cancels, `{alias,
+  :reply_error, %VllmBridge.Error{}}` and, to a caller that gives up, `{alias,
   :cancelled, nil}`.
 
   **A caller that gives up loses nothing.** A reply may carry the only handle of an
@@ -83,12 +83,7 @@ defmodule VllmBridge.Request do
     id = :erlang.unique_integer([:positive])
     mref = :erlang.monitor(:process, pid, [{:alias, mode}])
     caller = if watch, do: self()
-
-    send(
-      pid,
-      {:"$vb_req", id, mref, caller, frame(req, id, deadline), deadline, counted}
-    )
-
+    send(pid, {:"$vb_req", id, mref, caller, frame(req, id, deadline), deadline, counted})
     {pid, id, mref}
   end
 

@@ -15,9 +15,12 @@ defmodule VllmBridge.Session.LooseRefs do
   A limit: a process that dies with chunks of a stream (or a reply) still unread in its
   mailbox takes their references with it, unreleased until the worker restarts (at most
   a stream's window of chunks, `VllmBridge.Stream.window/0`); so does a stream halted by
-  a process other than the one that enumerates it. Within a session, closing the session frees them.
+  a process other than the one that enumerates it. Within a session, closing the session
+  frees them.
   """
   use GenServer
+
+  @spec child_spec(term()) :: Supervisor.child_spec()
 
   require Logger
 
@@ -26,10 +29,6 @@ defmodule VllmBridge.Session.LooseRefs do
   @doc false
   @spec start_link(keyword()) :: GenServer.on_start()
   def start_link(_opts), do: GenServer.start_link(__MODULE__, nil, name: __MODULE__)
-
-  @doc false
-  @spec child_spec(term()) :: Supervisor.child_spec()
-  def child_spec(arg), do: super(arg)
 
   @doc """
   Records `refs` (references of the default session) as owned by `owner`; they are
