@@ -63,7 +63,7 @@ defmodule VllmBridge.Bench do
 
         pinned =
           if Pinning.available?(),
-            do: Latency.run(@pool, python, Keyword.put(part.(:latency) || [], :pin, 0))
+            do: Latency.run(@pool, python, Keyword.put(part.(:latency), :pin, 0))
 
         polling = polling_latency(python, part.(:latency))
         lat = lat |> Map.put(:pinned_run, pinned) |> Map.put(:polling_run, polling)
@@ -79,7 +79,7 @@ defmodule VllmBridge.Bench do
 
     say.("multiprocessing.Pool.apply and the forward context, in Python (sections 3 and 5) ...")
     mp = PythonPeers.mp_pool_apply(python, part.(:mp))
-    fc = PythonPeers.forward_context(python, part.(:fc_args) || [])
+    fc = PythonPeers.forward_context(python, part.(:fc_args))
     {report, targets} = report(hello, lat, thr, mp, ten, fc, opts[:quick])
     Enum.each(report, out)
     if Keyword.get(opts, :write, true), do: write(report, out)
@@ -91,7 +91,7 @@ defmodule VllmBridge.Bench do
     {:ok, _} = VllmBridge.start_pool(:vllm_bench_poll, size: 2, poll_us: 100)
 
     try do
-      Latency.run(:vllm_bench_poll, python, opts || [])
+      Latency.run(:vllm_bench_poll, python, opts)
     after
       VllmBridge.stop_pool(:vllm_bench_poll)
     end
@@ -102,7 +102,7 @@ defmodule VllmBridge.Bench do
     {:ok, _} = VllmBridge.start_pool(:vllm_bench_default, size: 2)
 
     try do
-      Throughput.rate_of(:vllm_bench_default, opts || [])
+      Throughput.rate_of(:vllm_bench_default, opts)
     after
       VllmBridge.stop_pool(:vllm_bench_default)
     end

@@ -55,8 +55,8 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
           )
       end
     else
-      {_, stale} = Generator.diff(files, root)
-      written = Generator.write(files, root)
+      {_, stale} = diff = Generator.diff(files, root)
+      written = Generator.write(files, root, diff)
       Enum.each(written, &Mix.shell().info("wrote #{&1}"))
       Enum.each(stale, &Mix.shell().info("deleted #{&1}"))
 

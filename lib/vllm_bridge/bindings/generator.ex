@@ -113,10 +113,14 @@ defmodule VllmBridge.Bindings.Generator do
     {changed, stale(files, root)}
   end
 
-  @doc "Writes `files` under `root` and deletes the stale ones; returns the paths written."
-  @spec write(%{String.t() => String.t()}, String.t()) :: [String.t()]
-  def write(files, root) do
-    {changed, stale} = diff(files, root)
+  @doc """
+  Writes `files` under `root` and deletes the stale ones; returns the paths written.
+  `diff` is `diff(files, root)` when the caller has it already (it reads every file).
+  """
+  @spec write(%{String.t() => String.t()}, String.t(), {[String.t()], [String.t()]} | nil) ::
+          [String.t()]
+  def write(files, root, diff \\ nil) do
+    {changed, stale} = diff || diff(files, root)
     Enum.each(stale, &File.rm!(Path.join(root, &1)))
 
     for path <- changed do

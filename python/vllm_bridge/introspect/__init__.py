@@ -49,6 +49,7 @@ from vllm_bridge.introspect.hints import (
     qualified,
     yielded_type,
 )
+from vllm_bridge.protocol.registry import type_hints as _hints
 
 __all__ = ["FORMAT", "describe_module", "describe_function", "is_context_manager"]
 
@@ -208,7 +209,7 @@ def _methods(cls: type) -> list[dict[str, Any]]:
     """Methods defined in the class body itself (not inherited), properties as getters."""
     out = []
     for name, raw in sorted(vars(cls).items()):
-        if name.startswith("__") or name.startswith("_"):
+        if name.startswith("_"):
             continue
         path = f"{cls.__qualname__}.{name}"
         if isinstance(raw, staticmethod):
@@ -280,13 +281,6 @@ def _describe_attribute(
 
 def _is_function(value: Any) -> bool:
     return isinstance(value, (types.FunctionType, types.BuiltinFunctionType))
-
-
-def _hints(obj: Any) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(obj)
-    except Exception:  # noqa: BLE001 - an unresolvable annotation means "no hint"
-        return {}
 
 
 def _doc(obj: Any) -> str | None:

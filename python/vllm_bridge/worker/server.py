@@ -233,9 +233,9 @@ class Worker:
                 return Abandon("abandon", req.id, None, None)
         elif req.kind == "credit":
             running = self.executor.running
-            flow = getattr(running, "flow", None) if running is not None else None
+            flow = getattr(running, "flow", None)
             if flow is not None and running.id == req.id:
-                flow.grant((req.info or {})["n"])
+                flow.grant(req.info["n"])
         elif req.kind == "hello":
             version = (req.info or {}).get("protocol")
             if version == PROTOCOL_VERSION:

@@ -25,8 +25,8 @@ defmodule VllmBridge.Bindings.Gen.Files do
 
         source =
           if c["kind"] == "enum",
-            do: enum(c, py, class_module, classes),
-            else: struct(c, py, class_module, classes)
+            do: enum(c, class_module, classes),
+            else: struct(c, class_module, classes)
 
         file(class_module, py, source)
       end
@@ -91,7 +91,7 @@ defmodule VllmBridge.Bindings.Gen.Files do
 
   # -- dataclasses --------------------------------------------------------------------------
 
-  defp struct(c, py, module, classes) do
+  defp struct(c, module, classes) do
     types = Model.modules(classes)
     {doc, described} = Docs.convert(c["doc"])
     fields = c["fields"]
@@ -149,7 +149,7 @@ defmodule VllmBridge.Bindings.Gen.Files do
 
       #{python_class(c, names)}
 
-      #{methods(c, py, module, classes)}
+      #{methods(c, module, classes)}
     end
     """
   end
@@ -168,7 +168,7 @@ defmodule VllmBridge.Bindings.Gen.Files do
 
   # -- enums --------------------------------------------------------------------------------
 
-  defp enum(c, _py, module, classes) do
+  defp enum(c, module, classes) do
     {doc, _} = Docs.convert(c["doc"])
     atoms = Enum.map(c["members"], &Type.member_atom(&1["name"]))
 
@@ -196,12 +196,12 @@ defmodule VllmBridge.Bindings.Gen.Files do
       @spec __python_class__() :: String.t()
       def __python_class__, do: #{inspect(c["class"])}
 
-      #{methods(c, c["class"], module, classes)}
+      #{methods(c, module, classes)}
     end
     """
   end
 
-  defp methods(c, _py, module, classes) do
+  defp methods(c, module, classes) do
     py_module = c["class"] |> String.split(".") |> Enum.drop(-1) |> Enum.join(".")
     funs = Enum.map(c["methods"], &Model.function(&1, py_module, module, classes))
     check_unique!(module, funs)

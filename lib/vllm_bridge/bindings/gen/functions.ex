@@ -82,21 +82,20 @@ defmodule VllmBridge.Bindings.Gen.Functions do
   # k = 0: required only; 1..m: the k-th optional or the options last; m + 1: options.
   defp arguments(fixed, optional, k, opts_type) do
     m = length(optional)
-    head = fixed ++ Enum.take(optional, k - 1)
+    head = fixed ++ Enum.take(optional, max(k - 1, 0))
     vars = Enum.map(head, & &1.var)
     types = Enum.map(head, &Type.spec(&1.type))
 
     cond do
       k == 0 ->
-        {Enum.map(fixed, & &1.var), Enum.map(fixed, &Type.spec(&1.type))}
+        {vars, types}
 
       k <= m ->
         p = Enum.at(optional, k - 1)
         {vars ++ ["#{p.var}_or_opts"], types ++ ["#{Type.spec(p.type)} | #{opts_type}()"]}
 
       true ->
-        {Enum.map(fixed ++ optional, & &1.var) ++ ["opts"],
-         Enum.map(fixed ++ optional, &Type.spec(&1.type)) ++ ["#{opts_type}()"]}
+        {vars ++ ["opts"], types ++ ["#{opts_type}()"]}
     end
   end
 
