@@ -23,12 +23,18 @@ class Flow:
     for room (its reader may be waiting for one of them: a call per chunk, two streams
     read in step), and runs on as it would without flow control. :meth:`nudge` makes a
     waiting :meth:`take` look again.
+
+    ``before_wait`` is called (without this flow's lock) each time :meth:`take` is about
+    to wait: the credit it waits for only comes if somebody reads the input, and the
+    worker uses it to hand that role to its watcher at once (see
+    :meth:`vllm_bridge.worker.executor.Executor.open_flow`).
     """
 
     def __init__(
         self,
         window: int = STREAM_WINDOW,
         others_waiting: Callable[[], bool] = lambda: False,
+        before_wait: Callable[[], None] = lambda: None,
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")
@@ -36,6 +42,7 @@ class Flow:
         self._room = window
         self._stopped = False
         self._others_waiting = others_waiting
+        self._before_wait = before_wait
 
     def grant(self, n: int) -> None:
         """Room for ``n`` more chunks."""
@@ -58,9 +65,19 @@ class Flow:
         """Take room for one chunk, waiting until there is some (or until requests wait
         behind the stream); False once stopped."""
         with self._cond:
-            while self._room <= 0 and not self._stopped and not self._others_waiting():
+            if self._may_go():
+                return self._go()
+        self._before_wait()  # outside the lock: the worker's hook takes the executor's
+        with self._cond:
+            while not self._may_go():
                 self._cond.wait()
-            if self._stopped:
-                return False
-            self._room -= 1
-            return True
+            return self._go()
+
+    def _may_go(self) -> bool:
+        return self._room > 0 or self._stopped or self._others_waiting()
+
+    def _go(self) -> bool:
+        if self._stopped:
+            return False
+        self._room -= 1
+        return True

@@ -47,9 +47,9 @@ class Dispatcher:
         self.resolver = resolver
         self.registry = registry
         self.channel = channel
-        #: Whether requests wait behind the running one (set by the worker): a stream
-        #: does not wait for credit then.
-        self.others_waiting: Callable[[], bool] = lambda: False
+        #: The flow control of a stream request (the worker sets the executor's
+        #: :meth:`~vllm_bridge.worker.executor.Executor.open_flow`).
+        self.open_flow: Callable[[Request], Flow] = _own_flow
 
     # -- entry points (execution thread) -------------------------------------------------
 
@@ -141,7 +141,7 @@ class Dispatcher:
                 f"{where} gave a {qualified_name(type(result))}, which is not iterable: "
                 "stream needs a generator or an iterable"
             ) from None
-        flow = req.flow = Flow(others_waiting=self.others_waiting)
+        flow = self.open_flow(req)
         try:
             while True:
                 # Room for the next chunk first (a consumer that reads slowly holds the
@@ -307,3 +307,9 @@ class Dispatcher:
         else:
             err = error_map(exc, self.sessions.record(session, exc))
         return self.channel.encoder.encode(["error", req.id, err])
+
+
+def _own_flow(req: Request) -> Flow:
+    """The flow control of a stream run by a dispatcher with no executor: the window only."""
+    flow = req.flow = Flow()
+    return flow

@@ -11,6 +11,8 @@ a *role* that two threads pass between them under one lock:
   it sees the same request running at two looks in a row, it takes the role and
   reads: it answers ``ping`` at once, records ``cancel``\\ s and queues requests, so a long
   call never blocks liveness;
+* a stream about to wait for credit (:meth:`Executor.open_flow`) wakes the watcher,
+  which takes the role at once: the credit is in the input, and nobody else reads it;
 * when the execution thread finds its queue empty while the watcher reads, it asks for
   the role back (a byte on a wake-up pipe interrupts the watcher's ``select``) and reads
   again itself.
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_bridge.protocol.errors import DeadlineExceeded
+from vllm_bridge.protocol.flow import STREAM_WINDOW, Flow
 from vllm_bridge.protocol.framing import FrameError, FrameReader
 from vllm_bridge.protocol.messages import Abandon, Request
 
@@ -88,6 +91,8 @@ class Executor:
         self._started = 0  # requests started so far: the watcher's clock
         self._role = _NOBODY
         self._want_back = False
+        self._urgent = False  # the running request waits for a frame: read at once
+        self._watcher_wake = threading.Event()
         self._stopping = False
         self._final: Callable[[], None] | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -126,6 +131,27 @@ class Executor:
         if flow is not None:
             flow.nudge()
 
+    def open_flow(self, request: Request, window: int = STREAM_WINDOW) -> Flow:
+        """The flow control of the stream ``request`` runs, attached to it under the lock,
+        so that a cancel or a stop reaches it whenever it comes (one that came before is
+        applied at once). It does not wait while requests are queued, and before it waits
+        it makes the watcher read the input at once (:meth:`_want_reader`)."""
+        flow = Flow(
+            window, others_waiting=lambda: bool(self._queue), before_wait=self._want_reader
+        )
+        with self._cond:
+            request.flow = flow
+            if self._stopping or request.cancelled:
+                flow.stop()
+        return flow
+
+    def _want_reader(self) -> None:
+        # The running request is about to wait for a frame: the watcher takes the reading
+        # role at its next look, which comes at once, not after two polls.
+        with self._cond:
+            self._urgent = True
+        self._watcher_wake.set()
+
     def cancel(self, request_id: int) -> Request | None:
         """Cancel the request with this id.
 
@@ -153,6 +179,7 @@ class Executor:
             if self._running is not None:
                 _stop_flow(self._running)
         self._wake()
+        self._watcher_wake.set()
 
     # -- the execution thread ------------------------------------------------------------
 
@@ -237,9 +264,10 @@ class Executor:
                 take = (
                     self._role == _NOBODY
                     and self._running is not None
-                    and self._started == seen
+                    and (self._started == seen or self._urgent)
                 )
                 seen = self._started
+                self._urgent = False
                 if take:
                     self._role = _WATCH
             if take:
@@ -250,7 +278,10 @@ class Executor:
                 # Every poll while a request runs; backing off to IDLE_POLL_SECONDS while
                 # none does, so an idle worker wakes about 20 times a second, not 500.
                 idle = 0 if self._running is not None else idle + 1
-                time.sleep(self._poll if idle < 8 else max(self._poll, IDLE_POLL_SECONDS))
+                self._watcher_wake.wait(
+                    self._poll if idle < 8 else max(self._poll, IDLE_POLL_SECONDS)
+                )
+                self._watcher_wake.clear()
 
     def _read_as_watcher(self) -> bool:
         """Read frames until the execution thread wants the role back (True) or EOF (False)."""
@@ -292,7 +323,10 @@ class Executor:
                 self._queue.clear()
                 self._stopping = True
                 self._cond.notify_all()
+                if self._running is not None:
+                    _stop_flow(self._running)
             self._wake()
+            self._watcher_wake.set()
             if first:
                 self._on_eof()
         return body

@@ -165,7 +165,7 @@ class Worker:
             # The port is gone: replies and log frames have no reader any more.
             on_eof=self.channel.close,
         )
-        self.dispatcher.others_waiting = lambda: self.executor.queued > 0
+        self.dispatcher.open_flow = self.executor.open_flow
 
     def serve(self) -> int:
         """Announce, then serve until EOF; returns the exit status."""
