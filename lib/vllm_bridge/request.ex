@@ -23,7 +23,7 @@ defmodule VllmBridge.Request do
     * the reply, which the worker had already passed on: the call succeeded, a little
       late, and the caller has its result (`{:ok, ...}` as usual);
     * `:cancelled`: the cancel went on to Python, and whatever reply still comes stops at
-      the worker process, which releases the default session's references in it
+      the worker process, which releases the references in it, whatever their session
       (`VllmBridge.Worker`); Python exits the context of a cancelled `enter` (once
       `__enter__` returns if it still runs, else at once), before any request that
       reaches it after the cancel, such as the caller's next call. The call answers
@@ -171,7 +171,16 @@ defmodule VllmBridge.Request do
 
   @doc "The request that releases `refs` of the worker's default session (a `cast`)."
   @spec release_loose([VllmBridge.Ref.t()]) :: t()
-  def release_loose(refs), do: new("release", [Wire.value(nil)], false, [Wire.value(refs)])
+  def release_loose(refs), do: release_in(nil, refs)
+
+  @doc """
+  The request that releases `refs` of `session` (`nil`: the default session), for a
+  `cast`: a release never brings a session into being in the worker, so one closed
+  meanwhile stays closed.
+  """
+  @spec release_in(String.t() | nil, [VllmBridge.Ref.t()]) :: t()
+  def release_in(session, refs),
+    do: new("release", [Wire.value(session)], false, [Wire.value(refs)])
 
   # Deactivates the alias, then takes a reply that made it in before that, else drops
   # whatever else arrived and answers :timeout with `message`.

@@ -18,8 +18,8 @@ defmodule VllmBridge.Worker do
     * **Timeouts.** A caller that times out settles the call through here (`$vb_settle`):
       the cancel goes to Python if the call is still in the table, and `:cancelled` goes
       back to the caller, always, after any reply already passed on (see
-      `VllmBridge.Request`). The late reply is dropped here, and the references of the
-      default session in it (which nobody could reach) are released. If the call is still
+      `VllmBridge.Request`). The late reply is dropped here, and the references in it
+      (made for it, and seen by nobody) are released in their sessions. If the call is still
       in the table `cancel_grace` ms later, the Python process is stuck in it and is
       killed (so it restarts).
     * **Callers that die.** Each waiting caller is monitored while its request is in
@@ -356,15 +356,21 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # A reply or chunk nobody will read (its caller gave up or died): the references of the
-  # worker's default session in it would be out of everybody's reach (no session owns
-  # them, no process got them), so they are released here. Decoded only on this path.
+  # A reply or chunk nobody will read (its caller gave up or died): the references in it
+  # were made for it and no process got them, so nobody could ever release them (those of
+  # the default session would outlive every session, those of a session would hold its
+  # objects until it closes); they are released here, each in its session. Decoded only
+  # on this path.
   defp release_dropped(nil), do: :ok
 
   defp release_dropped(bin) do
     with {:ok, value} <- Wire.decode_reply(bin),
-         [_ | _] = refs <- VllmBridge.Ref.collect(value, session: :none) do
-      Request.cast(self(), Request.release_loose(refs), :infinity)
+         [_ | _] = refs <- VllmBridge.Ref.collect(value) do
+      for {session, refs} <- Enum.group_by(refs, & &1.session) do
+        Request.cast(self(), Request.release_in(session, refs), :infinity)
+      end
+
+      :ok
     else
       _ -> :ok
     end

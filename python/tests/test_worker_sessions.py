@@ -87,6 +87,26 @@ def test_references_are_used_released_and_refused(shared_worker):
     close(w, "refs-a")
 
 
+def test_a_release_brings_no_session_into_being(shared_worker):
+    w = shared_worker
+    ref = w.call(D, "opaque", 1, session="gone-soon")
+    assert close(w, "gone-soon") == {"refs": 1, "contexts": 0}
+    sessions = w.ping()["sessions"]
+    # A late release in the closed session (a dropped reply's, say): nothing left to
+    # release, and the session does not come back.
+    rid = next_id()
+    assert w.request(["release", rid, "gone-soon", [ref]]) == ["ok", rid, 0]
+    assert w.ping()["sessions"] == sessions
+    # Still refused: a reference of another session, named in it.
+    other = w.call(D, "opaque", 2, session="still-open")
+    rid = next_id()
+    kind, _, err = w.request(["release", rid, "gone-soon", [other]])
+    assert kind == "error" and err["type"] == "bad_argument"
+    assert "belongs to session 'still-open'" in err["message"]
+    assert w.ping()["sessions"] == sessions + 1  # only "still-open" is new
+    close(w, "still-open")
+
+
 def test_a_reference_from_an_earlier_worker_is_session_lost(shared_worker):
     stale = Ref("0123456789abcdef", 1, None, "vllm_bridge.diag.Opaque")
     err = error_of(shared_worker.get, ["r", stale, "value"])

@@ -200,6 +200,28 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     wait_until(fn -> refs(w) == base end)
   end
 
+  test "a call in a session that timed out: its late reply's references go, the session's stay",
+       %{w: w, meta: meta} do
+    base = refs(w)
+    s = session!()
+    {:ok, %Ref{} = kept} = diag("opaque", [7], session_id: s.id)
+
+    assert {:error, %Error{type: :timeout}} =
+             VllmBridge.call(
+               {"rt_stream_support", "slow_opaque"},
+               [0.3],
+               %{},
+               opts(timeout: 100, session_id: s.id)
+             )
+
+    wait_until(fn -> idle?(w, meta) end)
+    # Released in the session while it is open (before: held until it closed).
+    wait_until(fn -> refs(w) == base + 1 end)
+    assert {:ok, 7} = VllmBridge.get({kept, "value"}, opts(session_id: s.id))
+    :ok = Session.close(s)
+    wait_until(fn -> refs(w) == base end)
+  end
+
   test "a stream stopped early: references in the chunks it did not read are released",
        %{w: w} do
     base = refs(w)

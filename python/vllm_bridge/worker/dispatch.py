@@ -64,7 +64,13 @@ class Dispatcher:
         if isinstance(req, Abandon):
             self._abandon(req)
             return None
-        session = self.sessions.get(req.session)
+        if isinstance(req, Release):
+            # A release never brings a session into being: one closed (or never used) has
+            # nothing left to release, and must not come back empty, never to be closed.
+            found = self.sessions.find(req.session)
+            session = found if found is not None else Session(req.session)
+        else:
+            session = self.sessions.get(req.session)
         return session.context.run(self._in_session, req, session)
 
     def refuse(self, req: Request, exc: BridgeError) -> Frame:

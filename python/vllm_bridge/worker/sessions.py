@@ -76,6 +76,10 @@ class Sessions:
             session = self._sessions[name] = Session(name)
         return session
 
+    def find(self, name: str | None) -> Session | None:
+        """The session called ``name`` if it exists (none is created)."""
+        return self._sessions.get(name)
+
     def pop(self, name: str | None) -> Session | None:
         """Forget the session called ``name`` (its references stop counting)."""
         session = self._sessions.pop(name, None)
