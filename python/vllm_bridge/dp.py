@@ -244,15 +244,29 @@ def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
     """Sum ``tensor`` in place over the DP group and return it; waits at most the timeout.
 
     ``expected_size`` / ``expected_rank`` are the caller's config, checked against the
-    joined group so a misconfigured rank fails clearly instead of deadlocking.
+    joined group so a misconfigured rank fails clearly instead of deadlocking. A CUDA
+    tensor travels over NCCL when the group has it, otherwise through the CPU (and the
+    sum is copied back into it).
 
     Raises:
         DPGroupError: no group joined, the group does not match, or it broke earlier.
         DPTimeoutError: a peer did not take part within the group's timeout.
     """
+    wire = _for_the_group(tensor)
     _collective(
-        "all_reduce", expected_size, expected_rank, lambda: dist.all_reduce(tensor, async_op=True)
+        "all_reduce", expected_size, expected_rank, lambda: dist.all_reduce(wire, async_op=True)
     )
+    if wire is not tensor:
+        tensor.copy_(wire)
+    return tensor
+
+
+def _for_the_group(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the joined group's backend takes it: a CUDA tensor goes through the
+    CPU unless the group has NCCL (the rule of both collectives here)."""
+    info = dp_group_info()
+    if tensor.device.type == "cuda" and (info is None or "nccl" not in info.backend):
+        return tensor.cpu()
     return tensor
 
 
@@ -263,11 +277,8 @@ def dp_all_gather(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
     A CUDA tensor travels over NCCL when the group has it, otherwise through the CPU.
     Checks and timeout as :func:`dp_all_reduce`.
     """
-    info = dp_group_info()
     device = tensor.device
-    if device.type == "cuda" and (info is None or "nccl" not in info.backend):
-        tensor = tensor.cpu()
-    tensor = tensor.contiguous()
+    tensor = _for_the_group(tensor).contiguous()
     parts = [torch.empty_like(tensor) for _ in range(expected_size)]
     _collective(
         "all_gather",

@@ -398,7 +398,9 @@ defmodule Vllm.Dp.Module do
   Sum `tensor` in place over the DP group and return it; waits at most the timeout.
 
   `expected_size` / `expected_rank` are the caller's config, checked against the
-  joined group so a misconfigured rank fails clearly instead of deadlocking.
+  joined group so a misconfigured rank fails clearly instead of deadlocking. A CUDA
+  tensor travels over NCCL when the group has it, otherwise through the CPU (and the
+  sum is copied back into it).
 
   ## Parameters
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_bridge._checks import check_int
-from vllm_bridge.dp import dp_all_gather, dp_all_reduce, dp_group_info
+from vllm_bridge.dp import dp_all_gather, dp_all_reduce
 from vllm_bridge.forward_context import DPMetadata, get_forward_context
 from vllm_bridge.model.layers import RMSNorm, linear
 
@@ -144,19 +144,11 @@ class MoE(nn.Module):
                 tokens = torch.cat([gathered[r, : sizes[r]] for r in range(self.dp_size)])
                 contrib = self._contributions(tokens)
                 if self.ep_size > 1:
-                    contrib = self._sum_over_ranks(contrib)
+                    contrib = dp_all_reduce(contrib, self.dp_size, self.dp_rank)
                 first = sum(sizes[: self.dp_rank])
                 mine_out = self._combine(contrib[first : first + mine.shape[0]])
                 out[start : start + mine.shape[0]] = mine_out
         return out
-
-    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        """All-reduce (sum) over the DP group; a CUDA tensor goes through the CPU when the
-        group has no NCCL (gloo)."""
-        info = dp_group_info()
-        if t.device.type == "cuda" and (info is None or "nccl" not in info.backend):
-            return dp_all_reduce(t.cpu(), self.dp_size, self.dp_rank).to(t.device)
-        return dp_all_reduce(t, self.dp_size, self.dp_rank)
 
     def _contributions(self, h: torch.Tensor) -> torch.Tensor:
         """``(tokens, top_k, hidden)``: ``weight_k * expert_k(h)`` for the experts this rank
