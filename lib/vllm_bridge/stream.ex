@@ -7,8 +7,10 @@ defmodule VllmBridge.Stream do
   within `timeout` ms of the previous one (and before the deadline). Each chunk is one
   element. Halting early (`Enum.take/2`, a `throw`, an exception in the consumer) sends
   `cancel`: the generator stops at its next chunk boundary and is closed, and the chunks
-  still on their way are dropped (outside a session, with the references in them
-  released: `VllmBridge.Session.LooseRefs`). If the enumerating process dies, the worker
+  still on their way are dropped, with the references in them released (in their
+  session; outside a session, also those of chunks that had reached the enumerating
+  process unread: `VllmBridge.Session.LooseRefs`; within a session, those stay until the
+  session closes). If the enumerating process dies, the worker
   (which monitors it) cancels the stream the same way. An error during enumeration (a
   Python exception, a timeout, the worker dying) raises `VllmBridge.Error`. Enumerate a
   stream in one process: its chunks go to the process that began it.

@@ -131,17 +131,6 @@ def test_a_group_without_nccl_runs_its_collectives_on_the_cpu(clean_env) -> None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_gloo_group_reduces_and_gathers_cuda_tensors_through_the_cpu(clean_env) -> None:
-    dp.init_dp_group(0, 1, master_port=_free_port(), backend="gloo")
-    t = torch.tensor([1.0, 2.0], device="cuda")
-    out = dp.dp_all_reduce(t, 1, 0)
-    # In place, as on the CPU: the sum comes back into the CUDA tensor.
-    assert out is t and out.device.type == "cuda" and out.tolist() == [1.0, 2.0]
-    gathered = dp.dp_all_gather(torch.tensor([3.0], device="cuda"), 1, 0)
-    assert gathered.device.type == "cuda" and gathered.tolist() == [[3.0]]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_nccl_ranks_take_turns_over_the_gpus() -> None:
     n = torch.cuda.device_count()
     assert [dp._group_device(r, "nccl") for r in range(n + 1)] == [

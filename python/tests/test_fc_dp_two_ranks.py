@@ -83,6 +83,19 @@ def _cmd_coordinate_then_forward(config: dict, num_tokens: int) -> dict:
         return {"padded": padded, "across": meta.num_tokens_across_dp_cpu.tolist()}
 
 
+def _cmd_collectives(rank: int, device: str) -> tuple:
+    """dp_all_reduce and dp_all_gather of a tensor on ``device``: whether the sum landed in
+    place, and where and what each result is."""
+    import torch
+
+    from vllm_bridge import dp
+
+    t = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], device=device)
+    out = dp.dp_all_reduce(t, 2, rank)
+    gathered = dp.dp_all_gather(torch.tensor([rank + 5.0], device=device), 2, rank)
+    return (out is t, t.device.type, t.tolist(), gathered.device.type, gathered.tolist())
+
+
 def _run_in_fresh_context(fn: Any, kwargs: dict) -> tuple:
     box: list[tuple] = []
 
@@ -105,6 +118,7 @@ def _rank_main(conn: Connection) -> None:
         "coordinate": _cmd_coordinate,
         "forward": _cmd_forward,
         "coordinate_then_forward": _cmd_coordinate_then_forward,
+        "collectives": _cmd_collectives,
     }
     while True:
         msg = conn.recv()
@@ -182,6 +196,25 @@ def _cfg(rank: int, **extra: Any) -> dict:
 def _ok(reply: tuple) -> Any:
     assert reply[0] == "ok", reply
     return reply[1]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not __import__("torch").cuda.is_available(), reason="needs a CUDA device"
+            ),
+        ),
+    ],
+)
+def test_the_collectives_sum_in_place_and_gather_by_rank(ranks: Ranks, device: str) -> None:
+    # On this gloo group a CUDA tensor goes through the CPU; the sum still lands in it.
+    replies = ranks.both("collectives", [dict(rank=0, device=device), dict(rank=1, device=device)])
+    for reply in replies:
+        assert _ok(reply) == (True, device, [3.0, 30.0], device, [[5.0], [6.0]])
 
 
 def test_uneven_counts_without_padding_are_gathered(ranks: Ranks) -> None:

@@ -149,6 +149,8 @@ class Executor:
         # The running request is about to wait for a frame: the watcher takes the reading
         # role at its next look, which comes at once, not after two polls.
         with self._cond:
+            if self._role != _NOBODY:
+                return  # the watcher reads already
             self._urgent = True
         self._watcher_wake.set()
 
@@ -217,9 +219,10 @@ class Executor:
             self._write(reply)
 
     def _begin(self, request: Request) -> Request:
-        # Under the lock.
+        # Under the lock. An urgency left by the previous request is not this one's.
         self._running = request
         self._started += 1
+        self._urgent = False
         return request
 
     def _next(self) -> Request | None:
