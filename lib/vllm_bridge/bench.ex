@@ -17,7 +17,11 @@ defmodule VllmBridge.Bench do
        p50 at least 2x faster;
     4. tensor round trips of 1, 16 and 64 MiB (`VllmBridge.Bench.Tensors`): 64 MiB at
        1 GB/s or more;
-    5. `bench/forward_context_bench.py`, printed as it reports itself.
+    5. `bench/forward_context_bench.py`, printed as it reports itself;
+    6. the Python side alone (`bench/worker_alone.py`): the worker and the raw echo, each
+       driven over its pipes by one Python process with 32 requests in flight, no BEAM:
+       calls/s and CPU per call, so the throughput of part 2 can be read as the
+       Python worker's share and the BEAM's. No target; printed as it reports itself.
 
   The report is printed and written to `bench/out/bench-<time>.txt` and
   `bench/out/latest.txt`.
@@ -32,7 +36,8 @@ defmodule VllmBridge.Bench do
     throughput: [duration_ms: 300],
     mp: [calls: 300, warmup: 30],
     tensors: [sizes_mib: [1, 16], reps: &__MODULE__.one_rep/1],
-    fc_args: ["--iterations", "1000", "--repeats", "2"]
+    fc_args: ["--iterations", "1000", "--repeats", "2"],
+    alone_args: ["--calls", "2000", "--rounds", "1"]
   ]
 
   @doc false
@@ -77,10 +82,11 @@ defmodule VllmBridge.Bench do
         VllmBridge.stop_pool(@pool)
       end
 
-    say.("multiprocessing.Pool.apply and the forward context, in Python (sections 3 and 5) ...")
+    say.("the Python parts: multiprocessing, the forward context, the worker alone (3, 5, 6) ...")
     mp = PythonPeers.mp_pool_apply(python, part.(:mp))
     fc = PythonPeers.forward_context(python, part.(:fc_args))
-    {report, targets} = report(hello, lat, thr, mp, ten, fc, opts[:quick])
+    alone = PythonPeers.worker_alone(python, part.(:alone_args))
+    {report, targets} = report(hello, lat, thr, mp, ten, {fc, alone}, opts[:quick])
     Enum.each(report, out)
     if Keyword.get(opts, :write, true), do: write(report, out)
     %{report: report, targets: targets}
@@ -108,7 +114,7 @@ defmodule VllmBridge.Bench do
     end
   end
 
-  defp report(hello, lat, thr, mp, ten, fc, quick) do
+  defp report(hello, lat, thr, mp, ten, {fc, alone}, quick) do
     full50 = Stats.percentile(lat.full, 50)
     raw50 = Stats.percentile(lat.raw, 50)
     ratio = full50 / raw50
@@ -152,6 +158,7 @@ defmodule VllmBridge.Bench do
         mp_lines(mp, full50, speedup) ++
         tensor_lines(ten) ++
         ["", "5. forward context (bench/forward_context_bench.py)" | Enum.map(fc, &("   " <> &1))] ++
+        ["", "6. the Python side alone (bench/worker_alone.py)" | Enum.map(alone, &("   " <> &1))] ++
         ["", "targets (ratios against floors measured in this run):"] ++
         Enum.map(targets, fn {name, ok} -> "   #{if ok, do: "PASS", else: "MISS"}  #{name}" end)
 

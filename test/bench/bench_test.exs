@@ -22,7 +22,8 @@ defmodule VllmBridge.BenchTest do
           "2. throughput",
           "3. Python peer",
           "4. tensors",
-          "5. forward context"
+          "5. forward context",
+          "6. the Python side alone"
         ] do
       assert text =~ section
     end
@@ -31,6 +32,8 @@ defmodule VllmBridge.BenchTest do
     assert text =~ ~r/default pool, max_in_flight 16: .* \d+ calls\/s/
     assert text =~ "workers started with poll_us: 100"
     assert text =~ ~r/set_forward_context, DP on \(2 ranks\), given counts +[\d.]+/
+    assert text =~ ~r/worker \(python -m vllm_bridge.worker\) +\d+ +([\d.]+|n\/a)/
+    assert text =~ ~r/worker \/ echo: [\d.]+% of the calls\/s/
     # The round trip is also measured pinned to one CPU where taskset can do it.
     if Pinning.available?() do
       assert text =~ "pinned to CPU 0"

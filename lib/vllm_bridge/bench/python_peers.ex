@@ -2,7 +2,8 @@ defmodule VllmBridge.Bench.PythonPeers do
   @moduledoc """
   The Python parts of the benchmark run, started as processes of the project's
   interpreter: `bench/mp_peer.py` (`multiprocessing.Pool.apply` round trip of the same
-  trivial call) and `bench/forward_context_bench.py` (the forward-context benchmark).
+  trivial call), `bench/forward_context_bench.py` (the forward-context benchmark) and
+  `bench/worker_alone.py` (the Python worker beside the raw echo, without the BEAM).
   """
 
   @doc """
@@ -22,6 +23,12 @@ defmodule VllmBridge.Bench.PythonPeers do
       nil ->
         raise "bench/mp_peer.py printed no figures: #{output}"
     end
+  end
+
+  @doc "Runs `bench/worker_alone.py` with `args`; its output lines."
+  @spec worker_alone(String.t(), [String.t()]) :: [String.t()]
+  def worker_alone(python, args) do
+    python |> run!(["bench/worker_alone.py" | args]) |> String.split("\n", trim: true)
   end
 
   @doc "Runs `bench/forward_context_bench.py` with `args`; its output lines."

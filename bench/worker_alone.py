@@ -1,0 +1,169 @@
+"""The Python side alone: the worker (``python -m vllm_bridge.worker``) beside the raw echo
+(``bench/raw_echo.py``), each driven over its fd 3 / fd 4 pipes by this process with the
+trivial call's request frame and a fixed number of requests in flight; no BEAM involved.
+
+For each it reports calls per second and the CPU the driven process spent per call (user +
+system time from ``/proc``, so Linux only; elsewhere that column is left out), and then
+the worker's figures as ratios of the echo's: how much of a call's cost through the whole
+bridge is the Python worker's own. The two alternate for ``--rounds`` rounds; the median
+round of each counts. Part 6 of ``make bench``; alone, from the repository root::
+
+    .venv/bin/python bench/worker_alone.py [--calls N] [--in-flight K] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+
+HERE = Path(__file__).resolve().parent
+HEADER = struct.Struct(">I")
+TARGET = ["m", "vllm_bridge.forward_context", "is_forward_context_available"]
+
+
+class Peer:
+    """A process started with fd 3 (its input) and fd 4 (its output) on pipes of ours."""
+
+    def __init__(self, argv: list[str], hello: bool) -> None:
+        to_r, self.to_w = os.pipe()
+        self.from_r, from_w = os.pipe()
+
+        def wire() -> None:  # in the child: the pipes become fds 3 and 4
+            os.dup2(to_r, 3)
+            os.dup2(from_w, 4)
+
+        env = {**os.environ, "PYTHONPATH": str(HERE.parent / "python")}
+        self.proc = subprocess.Popen(argv, pass_fds=(3, 4), preexec_fn=wire, env=env)
+        os.close(to_r)
+        os.close(from_w)
+        self._buf = bytearray()
+        if hello:
+            kind = msgpack.unpackb(self.read_frames(1)[0])[0]
+            if kind != "hello":
+                raise RuntimeError(f"{argv}: expected a hello frame first, got {kind!r}")
+
+    def read_frames(self, at_least: int) -> list[bytes]:
+        """At least ``at_least`` whole frames (every whole frame already read, in fact)."""
+        frames: list[bytes] = []
+        pos = 0
+        while True:
+            while len(self._buf) - pos >= 4:
+                (n,) = HEADER.unpack_from(self._buf, pos)
+                if len(self._buf) - pos - 4 < n:
+                    break
+                frames.append(bytes(self._buf[pos + 4 : pos + 4 + n]))
+                pos += 4 + n
+            if len(frames) >= at_least:
+                del self._buf[:pos]
+                return frames
+            data = os.read(self.from_r, 1 << 16)
+            if not data:
+                raise RuntimeError(f"{self.proc.args}: output ended after {len(frames)} frames")
+            self._buf += data
+
+    def cpu_ticks(self) -> int | None:
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    def close(self) -> None:
+        os.close(self.to_w)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.from_r)
+
+
+def request_frames(count: int) -> list[bytes]:
+    """``count`` request frames of the trivial call (distinct ids), header included."""
+    frames = []
+    for i in range(count):
+        body = msgpack.packb(["call", 1_000_000 + i, None, 120_000, TARGET, [], {}])
+        frames.append(HEADER.pack(len(body)) + body)
+    return frames
+
+
+def drive(
+    peer: Peer, frames: list[bytes], calls: int, in_flight: int
+) -> tuple[float, float | None]:
+    """``calls`` round trips with ``in_flight`` outstanding: (calls/s, CPU us per call)."""
+    ticks0 = peer.cpu_ticks()
+    start = time.perf_counter()
+    sent = min(in_flight, calls)
+    os.write(peer.to_w, b"".join(frames[i % len(frames)] for i in range(sent)))
+    done = 0
+    while done < calls:
+        got = len(peer.read_frames(1))
+        done += got
+        more = min(got, calls - sent)
+        if more:
+            os.write(peer.to_w, b"".join(frames[(sent + i) % len(frames)] for i in range(more)))
+            sent += more
+    elapsed = time.perf_counter() - start
+    ticks1 = peer.cpu_ticks()
+    cpu = None
+    if ticks0 is not None and ticks1 is not None:
+        cpu = (ticks1 - ticks0) / os.sysconf("SC_CLK_TCK") * 1e6 / calls
+    return calls / elapsed, cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=100_000, help="round trips per round")
+    parser.add_argument("--in-flight", type=int, default=32, help="requests outstanding")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating")
+    opts = parser.parse_args(argv)
+    for name in ("calls", "in_flight", "rounds"):
+        value = getattr(opts, name)
+        if value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+    frames = request_frames(1024)
+    worker = Peer([sys.executable, "-m", "vllm_bridge.worker"], hello=True)
+    echo = Peer([sys.executable, str(HERE / "raw_echo.py")], hello=False)
+    results: dict[str, list[tuple[float, float | None]]] = {"worker": [], "echo": []}
+    try:
+        warm = max(1, opts.calls // 10)
+        drive(worker, frames, warm, opts.in_flight)
+        drive(echo, frames, warm, opts.in_flight)
+        for _ in range(opts.rounds):
+            results["worker"].append(drive(worker, frames, opts.calls, opts.in_flight))
+            results["echo"].append(drive(echo, frames, opts.calls, opts.in_flight))
+    finally:
+        worker.close()
+        echo.close()
+
+    rate = {k: statistics.median(r for r, _ in v) for k, v in results.items()}
+    cpus = {k: [c for _, c in v if c is not None] for k, v in results.items()}
+    cpu = {k: statistics.median(v) if v else None for k, v in cpus.items()}
+    print(
+        f"{opts.calls} calls per round, {opts.in_flight} in flight, {opts.rounds} rounds "
+        f"(median round of each); frame {len(frames[0]) - 4} bytes"
+    )
+    print(f"{'':36s}{'calls/s':>10s}  {'CPU us/call':>11s}")
+    for key, label in (("worker", "worker (python -m vllm_bridge.worker)"),
+                       ("echo", "raw echo (bench/raw_echo.py)")):
+        shown = "n/a" if cpu[key] is None else f"{cpu[key]:.2f}"
+        print(f"{label:36s}{rate[key]:10.0f}  {shown:>11s}")
+    line = f"worker / echo: {100 * rate['worker'] / rate['echo']:.1f}% of the calls/s"
+    if cpu["worker"] is not None and cpu["echo"]:
+        line += f", {cpu['worker'] / cpu['echo']:.2f}x the CPU per call"
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
