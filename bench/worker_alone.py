@@ -6,7 +6,8 @@ For each it reports calls per second and the CPU the driven process spent per ca
 system time from ``/proc``, so Linux only; elsewhere that column is left out), and then
 the worker's figures as ratios of the echo's: how much of a call's cost through the whole
 bridge is the Python worker's own. The two alternate for ``--rounds`` rounds; the median
-round of each counts. Part 6 of ``make bench``; alone, from the repository root::
+round of each counts. Last, the worker's own code for one call (decode, check, dispatch,
+call, encode, write to ``/dev/null``) is timed in this process, without pipes or threads. Part 6 of ``make bench``; alone, from the repository root::
 
     .venv/bin/python bench/worker_alone.py [--calls N] [--in-flight K] [--rounds R]
 """
@@ -120,6 +121,30 @@ def drive(
     return calls / elapsed, cpu
 
 
+def in_process(frame: bytes, calls: int) -> float:
+    """Microseconds per call of the worker's own code in this process, without pipes or
+    threads: decode and check the frame, run the call, encode the reply and write it to
+    ``/dev/null``."""
+    sys.path.insert(0, str(HERE.parent / "python"))
+    from vllm_bridge import PUBLIC_MODULES
+    from vllm_bridge.worker.server import Worker, _import_allowed
+
+    modules = tuple(PUBLIC_MODULES)
+    worker = Worker(modules, 10_000, import_errors=_import_allowed(modules))
+    worker.channel.fd = os.open(os.devnull, os.O_WRONLY)
+    body = bytearray(frame[4:])
+    try:
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                worker.channel.write(worker.dispatcher.handle(worker.on_frame(body)))
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        return best
+    finally:
+        os.close(worker.channel.fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=100_000, help="round trips per round")
@@ -162,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if cpu["worker"] is not None and cpu["echo"]:
         line += f", {cpu['worker'] / cpu['echo']:.2f}x the CPU per call"
     print(line)
+    own = in_process(frames[0], opts.calls)
+    print(f"the worker's code in one process, no pipes or threads (best of 3): {own:.2f} us/call")
     return 0
 
 
