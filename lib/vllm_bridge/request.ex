@@ -169,18 +169,19 @@ defmodule VllmBridge.Request do
     result
   end
 
-  @doc "The request that releases `refs` of the worker's default session (a `cast`)."
-  @spec release_loose([VllmBridge.Ref.t()]) :: t()
-  def release_loose(refs), do: release_in(nil, refs)
-
   @doc """
-  The request that releases `refs` of `session` (`nil`: the default session), for a
-  `cast`: a release never brings a session into being in the worker, so one closed
-  meanwhile stays closed.
+  Casts to `pid` the release of `refs`, one `release` request per session they belong to
+  (`nil`: the default session). A release never brings a session into being in the
+  worker, so one closed meanwhile stays closed.
   """
-  @spec release_in(String.t() | nil, [VllmBridge.Ref.t()]) :: t()
-  def release_in(session, refs),
-    do: new("release", [Wire.value(session)], false, [Wire.value(refs)])
+  @spec cast_release(pid(), [VllmBridge.Ref.t()]) :: :ok
+  def cast_release(pid, refs) do
+    for {session, refs} <- Enum.group_by(refs, & &1.session) do
+      cast(pid, new("release", [Wire.value(session)], false, [Wire.value(refs)]), :infinity)
+    end
+
+    :ok
+  end
 
   # Deactivates the alias, then takes a reply that made it in before that, else drops
   # whatever else arrived and answers :timeout with `message`.

@@ -7,10 +7,10 @@ defmodule VllmBridge.Stream do
   within `timeout` ms of the previous one (and before the deadline). Each chunk is one
   element. Halting early (`Enum.take/2`, a `throw`, an exception in the consumer) sends
   `cancel`: the generator stops at its next chunk boundary and is closed, and the chunks
-  still on their way are dropped, with the references in them released (in their
-  session; outside a session, also those of chunks that had reached the enumerating
-  process unread: `VllmBridge.Session.LooseRefs`; within a session, those stay until the
-  session closes). If the enumerating process dies, the worker
+  still on their way are dropped, with the references in them released in their session,
+  also those of chunks that had reached the enumerating process unread (see
+  `VllmBridge.Session.LooseRefs` for what a process that dies takes with it). If the
+  enumerating process dies, the worker
   (which monitors it) cancels the stream the same way. An error during enumeration (a
   Python exception, a timeout, the worker dying) raises `VllmBridge.Error`. Enumerate a
   stream in one process: its chunks go to the process that began it.
@@ -137,23 +137,20 @@ defmodule VllmBridge.Stream do
 
   defp stop(%{done: true} = st), do: finished(st)
 
-  # Outside a session, chunks already on their way hold references nobody else can reach:
-  # settle with the worker (as VllmBridge.Request.give_up/2 does) and release those of
-  # the chunks that came before its :cancelled (it releases those of later ones itself).
-  # The answer comes on an alias of its own: the stream's may be gone already (a stream
-  # that raised), and the worker's messages keep their order whatever alias they use.
-  defp stop(%{handle: {pid, id, mref}, loose: true} = st) do
+  # Chunks already on their way hold references nobody else can reach (outside a session
+  # nobody would ever release them; in one, they would hold their objects until it
+  # closes): settle with the worker (as VllmBridge.Request.give_up/2 does) and release,
+  # in their session, those of the chunks that came before its :cancelled (it releases
+  # those of later ones itself). The answer comes on an alias of its own: the stream's
+  # may be gone already (a stream that raised), and the worker's messages keep their
+  # order whatever alias they use.
+  defp stop(%{handle: {pid, id, mref}} = st) do
     ack = :erlang.monitor(:process, pid, [{:alias, :demonitor}])
     send(pid, {:"$vb_settle", id, ack})
     refs = drain(mref, ack, [])
     Process.demonitor(ack, [:flush])
     Request.flush(ack)
-    if refs != [], do: Request.cast(pid, Request.release_loose(refs), :infinity)
-    finished(st)
-  end
-
-  defp stop(%{handle: {pid, id, _mref}} = st) do
-    send(pid, {:"$vb_cancel", id})
+    Request.cast_release(pid, refs)
     finished(st)
   end
 
@@ -164,7 +161,7 @@ defmodule VllmBridge.Stream do
 
       {^mref, :chunk, bin} ->
         case Wire.decode_reply(bin) do
-          {:ok, value} -> drain(mref, ack, Ref.collect(value, session: :none) ++ refs)
+          {:ok, value} -> drain(mref, ack, Ref.collect(value) ++ refs)
           {:error, _} -> drain(mref, ack, refs)
         end
 

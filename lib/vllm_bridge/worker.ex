@@ -366,11 +366,7 @@ defmodule VllmBridge.Worker do
   defp release_dropped(bin) do
     with {:ok, value} <- Wire.decode_reply(bin),
          [_ | _] = refs <- VllmBridge.Ref.collect(value) do
-      for {session, refs} <- Enum.group_by(refs, & &1.session) do
-        Request.cast(self(), Request.release_in(session, refs), :infinity)
-      end
-
-      :ok
+      Request.cast_release(self(), refs)
     else
       _ -> :ok
     end

@@ -239,6 +239,23 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     wait_until(fn -> refs(w) == base end)
   end
 
+  test "a stream in a session stopped early: its unread chunks' references go, the session stays",
+       %{w: w} do
+    base = refs(w)
+    s = session!()
+
+    {:ok, st} =
+      VllmBridge.stream({"rt_stream_support", "opaques"}, [50], %{}, opts(session_id: s.id))
+
+    [%Ref{session: sid} = kept] = Enum.take(st, 1)
+    assert sid == s.id
+    # The one it read stays the session's; the 49 it did not are released in it.
+    wait_until(fn -> refs(w) == base + 1 end)
+    assert {:ok, 0} = VllmBridge.get({kept, "value"}, opts(session_id: s.id))
+    :ok = Session.close(s)
+    wait_until(fn -> refs(w) == base end)
+  end
+
   test "a session's references stay the session's: the calling process does not own them",
        %{w: w} do
     base = refs(w)
