@@ -7,7 +7,9 @@ system time from ``/proc``, so Linux only; elsewhere that column is left out), a
 the worker's figures as ratios of the echo's: how much of a call's cost through the whole
 bridge is the Python worker's own. The two alternate for ``--rounds`` rounds; the median
 round of each counts. Last, the worker's own code for one call (decode, check, dispatch,
-call, encode, write to ``/dev/null``) is timed in this process, without pipes or threads. Part 6 of ``make bench``; alone, from the repository root::
+call, encode, write to ``/dev/null``) is timed in this process, without pipes or threads.
+A worker reply other than ``ok`` (or a ``log`` frame) ends the run with an error, and so
+does a peer silent for 30 s. Part 6 of ``make bench``; alone, from the repository root::
 
     .venv/bin/python bench/worker_alone.py [--calls N] [--in-flight K] [--rounds R]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import statistics
 import struct
 import subprocess
@@ -28,6 +31,17 @@ import msgpack
 HERE = Path(__file__).resolve().parent
 HEADER = struct.Struct(">I")
 TARGET = ["m", "vllm_bridge.forward_context", "is_forward_context_available"]
+#: Distinct request frames (ids) cycled through.
+FRAMES = 1024
+#: The most requests in flight: 256 frames of requests (and of the echo's replies) stay
+#: inside even a 64 KiB pipe, so the driver's blocking writes cannot meet a peer blocked
+#: on its own (no id is in flight twice either).
+MAX_IN_FLIGHT = 256
+#: Seconds a read may wait for the peer before the run is given up.
+READ_TIMEOUT_S = 30.0
+#: How a worker's reply of kind "ok" and its log frames begin (msgpack arrays).
+OK_PREFIX = b"\x93\xa2ok"
+LOG_PREFIX = b"\x94\xa3log"
 
 
 class Peer:
@@ -52,7 +66,8 @@ class Peer:
                 raise RuntimeError(f"{argv}: expected a hello frame first, got {kind!r}")
 
     def read_frames(self, at_least: int) -> list[bytes]:
-        """At least ``at_least`` whole frames (every whole frame already read, in fact)."""
+        """At least ``at_least`` whole frames (every whole frame already read, in fact);
+        waits at most :data:`READ_TIMEOUT_S` for each read."""
         frames: list[bytes] = []
         pos = 0
         while True:
@@ -65,10 +80,17 @@ class Peer:
             if len(frames) >= at_least:
                 del self._buf[:pos]
                 return frames
+            if not select.select([self.from_r], [], [], READ_TIMEOUT_S)[0]:
+                raise RuntimeError(f"{self.proc.args}: no frame within {READ_TIMEOUT_S} s")
             data = os.read(self.from_r, 1 << 16)
             if not data:
                 raise RuntimeError(f"{self.proc.args}: output ended after {len(frames)} frames")
             self._buf += data
+
+    def write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view.nbytes:
+            view = view[os.write(self.to_w, view) :]
 
     def cpu_ticks(self) -> int | None:
         try:
@@ -97,21 +119,35 @@ def request_frames(count: int) -> list[bytes]:
     return frames
 
 
+def replies(frames: list[bytes], worker: bool) -> int:
+    """How many of ``frames`` answer a call: every one of the echo's; of the worker's,
+    each ``ok`` (a ``log`` frame is skipped; anything else ends the run)."""
+    if not worker:
+        return len(frames)
+    n = 0
+    for frame in frames:
+        if frame.startswith(OK_PREFIX):
+            n += 1
+        elif not frame.startswith(LOG_PREFIX):
+            raise RuntimeError(f"the worker answered {msgpack.unpackb(frame)!r}")
+    return n
+
+
 def drive(
-    peer: Peer, frames: list[bytes], calls: int, in_flight: int
+    peer: Peer, frames: list[bytes], calls: int, in_flight: int, worker: bool
 ) -> tuple[float, float | None]:
     """``calls`` round trips with ``in_flight`` outstanding: (calls/s, CPU us per call)."""
     ticks0 = peer.cpu_ticks()
     start = time.perf_counter()
     sent = min(in_flight, calls)
-    os.write(peer.to_w, b"".join(frames[i % len(frames)] for i in range(sent)))
+    peer.write_all(b"".join(frames[i % len(frames)] for i in range(sent)))
     done = 0
     while done < calls:
-        got = len(peer.read_frames(1))
+        got = replies(peer.read_frames(1), worker)
         done += got
         more = min(got, calls - sent)
         if more:
-            os.write(peer.to_w, b"".join(frames[(sent + i) % len(frames)] for i in range(more)))
+            peer.write_all(b"".join(frames[(sent + i) % len(frames)] for i in range(more)))
             sent += more
     elapsed = time.perf_counter() - start
     ticks1 = peer.cpu_ticks()
@@ -148,28 +184,35 @@ def in_process(frame: bytes, calls: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=100_000, help="round trips per round")
-    parser.add_argument("--in-flight", type=int, default=32, help="requests outstanding")
+    parser.add_argument(
+        "--in-flight", type=int, default=32, help=f"requests outstanding (1 to {MAX_IN_FLIGHT})"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating")
     opts = parser.parse_args(argv)
     for name in ("calls", "in_flight", "rounds"):
         value = getattr(opts, name)
         if value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if opts.in_flight > MAX_IN_FLIGHT:
+        parser.error(f"--in-flight must be at most {MAX_IN_FLIGHT}, got {opts.in_flight}")
 
-    frames = request_frames(1024)
-    worker = Peer([sys.executable, "-m", "vllm_bridge.worker"], hello=True)
-    echo = Peer([sys.executable, str(HERE / "raw_echo.py")], hello=False)
+    frames = request_frames(FRAMES)
     results: dict[str, list[tuple[float, float | None]]] = {"worker": [], "echo": []}
+    peers: dict[str, Peer] = {}
     try:
+        peers["worker"] = Peer([sys.executable, "-m", "vllm_bridge.worker"], hello=True)
+        peers["echo"] = Peer([sys.executable, str(HERE / "raw_echo.py")], hello=False)
         warm = max(1, opts.calls // 10)
-        drive(worker, frames, warm, opts.in_flight)
-        drive(echo, frames, warm, opts.in_flight)
+        for key in ("worker", "echo"):
+            drive(peers[key], frames, warm, opts.in_flight, key == "worker")
         for _ in range(opts.rounds):
-            results["worker"].append(drive(worker, frames, opts.calls, opts.in_flight))
-            results["echo"].append(drive(echo, frames, opts.calls, opts.in_flight))
+            for key in ("worker", "echo"):
+                results[key].append(
+                    drive(peers[key], frames, opts.calls, opts.in_flight, key == "worker")
+                )
     finally:
-        worker.close()
-        echo.close()
+        for peer in peers.values():
+            peer.close()
 
     rate = {k: statistics.median(r for r, _ in v) for k, v in results.items()}
     cpus = {k: [c for _, c in v if c is not None] for k, v in results.items()}
