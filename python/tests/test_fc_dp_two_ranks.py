@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
+import torch
 
 from vllm_bridge.config import ParallelConfig, VllmConfig
 
@@ -86,8 +87,6 @@ def _cmd_coordinate_then_forward(config: dict, num_tokens: int) -> dict:
 def _cmd_collectives(rank: int, device: str) -> tuple:
     """dp_all_reduce and dp_all_gather of a tensor on ``device``: whether the sum landed in
     place, and where and what each result is."""
-    import torch
-
     from vllm_bridge import dp
 
     t = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], device=device)
@@ -204,9 +203,7 @@ def _ok(reply: tuple) -> Any:
         "cpu",
         pytest.param(
             "cuda",
-            marks=pytest.mark.skipif(
-                not __import__("torch").cuda.is_available(), reason="needs a CUDA device"
-            ),
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
         ),
     ],
 )

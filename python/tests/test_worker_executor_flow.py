@@ -9,13 +9,12 @@ room to the running stream, any other frame is a stream request of its id.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 
 import msgpack
 import pytest
 
-from vllm_bridge.protocol.framing import FrameReader
+from vllm_bridge.protocol.framing import FrameReader, write_frame
 from vllm_bridge.protocol.messages import Invoke
 from vllm_bridge.worker.executor import Executor
 
@@ -47,10 +46,8 @@ class Harness:
     def _on_frame(self, body) -> Invoke | None:
         msg = msgpack.unpackb(bytes(body))
         self.readers[msg[1]] = threading.current_thread()
-        if msg[0] == "credit":  # as the worker does: for the stream running, if it is it
-            running = self.executor.running
-            if running is not None and running.id == msg[1] and running.flow is not None:
-                running.flow.grant(msg[2])
+        if msg[0] == "credit":  # as the worker does
+            self.executor.grant(msg[1], msg[2])
             return None
         return Invoke("stream", msg[1], None, None, args=[msg[2]])
 
@@ -68,8 +65,7 @@ class Harness:
             self.cond.notify_all()
 
     def send(self, msg) -> None:
-        body = msgpack.packb(msg)
-        os.write(self.write_fd, struct.pack(">I", len(body)) + body)
+        write_frame(msgpack.packb(msg), self.write_fd)
 
     def wait_for(self, reply) -> None:
         with self.cond:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from vllm_bridge import PROTOCOL_VERSION

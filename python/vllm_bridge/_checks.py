@@ -61,10 +61,20 @@ def check_list_of(name: str, value: Any, cls: type, *, optional: bool = False) -
     raise TypeError(f"{name} must be a list of {cls.__name__}{suffix}, got {value!r}")
 
 
+def is_count_tensor(value: Any) -> bool:
+    """Whether ``value`` is a 1-D integer tensor (of token counts)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 1
+        and not value.is_floating_point()
+        and not value.is_complex()
+    )
+
+
 def as_count_tensor(name: str, value: Any) -> torch.Tensor:
     """A 1-D CPU integer tensor of token counts from a tensor or a list of ints >= 0."""
     if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
+        if not is_count_tensor(value):
             raise ValueError(
                 f"{name} must be a 1-D integer tensor, got {value.dtype} of shape "
                 f"{tuple(value.shape)}"

@@ -1,26 +1,22 @@
 """Joining a DP group: rank 0's rendezvous store, the wait for it, and
 ``init_process_group``, each bounded by the group's timeout (:func:`rendezvous`).
 
-Part of :mod:`vllm_bridge.dp`, which holds the group's state; the errors are that module's.
+Part of :mod:`vllm_bridge.dp`, which holds the group's state and imports this module; the
+errors are that module's (``dp`` here, read when raised, so the circular import is safe
+as long as ``vllm_bridge.dp`` is what gets imported first, as it always is).
 """
+
+from __future__ import annotations
 
 import datetime
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from vllm_bridge.dp import DPGroupInfo
-
-
-def _errors() -> tuple[type[Exception], type[Exception]]:
-    # vllm_bridge.dp imports this module; its error classes are read when first needed.
-    from vllm_bridge.dp import DPGroupError, DPTimeoutError
-
-    return DPGroupError, DPTimeoutError
+from vllm_bridge import dp
 
 
 def _wait_for_master(addr: str, port: int, deadline: float, rank: int) -> None:
@@ -31,14 +27,14 @@ def _wait_for_master(addr: str, port: int, deadline: float, rank: int) -> None:
                 return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise _errors()[1](
+                raise dp.DPTimeoutError(
                     f"DP rank {rank}: no rank 0 rendezvous at {addr}:{port} "
                     f"within the timeout ({exc})"
                 ) from None
             time.sleep(0.05)
 
 
-def _open_store(info: "DPGroupInfo", timeout: datetime.timedelta, deadline: float) -> dist.Store:
+def _open_store(info: dp.DPGroupInfo, timeout: datetime.timedelta, deadline: float) -> dist.Store:
     """Host (rank 0) or connect to the rendezvous store, giving up at ``deadline``.
 
     A client whose connection is accepted by something that never answers (a frozen rank 0,
@@ -67,18 +63,18 @@ def _open_store(info: "DPGroupInfo", timeout: datetime.timedelta, deadline: floa
     thread.start()
     thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
     if not result:
-        raise _errors()[1](
+        raise dp.DPTimeoutError(
             f"DP rank {info.rank}: {where} accepted the connection but did not answer as a "
             f"rendezvous store within {info.timeout_s} s"
         )
     if isinstance(result[0], BaseException):
-        raise _errors()[0](
+        raise dp.DPGroupError(
             f"DP rank {info.rank}: cannot open the rendezvous store at {where}: {result[0]}"
         ) from result[0]
     return result[0]
 
 
-def rendezvous(info: "DPGroupInfo") -> dist.Store:
+def rendezvous(info: dp.DPGroupInfo) -> dist.Store:
     """Meet the other ranks: returns the store the process group was set up on."""
     timeout = datetime.timedelta(seconds=info.timeout_s)
     deadline = time.monotonic() + info.timeout_s
@@ -100,10 +96,8 @@ def rendezvous(info: "DPGroupInfo") -> dist.Store:
             dist.destroy_process_group()
         elif group_count is not None:
             world.group_count = group_count
-        raise _errors()[1](
+        raise dp.DPTimeoutError(
             f"DP rank {info.rank} of {info.world_size}: not every rank joined at {where} "
             f"within {info.timeout_s} s ({str(exc).splitlines()[0]})"
         ) from exc
     return store
-
-

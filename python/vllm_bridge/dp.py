@@ -140,8 +140,18 @@ def init_dp_group(
         DPGroupError: this process is already in a different group.
     """
     global _state
-    settings = resolve_settings(rank, world_size, master_addr, master_port, backend, timeout_s)
-    info = DPGroupInfo(*settings, device=_group_device(settings[0], settings[4]))
+    rank, world_size, master_addr, master_port, backend, timeout_s = resolve_settings(
+        rank, world_size, master_addr, master_port, backend, timeout_s
+    )
+    info = DPGroupInfo(
+        rank,
+        world_size,
+        master_addr,
+        master_port,
+        backend,
+        timeout_s,
+        device=_group_device(rank, backend),
+    )
 
     with _lock:
         if _state is not None:

@@ -34,6 +34,7 @@ from vllm_bridge._checks import (
     check_int,
     check_list_of,
     check_optional_int,
+    is_count_tensor,
 )
 from vllm_bridge.batchsize import (
     configure_batchsize_tracking,
@@ -189,12 +190,7 @@ class DPMetadata:
 
     def __post_init__(self) -> None:
         counts, most = self.num_tokens_across_dp_cpu, self.max_tokens_across_dp_cpu
-        if (
-            not isinstance(counts, torch.Tensor)
-            or counts.dim() != 1
-            or counts.is_floating_point()
-            or counts.is_complex()
-        ):
+        if not is_count_tensor(counts):
             raise TypeError(
                 "num_tokens_across_dp_cpu must be a 1-D integer tensor, got "
                 f"{counts!r:.100}"

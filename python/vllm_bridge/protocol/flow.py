@@ -32,9 +32,10 @@ class Flow:
 
     def __init__(
         self,
-        window: int = STREAM_WINDOW,
-        others_waiting: Callable[[], bool] = lambda: False,
-        before_wait: Callable[[], None] = lambda: None,
+        window: int,
+        *,
+        others_waiting: Callable[[], bool],
+        before_wait: Callable[[], None],
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive int, got {window!r}")

@@ -53,6 +53,8 @@ class Request:
     deadline: float | None
     #: Set by the reader thread when a ``cancel`` for this id arrives.
     cancelled: bool = field(default=False, compare=False)
+    #: A stream's room (:class:`vllm_bridge.protocol.flow.Flow`), set when it starts.
+    flow: Any = field(default=None, compare=False)
 
 
 @dataclass(slots=True)
@@ -64,8 +66,6 @@ class Invoke(Request):
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: True when args or kwargs hold dataclass/enum values or references.
     special: bool = False
-    #: A stream's room (:class:`vllm_bridge.protocol.flow.Flow`), set when it starts.
-    flow: Any = field(default=None, compare=False)
 
 
 @dataclass(slots=True)
@@ -161,7 +161,7 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
         return Control(kind, rid)
     if kind == "credit":
         n = msg[2]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not (_is_id(n) and n > 0):
             raise RequestError(f"credit n must be a positive integer, got {n!r:.60}", rid)
         return Control(kind, rid, {"n": n})
     if kind == "hello":

@@ -42,14 +42,15 @@ class Dispatcher:
         resolver: TargetResolver,
         registry: TypeRegistry,
         channel: Channel,
+        open_flow: Callable[[Request], Flow],
     ) -> None:
         self.sessions = sessions
         self.resolver = resolver
         self.registry = registry
         self.channel = channel
-        #: The flow control of a stream request (the worker sets the executor's
+        #: Makes the flow control of a stream request (the worker passes the executor's
         #: :meth:`~vllm_bridge.worker.executor.Executor.open_flow`).
-        self.open_flow: Callable[[Request], Flow] = _own_flow
+        self.open_flow = open_flow
 
     # -- entry points (execution thread) -------------------------------------------------
 
@@ -59,16 +60,18 @@ class Dispatcher:
 
         Never raises: failures become the ``error`` reply.
         """
-        if isinstance(req, Close):
-            return self._close(req)
-        if isinstance(req, Abandon):
-            self._abandon(req)
-            return None
-        if isinstance(req, Release):
+        if isinstance(req, (Invoke, Exit)):  # the common kinds first
+            session = self.sessions.get(req.session)
+        elif isinstance(req, Release):
             # A release never brings a session into being: one closed (or never used) has
             # nothing left to release, and must not come back empty, never to be closed.
             found = self.sessions.find(req.session)
             session = found if found is not None else Session(req.session)
+        elif isinstance(req, Close):
+            return self._close(req)
+        elif isinstance(req, Abandon):
+            self._abandon(req)
+            return None
         else:
             session = self.sessions.get(req.session)
         return session.context.run(self._in_session, req, session)
@@ -183,17 +186,19 @@ class Dispatcher:
         except BaseException:
             self.sessions.drop(session, handle.ref_id)
             raise
-        entered = session.contexts[handle.ref_id] = EnteredContext(manager, exit_, req.id)
+        entered = EnteredContext(manager, exit_, req.id)
         if req.cancelled:
             # The caller gave up while __enter__ ran: it will never learn the handle, so
             # nobody could exit the context; leave it now, cleanly (nothing ran inside).
-            del session.contexts[handle.ref_id]
+            # (A cancel that comes after this look finds the enter finished: its Abandon
+            # exits the context then.)
             self.sessions.drop(session, handle.ref_id)
             self._call_exit(entered, None)
             raise Cancelled(
                 f"enter {req.id} was cancelled while {where} was being entered; "
                 "the context was exited again"
             )
+        session.contexts[handle.ref_id] = entered
         try:
             return self._reply(req, session, "ok", [handle, value])
         except BaseException as exc:
@@ -313,9 +318,3 @@ class Dispatcher:
         else:
             err = error_map(exc, self.sessions.record(session, exc))
         return self.channel.encoder.encode(["error", req.id, err])
-
-
-def _own_flow(req: Request) -> Flow:
-    """The flow control of a stream run by a dispatcher with no executor: the window only."""
-    flow = req.flow = Flow()
-    return flow

@@ -105,11 +105,6 @@ class Executor:
         self.thread.start()
 
     @property
-    def running(self) -> Request | None:
-        """The request running now, if any."""
-        return self._running
-
-    @property
     def running_id(self) -> int | None:
         """Id of the request running now, if any."""
         running = self._running
@@ -127,9 +122,8 @@ class Executor:
             self._queue.append(request)
             self._cond.notify_all()
             running = self._running
-        flow = getattr(running, "flow", None)
-        if flow is not None:
-            flow.nudge()
+        if running is not None and running.flow is not None:
+            running.flow.nudge()
 
     def open_flow(self, request: Request, window: int = STREAM_WINDOW) -> Flow:
         """The flow control of the stream ``request`` runs, attached to it under the lock,
@@ -144,6 +138,14 @@ class Executor:
             if self._stopping or request.cancelled:
                 flow.stop()
         return flow
+
+    def grant(self, request_id: int, n: int) -> None:
+        """Room for ``n`` more chunks to the stream ``request_id``, if it is the one
+        running (a credit for any other request is ignored)."""
+        with self._cond:
+            running = self._running
+            if running is not None and running.id == request_id and running.flow is not None:
+                running.flow.grant(n)
 
     def _want_reader(self) -> None:
         # The running request is about to wait for a frame: the watcher takes the reading
@@ -174,7 +176,13 @@ class Executor:
 
     def stop(self) -> None:
         """Drop the queue; after the running request (if any) the thread runs ``final``."""
+        self._halt()
+
+    def _halt(self) -> bool:
+        # Drop the queue, stop a running stream's wait, wake both threads; True the first
+        # time (stop() or the end of the input, whichever comes first).
         with self._cond:
+            first = not self._stopping
             self._queue.clear()
             self._stopping = True
             self._cond.notify_all()
@@ -182,6 +190,7 @@ class Executor:
                 _stop_flow(self._running)
         self._wake()
         self._watcher_wake.set()
+        return first
 
     # -- the execution thread ------------------------------------------------------------
 
@@ -270,7 +279,6 @@ class Executor:
                     and (self._started == seen or self._urgent)
                 )
                 seen = self._started
-                self._urgent = False
                 if take:
                     self._role = _WATCH
             if take:
@@ -320,18 +328,8 @@ class Executor:
         except FrameError as exc:
             _log.error("input stream broken: %s", exc)
             body = None
-        if body is None:
-            with self._cond:
-                first = not self._stopping
-                self._queue.clear()
-                self._stopping = True
-                self._cond.notify_all()
-                if self._running is not None:
-                    _stop_flow(self._running)
-            self._wake()
-            self._watcher_wake.set()
-            if first:
-                self._on_eof()
+        if body is None and self._halt():
+            self._on_eof()
         return body
 
     def _wake(self) -> None:
@@ -343,6 +341,5 @@ class Executor:
 
 def _stop_flow(request: Request) -> None:
     """A stream waiting for credit stops waiting (it was cancelled, or the input ended)."""
-    flow = getattr(request, "flow", None)
-    if flow is not None:
-        flow.stop()
+    if request.flow is not None:
+        request.flow.stop()

@@ -154,7 +154,12 @@ class Worker:
         self.channel = Channel(Encoder(self.registry))
         self.sessions = Sessions(self.instance, max_refs)
         self.dispatcher = Dispatcher(
-            self.sessions, TargetResolver(modules), self.registry, self.channel
+            self.sessions,
+            TargetResolver(modules),
+            self.registry,
+            self.channel,
+            # The executor is made next, with the dispatcher's entry points.
+            lambda request: self.executor.open_flow(request),
         )
         self.executor = Executor(
             self.dispatcher.handle,
@@ -165,7 +170,6 @@ class Worker:
             # The port is gone: replies and log frames have no reader any more.
             on_eof=self.channel.close,
         )
-        self.dispatcher.open_flow = self.executor.open_flow
 
     def serve(self) -> int:
         """Announce, then serve until EOF; returns the exit status."""
@@ -232,10 +236,7 @@ class Worker:
                 # cancel; also when the mark came too late for the enter to see it.
                 return Abandon("abandon", req.id, None, None)
         elif req.kind == "credit":
-            running = self.executor.running
-            flow = getattr(running, "flow", None)
-            if flow is not None and running.id == req.id:
-                flow.grant(req.info["n"])
+            self.executor.grant(req.id, req.info["n"])
         elif req.kind == "hello":
             version = (req.info or {}).get("protocol")
             if version == PROTOCOL_VERSION:
