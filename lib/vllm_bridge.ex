@@ -205,13 +205,7 @@ defmodule VllmBridge do
   end
 
   def with_context(_target, _args, _kwargs, _opts, other),
-    do:
-      {:error,
-       Error.new(
-         :bad_argument,
-         "with_context needs a function of one argument (the entered value), got " <>
-           inspect(other, limit: 5)
-       )}
+    do: not_a_function("with_context", "the entered value", other)
 
   # Enter, run `fun` with the session as this process's current one, always exit.
   defp with_context_in(session, target, args, kwargs, opts, fun) do
@@ -354,14 +348,15 @@ defmodule VllmBridge do
     end
   end
 
-  def with_session(other, _opts),
-    do:
-      {:error,
-       Error.new(
-         :bad_argument,
-         "with_session needs a function of one argument (the session), got " <>
-           inspect(other, limit: 5)
-       )}
+  def with_session(other, _opts), do: not_a_function("with_session", "the session", other)
+
+  defp not_a_function(name, argument, other) do
+    {:error,
+     Error.new(
+       :bad_argument,
+       "#{name} needs a function of one argument (#{argument}), got #{inspect(other, limit: 5)}"
+     )}
+  end
 
   # -- the common path --------------------------------------------------------------------
 

@@ -84,9 +84,18 @@ defmodule VllmBridge.Bench do
 
     say.("the Python parts: multiprocessing, the forward context, the worker alone (3, 5, 6) ...")
     mp = PythonPeers.mp_pool_apply(python, part.(:mp))
-    fc = PythonPeers.forward_context(python, part.(:fc_args))
-    alone = PythonPeers.worker_alone(python, part.(:alone_args))
-    {report, targets} = report(hello, lat, thr, mp, ten, {fc, alone}, opts[:quick])
+
+    # Sections 5 and 6, printed as the scripts report themselves.
+    printed =
+      for {title, script, args} <- [
+            {"5. forward context", "forward_context_bench.py", :fc_args},
+            {"6. the Python side alone", "worker_alone.py", :alone_args}
+          ] do
+        lines = PythonPeers.lines(python, script, part.(args))
+        ["", "#{title} (bench/#{script})" | Enum.map(lines, &("   " <> &1))]
+      end
+
+    {report, targets} = report(hello, lat, thr, mp, ten, Enum.concat(printed), opts[:quick])
     Enum.each(report, out)
     if Keyword.get(opts, :write, true), do: write(report, out)
     %{report: report, targets: targets}
@@ -114,7 +123,7 @@ defmodule VllmBridge.Bench do
     end
   end
 
-  defp report(hello, lat, thr, mp, ten, {fc, alone}, quick) do
+  defp report(hello, lat, thr, mp, ten, printed, quick) do
     full50 = Stats.percentile(lat.full, 50)
     raw50 = Stats.percentile(lat.raw, 50)
     ratio = full50 / raw50
@@ -157,8 +166,7 @@ defmodule VllmBridge.Bench do
         throughput_lines(thr, share) ++
         mp_lines(mp, full50, speedup) ++
         tensor_lines(ten) ++
-        ["", "5. forward context (bench/forward_context_bench.py)" | Enum.map(fc, &("   " <> &1))] ++
-        ["", "6. the Python side alone (bench/worker_alone.py)" | Enum.map(alone, &("   " <> &1))] ++
+        printed ++
         ["", "targets (ratios against floors measured in this run):"] ++
         Enum.map(targets, fn {name, ok} -> "   #{if ok, do: "PASS", else: "MISS"}  #{name}" end)
 

@@ -118,14 +118,7 @@ defmodule VllmBridge.Demo do
   defp load(ranks, path, out) do
     infos =
       Ranks.both(ranks, fn rank ->
-        Ranks.run!(
-          ranks,
-          rank,
-          "create_runner",
-          &Runner.create_runner([{:__runtime__, &1} | @runner_opts])
-        )
-
-        Ranks.run!(ranks, rank, "load_model", &Runner.load_model(path, __runtime__: &1))
+        Ranks.load_runner!(ranks, rank, path, @runner_opts)
         Ranks.run!(ranks, rank, "runner_info", &Runner.runner_info(__runtime__: &1))
       end)
 

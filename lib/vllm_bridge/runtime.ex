@@ -94,13 +94,16 @@ defmodule VllmBridge.Runtime do
 
   def resolve(nil, kind), do: resolve([], kind)
 
+  # The bit of quick/3's `seen` that says session_id was given (see @quick_bits).
+  @session_bit 2
+
   def resolve(opts, kind) when is_list(opts) do
     now = System.monotonic_time(:millisecond)
 
     with [] <- Application.get_env(:vllm_bridge, :runtime, []),
          {:ok, rt, seen} <- quick(opts, %__MODULE__{}, 0) do
       budget = if kind == :stream, do: rt.stream_timeout, else: rt.timeout
-      rt = if Bitwise.band(seen, 2) == 0, do: current_session(rt), else: rt
+      rt = if Bitwise.band(seen, @session_bit) == 0, do: current_session(rt), else: rt
       {:ok, %{rt | deadline: deadline(now, budget)}}
     else
       _ -> full_resolve(opts, kind, now)
@@ -112,7 +115,13 @@ defmodule VllmBridge.Runtime do
 
   # No `:runtime` config: the call's own options over the table's defaults, in one pass.
   # A profile, a key given twice, or a value that needs a message takes the full path.
-  @quick_bits %{pool_name: 1, session_id: 2, timeout: 4, stream_timeout: 8, affinity: 16}
+  @quick_bits %{
+    pool_name: 1,
+    session_id: @session_bit,
+    timeout: 4,
+    stream_timeout: 8,
+    affinity: 16
+  }
 
   defp quick([], rt, seen), do: {:ok, rt, seen}
 
@@ -163,7 +172,7 @@ defmodule VllmBridge.Runtime do
   # with_session/with_… function runs; VllmBridge.Session.current/0), unless it names
   # another pool.
   defp current_session(rt) do
-    case Process.get({VllmBridge.Session, :current}) do
+    case VllmBridge.Session.current() do
       %{id: id, pool: pool} when not rt.pool_given? or rt.pool_name == pool ->
         %{rt | session_id: id, session_current?: true}
 

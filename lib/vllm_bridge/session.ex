@@ -51,7 +51,7 @@ defmodule VllmBridge.Session do
 
   @open_keys [:pool_name, :worker, :owner, :id]
 
-  # The process-dictionary key of the current session (read by VllmBridge.Runtime too).
+  # The process-dictionary key of the current session (current/0, with_current/2).
   @current {__MODULE__, :current}
 
   @doc """

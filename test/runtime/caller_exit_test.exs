@@ -24,20 +24,13 @@ defmodule VllmBridge.Runtime.CallerExitTest do
   setup do
     [%{pid: w, instance: instance}] = workers!(@pool)
     {:ok, meta} = Pool.meta(@pool)
-    wait_until(fn -> idle?(w, meta) end)
+    wait_until(fn -> worker_idle?(w, meta) end)
     {:ok, _} = diag("exit_log", [true])
     %{w: w, meta: meta, instance: instance}
   end
 
-  defp idle?(w, meta) do
-    Slots.load(meta, 0) == 0 and Worker.in_flight(w) == 0 and
-      match?({:ok, %{"running" => nil, "queued" => 0}}, Worker.ping(w))
-  end
-
   defp diag(fun, args, opts \\ []),
     do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
-
-  defp running?(w), do: match?({:ok, %{"running" => id}} when is_integer(id), Worker.ping(w))
 
   # Less than the 30 minutes of stream_timeout or :infinity, more than a busy machine needs.
   @prompt 15_000
@@ -59,7 +52,7 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     assert_receive {:chunk, 2}, 30_000
     Process.exit(consumer, :kill)
 
-    wait_until(fn -> idle?(w, meta) end, @prompt, "the orphaned stream cancelled")
+    wait_until(fn -> worker_idle?(w, meta) end, @prompt, "the orphaned stream cancelled")
 
     assert {:ok, [%{"name" => "orphan", "type" => "builtins.GeneratorExit"}]} =
              diag("exit_log", [])
@@ -81,7 +74,7 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     assert running?(w)
     wait_until(fn -> Slots.load(meta, 0) == 1 end)
     unhold(first)
-    wait_until(fn -> idle?(w, meta) end, @prompt, "the dead caller's call dropped")
+    wait_until(fn -> worker_idle?(w, meta) end, @prompt, "the dead caller's call dropped")
     assert [%{instance: ^instance}] = workers!(@pool)
   end
 
@@ -91,7 +84,7 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     wait_until(fn -> running?(w) end)
     Process.exit(caller, :kill)
 
-    wait_until(fn -> idle?(w, meta) end, @prompt)
+    wait_until(fn -> worker_idle?(w, meta) end, @prompt)
     assert [%{instance: ^instance}] = workers!(@pool)
     assert {:ok, 2} = diag("add", [1, 1])
   end
@@ -117,7 +110,7 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     wait_until(fn -> Worker.in_flight(w) > 0 end)
     Enum.each(callers, &Process.exit(&1, :kill))
 
-    wait_until(fn -> idle?(w, meta) end, @prompt)
+    wait_until(fn -> worker_idle?(w, meta) end, @prompt)
     assert Slots.waiting(meta) == 0
     assert {:ok, 5} = diag("add", [2, 3])
   end

@@ -10,6 +10,14 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
 
   alias VllmBridge.{Request, Wire}
 
+  # Sends an enter of diag.recorder(name) in session `s` straight to worker `w`, as
+  # VllmBridge.enter/4 would, without waiting: the request's handle.
+  defp send_enter(w, s, name) do
+    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "recorder"}, [name], %{})
+    req = Request.new("enter", [Wire.value(s.id)], true, parts)
+    Request.send_request(w, req, :infinity, false, :reply_demonitor)
+  end
+
   describe "context managers" do
     test "enter returns the handle and value; exit leaves the context" do
       s = session!()
@@ -184,9 +192,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
           busy = hold(pool_name: @pool, session_id: other.id)
           send(me, {:busy, busy})
 
-          wait_until(fn ->
-            match?({:ok, %{"running" => id}} when is_integer(id), Worker.ping(w))
-          end)
+          wait_until(fn -> running?(w) end)
 
           :body_done
         end)
@@ -217,7 +223,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
                )
 
       assert m =~ "enter"
-      wait_until(fn -> idle?(w, meta) end)
+      wait_until(fn -> worker_idle?(w, meta) end)
       # Exited cleanly once __enter__ returned; the session is as it was.
       assert [%{"name" => "late", "type" => nil}] = exit_log()
       assert {:ok, nil} = diag("get_var", [], session_id: s.id)
@@ -229,13 +235,10 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
          %{w: w, meta: meta} do
       s = session!()
       {:ok, %{"refs" => refs}} = Worker.ping(w)
-      {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "recorder"}, ["orphan"], %{})
-      req = Request.new("enter", [Wire.value(s.id)], true, parts)
-
       # The caller gives up before the worker process has seen the reply (both messages
       # wait in its mailbox): it answers :cancelled, and the reply, ok, is dropped.
       :sys.suspend(w)
-      {_, id, mref} = Request.send_request(w, req, :infinity, false, :reply_demonitor)
+      {_, id, mref} = send_enter(w, s, "orphan")
       send(w, {:"$vb_settle", id, mref})
       :sys.resume(w)
 
@@ -243,7 +246,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       # At once, no waiting: the session's next call already runs outside the context.
       assert {:ok, nil} = diag("get_var", [], session_id: s.id)
       assert [%{"name" => "orphan", "type" => nil}] = exit_log()
-      wait_until(fn -> idle?(w, meta) end)
+      wait_until(fn -> worker_idle?(w, meta) end)
       assert {:ok, %{"refs" => ^refs}} = Worker.ping(w)
       refute_received {^mref, :reply, _}
     end
@@ -266,9 +269,9 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
         end)
 
       assert_receive :entering
-      wait_until(fn -> match?({:ok, %{"running" => id}} when is_integer(id), Worker.ping(w)) end)
+      wait_until(fn -> running?(w) end)
       Process.exit(pid, :kill)
-      wait_until(fn -> idle?(w, meta) end)
+      wait_until(fn -> worker_idle?(w, meta) end)
       assert {:ok, nil} = diag("get_var", [], session_id: s.id)
       assert [%{"name" => "dead", "type" => nil}] = exit_log()
     end
@@ -276,9 +279,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
     test "a caller that gives up on an enter whose reply was passed on keeps the context",
          %{w: w} do
       s = session!()
-      {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "recorder"}, ["mine"], %{})
-      req = Request.new("enter", [Wire.value(s.id)], true, parts)
-      {_, _, mref} = handle = Request.send_request(w, req, :infinity, false, :reply_demonitor)
+      {_, _, mref} = handle = send_enter(w, s, "mine")
       # The reply is in this process's mailbox, not yet taken, when the caller gives up.
       wait_until(fn -> match?({:messages, [_ | _]}, Process.info(self(), :messages)) end)
 

@@ -115,7 +115,7 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     {ws, _meta} = await_idle!(pool)
     [s0, s1] = for i <- 0..1, do: elem(Session.open(pool_name: pool, worker: i), 1)
     o = [pool_name: pool]
-    count = fn i -> elem(Worker.ping(Enum.at(ws, i).pid), 1)["refs"] end
+    count = &refs(Enum.at(ws, &1).pid)
     bases = {count.(0), count.(1)}
 
     # One reference on each worker: the other one is held busy while the owner calls.
@@ -196,7 +196,7 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     assert {:error, %Error{type: :timeout}} =
              VllmBridge.call({"rt_stream_support", "slow_opaque"}, [0.3], %{}, opts(timeout: 100))
 
-    wait_until(fn -> idle?(w, meta) end)
+    wait_until(fn -> worker_idle?(w, meta) end)
     wait_until(fn -> refs(w) == base end)
   end
 
@@ -214,7 +214,7 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
                opts(timeout: 100, session_id: s.id)
              )
 
-    wait_until(fn -> idle?(w, meta) end)
+    wait_until(fn -> worker_idle?(w, meta) end)
     # Released in the session while it is open (before: held until it closed).
     wait_until(fn -> refs(w) == base + 1 end)
     assert {:ok, 7} = VllmBridge.get({kept, "value"}, opts(session_id: s.id))

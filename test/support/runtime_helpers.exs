@@ -49,6 +49,19 @@ defmodule VllmBridge.RuntimeHelpers do
     {ws, meta}
   end
 
+  @doc "Whether worker `w` runs a request now (its Python side says so)."
+  def running?(w),
+    do: match?({:ok, %{"running" => id}} when is_integer(id), VllmBridge.Worker.ping(w))
+
+  @doc """
+  Whether worker `w` (index 0 of the pool with `meta`) is idle: no slot taken, nothing in
+  its table, nothing running or queued on the Python side.
+  """
+  def worker_idle?(w, meta) do
+    Slots.load(meta, 0) == 0 and VllmBridge.Worker.in_flight(w) == 0 and
+      match?({:ok, %{"running" => nil, "queued" => 0}}, VllmBridge.Worker.ping(w))
+  end
+
   @doc "Whether an OS process is alive (and not a zombie)."
   def os_alive?(os_pid), do: Launcher.alive?(os_pid)
 

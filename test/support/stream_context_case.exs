@@ -32,14 +32,9 @@ defmodule VllmBridge.StreamContextCase do
       setup do
         [%{pid: w}] = workers!(@pool)
         {:ok, meta} = Pool.meta(@pool)
-        wait_until(fn -> idle?(w, meta) end)
+        wait_until(fn -> worker_idle?(w, meta) end)
         {:ok, _} = diag("exit_log", [true])
         %{w: w, meta: meta}
-      end
-
-      defp idle?(w, meta) do
-        Slots.load(meta, 0) == 0 and
-          match?({:ok, %{"running" => nil, "queued" => 0}}, Worker.ping(w))
       end
 
       defp opts(extra \\ []), do: [pool_name: @pool] ++ extra

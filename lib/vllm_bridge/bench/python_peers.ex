@@ -25,16 +25,13 @@ defmodule VllmBridge.Bench.PythonPeers do
     end
   end
 
-  @doc "Runs `bench/worker_alone.py` with `args`; its output lines."
-  @spec worker_alone(String.t(), [String.t()]) :: [String.t()]
-  def worker_alone(python, args) do
-    python |> run!(["bench/worker_alone.py" | args]) |> String.split("\n", trim: true)
-  end
-
-  @doc "Runs `bench/forward_context_bench.py` with `args`; its output lines."
-  @spec forward_context(String.t(), [String.t()]) :: [String.t()]
-  def forward_context(python, args) do
-    python |> run!(["bench/forward_context_bench.py" | args]) |> String.split("\n", trim: true)
+  @doc """
+  Runs the script `bench/<script>` with `args` (`bench/forward_context_bench.py`,
+  `bench/worker_alone.py`: they report themselves); its output lines.
+  """
+  @spec lines(String.t(), String.t(), [String.t()]) :: [String.t()]
+  def lines(python, script, args) do
+    python |> run!([Path.join("bench", script) | args]) |> String.split("\n", trim: true)
   end
 
   defp run!(python, args) do

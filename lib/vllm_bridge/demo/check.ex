@@ -27,8 +27,7 @@ defmodule VllmBridge.Demo.Check do
   @spec run(Ranks.t(), String.t(), [{[map()], [map()]}], keyword()) :: result()
   def run(ranks, weights_path, steps, runner_opts) do
     opts = Keyword.merge(runner_opts, data_parallel_size: 1, data_parallel_rank: 0)
-    Ranks.run!(ranks, 0, "create_runner", &Runner.create_runner([{:__runtime__, &1} | opts]))
-    Ranks.run!(ranks, 0, "load_model", &Runner.load_model(weights_path, __runtime__: &1))
+    Ranks.load_runner!(ranks, 0, weights_path, opts)
 
     steps
     |> Enum.with_index(1)

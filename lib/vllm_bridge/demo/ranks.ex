@@ -12,11 +12,12 @@ defmodule VllmBridge.Demo.Ranks do
   them).
 
   Calls go through the generated bindings (`run!/4` hands them the rank's session and the
-  `:ml_inference` timeout profile. `both/2` runs one function per rank concurrently (one
+  `:ml_inference` timeout profile). `both/2` runs one function per rank concurrently (one
   task per rank): the DP collectives need every rank inside the same call at once.
   """
 
   alias VllmBridge.{Error, Pool, Session}
+  alias Vllm.Runner.Module, as: Runner
 
   @enforce_keys [:pool, :sessions, :size, :master_port]
   defstruct [:pool, :sessions, :size, :master_port]
@@ -157,6 +158,16 @@ defmodule VllmBridge.Demo.Ranks do
       {:error, %Error{} = e} ->
         raise %{e | message: "DP rank #{rank}: #{what} failed: #{e.message}"}
     end
+  end
+
+  @doc """
+  Makes rank `rank`'s model runner (`create_runner` with `runner_opts`) and loads the
+  weights saved at `weights_path` into it; raises as `run!/4` does.
+  """
+  @spec load_runner!(t(), non_neg_integer(), String.t(), keyword()) :: term()
+  def load_runner!(ranks, rank, weights_path, runner_opts) do
+    run!(ranks, rank, "create_runner", &Runner.create_runner([{:__runtime__, &1} | runner_opts]))
+    run!(ranks, rank, "load_model", &Runner.load_model(weights_path, __runtime__: &1))
   end
 
   @doc """
