@@ -1,38 +1,44 @@
-"""Generators for the stream tests of the Elixir runtime (test/runtime/stream_context_test.exs).
-
-``vllm_bridge.diag`` has no generator that fails part-way; this one does.
+"""Generators and calls for the runtime tests of the Elixir side (test/runtime/: the
+stream, context-manager and loose-reference tests), beyond what ``vllm_bridge.diag`` has:
+a generator that fails part-way, objects that travel only as references, and a stream
+that reports its context's diagnostic variable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
+
+from vllm_bridge import diag
+
+
+def _check_n(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
 
 
 def fail_after(n: int, message: str) -> Iterator[int]:
     """Yield ``0 .. n-1``, then raise ``RuntimeError(message)``."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    _check_n(n)
     yield from range(n)
     raise RuntimeError(message)
 
 
 def opaques(n: int) -> Iterator[object]:
     """Yield ``n`` objects that can only travel as references (``vllm_bridge.diag.Opaque``)."""
-    from vllm_bridge.diag import Opaque
-
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    _check_n(n)
     for i in range(n):
-        yield Opaque(i)
+        yield diag.Opaque(i)
 
 
 def slow_opaque(delay: float) -> object:
-    """Sleep ``delay`` seconds, then return an object that can only travel as a reference."""
-    import time
+    """Sleep ``delay`` seconds (``diag.sleep``), then return an object that can only travel
+    as a reference."""
+    return diag.Opaque(diag.sleep(delay))
 
-    from vllm_bridge.diag import Opaque
 
-    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
-        raise ValueError(f"delay must be a non-negative number, got {delay!r}")
-    time.sleep(delay)
-    return Opaque(delay)
+def vars_seen(n: int) -> Iterator[Any]:
+    """Yield the context's diagnostic variable (``diag.get_var``) ``n`` times."""
+    _check_n(n)
+    for _ in range(n):
+        yield diag.get_var()
