@@ -4,8 +4,14 @@
    allow-listed modules: atoms, tuples, tensors, big integers and :class:`Ref` come out
    as they are (the large tensors of a large frame are copied out of it once, see
    :mod:`~vllm_bridge.protocol.splice`); dataclass and enum values come out as
-   :class:`PendingStruct` / :class:`PendingEnum` (class name and fields). Malformed
-   extension payloads raise :class:`~vllm_bridge.protocol.errors.BadArgument`.
+   :class:`PendingStruct` / :class:`PendingEnum` (class name and fields). A value Python
+   cannot take as it was meant - a map whose key cannot be hashed, a map whose keys are
+   equal once decoded (``1`` and ``True``, ``:a`` and ``"a"``), nesting past msgpack's
+   limit, a malformed extension payload - raises
+   :class:`~vllm_bridge.protocol.errors.BadArgument` naming what and where
+   (:mod:`~vllm_bridge.protocol.locate` finds where, on that path only); malformed
+   msgpack raises :class:`~vllm_bridge.protocol.errors.ProtocolError`. A dict never
+   silently keeps one of two colliding keys.
 2. :func:`materialize` builds the registered classes (refusing any other name), turns
    atoms into enum members where a dataclass field is annotated with an enum, and
    optionally resolves references. The worker does this on its execution thread, inside
@@ -21,7 +27,8 @@ from typing import Any
 
 import msgpack
 
-from vllm_bridge.protocol.errors import BadArgument
+from vllm_bridge.protocol import locate
+from vllm_bridge.protocol.errors import BadArgument, ProtocolError
 from vllm_bridge.protocol.registry import TypeRegistry, coerce_atom
 from vllm_bridge.protocol.splice import Spliced, splice_tensors
 from vllm_bridge.protocol.tensors import decode_tensor
@@ -62,24 +69,56 @@ class Decoder:
         """Decode one body.
 
         Raises:
-            BadArgument: a malformed extension payload.
-            ValueError, TypeError, ...: whatever msgpack raises for malformed msgpack.
+            BadArgument: a value Python cannot take as it was meant (see the module
+                docstring); the message names what and where (``args[0][:a]``).
+            ProtocolError: the body is not well-formed msgpack.
         """
         spliced = splice_tensors(data)  # large frames: large tensors with one copy each
         p = _Pass(spliced)
-        value = p.unpack(spliced.body if spliced is not None else data)
+        try:
+            value = p.unpack(spliced.body if spliced is not None else data)
+        except Exception as exc:  # noqa: BLE001 - every failure is named, then re-raised
+            raise _undecodable(data, exc) from None
         return Decoded(value, p.special)
 
 
+def _undecodable(data: bytes | bytearray | memoryview, exc: Exception) -> BadArgument:
+    """The error for a body that failed to decode with ``exc``: where it went wrong
+    (a second, slower pass over the body, on this path only) and what."""
+    what = locate.describe_failure(exc)
+    where = locate.locate(data, lambda: _Pass(lenient=True), exc)
+    value_error = isinstance(exc, (BadArgument, msgpack.exceptions.StackError))
+    if where is not None:
+        path, found = where
+        message = f"could not decode {path}: {found or what}"
+        # A readable envelope and a bad value inside it: the caller's argument is refused.
+        return BadArgument(message) if value_error or found else ProtocolError(message)
+    if value_error:
+        return BadArgument(f"could not decode the frame: {what}")
+    return ProtocolError(f"undecodable frame: {what}")
+
+
+class Pairs(list):  # type: ignore[type-arg]
+    """A map decoded as its list of ``(key, value)`` pairs, by the lenient pass that
+    :mod:`~vllm_bridge.protocol.locate` runs to find a bad key (never by the worker)."""
+
+
 class _Pass:
-    def __init__(self, spliced: Spliced | None = None) -> None:
+    def __init__(self, spliced: Spliced | None = None, lenient: bool = False) -> None:
         self.depth = 0
         self.special = False
         self.spliced = spliced
+        self.lenient = lenient
+        self.pairs = Pairs if lenient else _checked_dict
 
     def unpack(self, data: Any) -> Any:
         return msgpack.unpackb(
-            data, raw=False, strict_map_key=False, use_list=True, ext_hook=self.hook
+            data,
+            raw=False,
+            strict_map_key=False,
+            use_list=True,
+            ext_hook=self.hook,
+            object_pairs_hook=self.pairs,
         )
 
     def nested(self, data: bytes, what: str) -> Any:
@@ -114,6 +153,8 @@ class _Pass:
             return decode_tensor(data)
         if code == ExtCode.DATACLASS:
             value = self.nested(data, "dataclass")
+            if self.lenient and _is_pair(value, Pairs):
+                value[1] = dict(value[1])  # field names are str: nothing to find in them
             if not (_is_pair(value, dict) and all(isinstance(k, str) for k in value[1])):
                 raise BadArgument(
                     f"dataclass payload must be [class_name, {{field: value}}], got {value!r:.80}"
@@ -149,6 +190,19 @@ class _Pass:
         raise BadArgument(f"unknown extension type code {code}")
 
 
+def _checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """The dict of a decoded map; refuses a key Python cannot hash and keys that are
+    equal once decoded (a plain dict would keep the last of them, silently)."""
+    try:
+        d = dict(pairs)
+    except TypeError:
+        bad = next(k for k, _ in pairs if not locate.hashable(k))
+        raise BadArgument(locate.unhashable_key(bad)) from None
+    if len(d) != len(pairs):
+        raise BadArgument(locate.colliding_keys(pairs))
+    return d
+
+
 def _is_pair(value: Any, second: type) -> bool:
     return (
         type(value) is list
@@ -171,19 +225,43 @@ def materialize(value: Any, registry: TypeRegistry, resolve_ref: ResolveRef | No
             they are.
 
     Raises:
-        BadArgument: an unregistered class name, an unknown member or field, or field
-            values the class refuses.
+        BadArgument: an unregistered class name, an unknown member or field, field values
+            the class refuses, or map keys that cannot be hashed or are equal once built
+            (two references to one object, say). ``steps`` on the exception locate the
+            value inside ``value`` (see :func:`materialize_field`).
     """
     t = type(value)
     if t is list:
-        return [materialize(v, registry, resolve_ref) for v in value]
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(materialize(v, registry, resolve_ref))
+            except BadArgument as exc:
+                raise _step(exc, f"[{i}]") from None
+        return out
     if t is dict:
-        return {
-            materialize(k, registry, resolve_ref): materialize(v, registry, resolve_ref)
-            for k, v in value.items()
-        }
+        built: dict[Any, Any] = {}
+        for k, v in value.items():
+            where = f"[{locate.wire_repr(k)}]"
+            try:
+                key = materialize(k, registry, resolve_ref)
+                if not locate.hashable(key):
+                    raise BadArgument(locate.unhashable_key(key))
+                if key in built:
+                    other = next(o for o in built if o == key)
+                    raise BadArgument(locate.colliding_keys([(other, None), (key, None)]))
+                built[key] = materialize(v, registry, resolve_ref)
+            except BadArgument as exc:
+                raise _step(exc, where) from None
+        return built
     if t is tuple:
-        return tuple(materialize(v, registry, resolve_ref) for v in value)
+        items = []
+        for i, v in enumerate(value):
+            try:
+                items.append(materialize(v, registry, resolve_ref))
+            except BadArgument as exc:
+                raise _step(exc, f"[{i}]") from None
+        return tuple(items)
     if t is PendingStruct:
         return _build_struct(value, registry, resolve_ref)
     if t is PendingEnum:
@@ -195,6 +273,31 @@ def materialize(value: Any, registry: TypeRegistry, resolve_ref: ResolveRef | No
     if t is Ref and resolve_ref is not None:
         return resolve_ref(value)
     return value
+
+
+def materialize_field(
+    value: Any, name: str, registry: TypeRegistry, resolve_ref: ResolveRef | None = None
+) -> Any:
+    """:func:`materialize` for one field of a request (``name``: ``"args"``,
+    ``"kwargs"``); a refusal names where in it (``args[1][:a].level``)."""
+    try:
+        return materialize(value, registry, resolve_ref)
+    except RecursionError:
+        raise BadArgument(f"{name} nests too deeply to be built") from None
+    except BadArgument as exc:
+        steps = getattr(exc, "steps", None)
+        if not steps:
+            raise
+        raise type(exc)(f"{name}{''.join(reversed(steps))}: {exc}") from None
+
+
+def _step(exc: BadArgument, step: str) -> BadArgument:
+    # Innermost step first; materialize_field writes them outermost first.
+    steps = getattr(exc, "steps", None)
+    if steps is None:
+        steps = exc.steps = []  # type: ignore[attr-defined]
+    steps.append(step)
+    return exc
 
 
 def _build_struct(
@@ -212,7 +315,10 @@ def _build_struct(
     for name, raw in value.fields.items():
         if not fields[name].init:
             continue  # derived in __post_init__; the constructor recomputes it
-        v = materialize(raw, registry, resolve_ref)
+        try:
+            v = materialize(raw, registry, resolve_ref)
+        except BadArgument as exc:
+            raise _step(exc, f".{name}") from None
         if name in enums:
             v = coerce_atom(v, enums[name], f"{value.name}.{name}")
         kwargs[str(name)] = v

@@ -130,6 +130,53 @@ def request_id_of(msg: Any) -> int | None:
     return None
 
 
+_ARRAY_HEADERS = {0xDC: 2, 0xDD: 4}  # array 16 / array 32: bytes of the count
+_STR_HEADERS = {0xD9: 1, 0xDA: 2, 0xDB: 4}  # str 8 / 16 / 32: bytes of the length
+_UINT_SIZES = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+
+
+def peek_request_id(body: bytes | bytearray | memoryview) -> int | None:
+    """The id of a request read from its first bytes, without decoding the rest.
+
+    Every request starts ``[kind (str), id (uint), ...]``; this reads the array header,
+    skips the kind and reads the id, so that a frame whose later values cannot be
+    decoded at all (an unhashable map key, nesting past msgpack's limit, a malformed
+    extension value) is still answered under its own id. ``None`` when the first bytes
+    are not that shape.
+    """
+    data = memoryview(body).cast("B") if not isinstance(body, bytes) else body
+    n = len(data)
+    if n < 3:
+        return None
+    first = data[0]
+    if 0x90 <= first <= 0x9F:
+        count, pos = first & 0x0F, 1
+    elif first in _ARRAY_HEADERS:
+        size = _ARRAY_HEADERS[first]
+        count, pos = int.from_bytes(data[1 : 1 + size], "big"), 1 + size
+    else:
+        return None
+    if count < 2 or pos >= n:
+        return None
+    tag = data[pos]
+    if 0xA0 <= tag <= 0xBF:
+        pos += 1 + (tag & 0x1F)
+    elif tag in _STR_HEADERS:
+        size = _STR_HEADERS[tag]
+        pos += 1 + size + int.from_bytes(data[pos + 1 : pos + 1 + size], "big")
+    else:
+        return None
+    if pos >= n:
+        return None
+    tag = data[pos]
+    if tag <= 0x7F:
+        return tag
+    size = _UINT_SIZES.get(tag)
+    if size is None or pos + 1 + size > n:
+        return None
+    return int.from_bytes(data[pos + 1 : pos + 1 + size], "big")
+
+
 def parse_request(msg: Any, now: float | None = None) -> Request | Control:
     """Check a decoded body and build its request.
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from msgpack import packb as _packb
 
-from vllm_bridge.protocol.decoder import materialize
+from vllm_bridge.protocol.decoder import materialize_field
 from vllm_bridge.protocol.encoder import Segment, segments_length
 from vllm_bridge.protocol.errors import BadArgument, BridgeError, Cancelled, error_map
 from vllm_bridge.protocol.flow import Flow
@@ -136,8 +136,8 @@ class Dispatcher:
             def resolve(ref: Ref) -> Any:
                 return self.sessions.resolve(session, ref)
 
-            args = materialize(args, self.registry, resolve)
-            kwargs = materialize(kwargs, self.registry, resolve)
+            args = materialize_field(args, "args", self.registry, resolve)
+            kwargs = materialize_field(kwargs, "kwargs", self.registry, resolve)
         if kwargs:
             kwargs = {str(k): v for k, v in kwargs.items()}
         return args, kwargs

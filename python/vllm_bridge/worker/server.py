@@ -28,12 +28,10 @@ import sys
 import time
 from typing import Any
 
-import msgpack
-
 from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.protocol.decoder import Decoder
 from vllm_bridge.protocol.encoder import Encoder
-from vllm_bridge.protocol.errors import BadArgument
+from vllm_bridge.protocol.errors import BadArgument, ProtocolError
 from vllm_bridge.protocol.flow import STREAM_WINDOW
 from vllm_bridge.protocol.framing import FrameReader, enlarge_pipes
 from vllm_bridge.protocol.messages import (
@@ -43,7 +41,7 @@ from vllm_bridge.protocol.messages import (
     Request,
     RequestError,
     parse_request,
-    request_id_of,
+    peek_request_id,
 )
 from vllm_bridge.protocol.registry import TypeRegistry
 from vllm_bridge.worker.channel import Channel, LogFrameHandler
@@ -192,18 +190,17 @@ class Worker:
             return self._on_frame(body)
         except Exception as exc:  # a last guard: reading must go on
             _log.exception("frame of %d bytes could not be handled", len(body))
-            self.channel.error(_lenient_id(body), "protocol", f"frame not handled: {exc}")
+            self.channel.error(peek_request_id(body), "protocol", f"frame not handled: {exc}")
             return None
 
     def _on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
         now = time.monotonic()
         try:
             decoded = self.decoder.decode(body)
-        except BadArgument as exc:
-            self.channel.error(_lenient_id(body), "bad_argument", str(exc))
-            return None
-        except Exception as exc:
-            self.channel.error(None, "protocol", f"undecodable frame: {type(exc).__name__}: {exc}")
+        except (BadArgument, ProtocolError) as exc:
+            # Read from the first bytes alone: every request whose header is readable is
+            # answered under its id, whatever its values hold.
+            self.channel.error(peek_request_id(body), exc.error_type, str(exc))
             return None
         try:
             req = parse_request(decoded.value, now)
@@ -273,17 +270,6 @@ class Worker:
             sys.stderr.flush()
             os._exit(0)
         return 0
-
-
-def _lenient_id(body: bytes | bytearray | memoryview) -> int | None:
-    """The request id of a body whose extension values are malformed, if it has one."""
-    try:
-        msg = msgpack.unpackb(
-            body, raw=False, strict_map_key=False, ext_hook=lambda code, data: None
-        )
-    except Exception:
-        return None
-    return request_id_of(msg)
 
 
 def main(argv: list[str] | None = None) -> int:
