@@ -30,6 +30,15 @@ defmodule VllmBridge.Codec do
   Enum members are decode-only: Elixir has no enum values; an atom sent where Python
   expects an enum is converted by the worker by member name.
 
+  **Refused, never changed.** Encoding raises an `ArgumentError` naming the value when
+  Python could not take it as it is: a map key Python cannot hash (a list, a map, a tuple
+  holding one), two map keys Python holds equal (`1` and `true`, `1` and `1.0`, `:a` and
+  `"a"`: a dict would keep one), or a value nested deeper than `max_depth/0` levels
+  (docs/PROTOCOL.md, "Map keys, nesting, keyword arguments").
+
+      iex> VllmBridge.Codec.encode(%{1 => "a", true => "b"})
+      ** (ArgumentError) the map keys 1 and true are equal in Python (true == 1 and false == 0), so a dict would keep only one of them: give each its own key
+
   Decoding never raises: malformed input (truncated, bad extension payloads, unknown
   extension codes, bad tensor headers, declared lengths beyond the input, nesting deeper
   than 1024) is `{:error, reason}`. Nothing decoded creates an atom or loads a module.
@@ -39,9 +48,21 @@ defmodule VllmBridge.Codec do
 
   alias VllmBridge.Codec.{Ext, Msgpack}
 
-  @doc "Encodes a term to iodata; raises `ArgumentError` naming a value it cannot encode."
+  @doc """
+  Encodes a term to iodata; raises `ArgumentError` naming a value it cannot encode or
+  that Python could not take as it is (see above).
+
+      iex> VllmBridge.Codec.encode([1, :ok, "two"]) |> IO.iodata_to_binary()
+      <<0x93, 1, 0xD5, 1, "ok", 0xA3, "two">>
+      iex> VllmBridge.Codec.encode([1, :ok, "two"]) |> IO.iodata_to_binary() |> VllmBridge.Codec.decode()
+      {:ok, [1, :ok, "two"]}
+  """
   @spec encode(term()) :: iodata()
   def encode(term), do: Msgpack.encode(term, Ext)
+
+  @doc "How many levels a value may nest (each list, map, tuple, struct and reference counts one)."
+  @spec max_depth() :: pos_integer()
+  def max_depth, do: Msgpack.max_depth()
 
   @doc "Decodes one whole body; malformed input is `{:error, reason}`, never a raise."
   @spec decode(binary()) :: {:ok, term()} | {:error, String.t()}

@@ -50,8 +50,15 @@ defmodule VllmBridge.Wire do
 
   @doc """
   Encodes the target, args and kwargs of a `call`/`stream`/`enter` (or only the target
-  for `get`): `{:ok, iodata}` or a `:bad_argument` error naming the value that cannot
-  travel. Runs in the caller's process, before anything is reserved or sent.
+  for `get`): `{:ok, iodata}` or a `:bad_argument` error naming the argument
+  (`args[1]`, `kwargs["x"]`) and the value that cannot travel. Runs in the caller's
+  process, before anything is reserved or sent.
+
+  Each argument is encoded on its own, so each may nest `VllmBridge.Codec.max_depth/0`
+  levels, and each is refused here when Python could not take it as it is: a map key
+  Python cannot hash, map keys Python holds equal, nesting past that depth (see
+  `VllmBridge.Codec`). A keyword given twice (`[a: 1, a: 2]`, or `:a` and `"a"`) is
+  refused, not overwritten.
   """
   @spec encode_invoke(term(), list() | nil, map() | keyword() | nil) ::
           {:ok, [iodata()]} | {:error, Error.t()}
@@ -67,8 +74,10 @@ defmodule VllmBridge.Wire do
   defp encode_args(nil, nil), do: {:ok, []}
 
   defp encode_args(args, kwargs) when is_list(args) do
-    with {:ok, kw} <- kwargs(kwargs) do
-      {:ok, [Codec.encode(args), Codec.encode(kw)]}
+    with {:ok, kw} <- kwargs(kwargs),
+         {:ok, args_part} <- each_arg(args),
+         {:ok, kw_part} <- each_kwarg(kw) do
+      {:ok, [args_part, kw_part]}
     end
   end
 
@@ -90,19 +99,82 @@ defmodule VllmBridge.Wire do
     )
   end
 
+  # The array of positional arguments, each one encoded on its own.
+  defp each_arg(args) do
+    n =
+      try do
+        length(args)
+      rescue
+        ArgumentError -> -1
+      end
+
+    if n < 0 do
+      bad("args must be a proper list, got #{inspect(args, limit: 5)}")
+    else
+      {:ok, [array_header(n) | encode_each(args, 0)]}
+    end
+  catch
+    {:bad_arg, where, e} -> bad("#{where}: #{Exception.message(e)}")
+  end
+
+  defp encode_each([], _i), do: []
+
+  defp encode_each([arg | rest], i),
+    do: [encode_at(arg, fn -> "args[#{i}]" end) | encode_each(rest, i + 1)]
+
+  # The map of keyword arguments (names already strings), values encoded on their own,
+  # pairs in key order: the bytes Codec.encode/1 gives for the same map.
+  defp each_kwarg(kw) when map_size(kw) == 0, do: {:ok, <<0x80>>}
+
+  defp each_kwarg(kw) do
+    pairs =
+      for {k, v} <- Enum.sort(kw),
+          do: [Codec.encode(k) | encode_at(v, fn -> "kwargs[#{inspect(k)}]" end)]
+
+    {:ok, [map_header(map_size(kw)) | pairs]}
+  catch
+    {:bad_arg, where, e} -> bad("#{where}: #{Exception.message(e)}")
+  end
+
+  defp encode_at(value, where) do
+    Codec.encode(value)
+  rescue
+    e in ArgumentError -> throw({:bad_arg, where.(), e})
+  end
+
+  defp array_header(n) when n < 16, do: 0x90 + n
+  defp array_header(n) when n < 0x10000, do: <<0xDC, n::16>>
+  defp array_header(n), do: <<0xDD, n::32>>
+
+  defp map_header(n) when n < 16, do: 0x80 + n
+  defp map_header(n) when n < 0x10000, do: <<0xDE, n::16>>
+  defp map_header(n), do: <<0xDF, n::32>>
+
   defp kwargs(nil), do: {:ok, %{}}
   defp kwargs(kw) when kw == %{} or kw == [], do: {:ok, %{}}
 
   defp kwargs(kw) when is_map(kw) or is_list(kw) do
     Enum.reduce_while(kw, {:ok, %{}}, fn
-      {k, v}, {:ok, acc} when is_atom(k) -> {:cont, {:ok, Map.put(acc, Atom.to_string(k), v)}}
-      {k, v}, {:ok, acc} when is_binary(k) -> {:cont, {:ok, Map.put(acc, k, v)}}
+      {k, v}, {:ok, acc} when is_atom(k) -> put_kwarg(acc, Atom.to_string(k), k, v)
+      {k, v}, {:ok, acc} when is_binary(k) -> put_kwarg(acc, k, k, v)
       other, _ -> {:halt, bad("a keyword argument must be {name, value}, got #{inspect(other)}")}
     end)
   end
 
   defp kwargs(other),
     do: bad("kwargs must be a map or a keyword list, got #{inspect(other, limit: 5)}")
+
+  defp put_kwarg(acc, name, given, value) do
+    if Map.has_key?(acc, name) do
+      {:halt,
+       bad(
+         "the keyword argument #{inspect(name)} is given twice (the second time as " <>
+           "#{inspect(given)}); Python takes each name once"
+       )}
+    else
+      {:cont, {:ok, Map.put(acc, name, value)}}
+    end
+  end
 
   # -- replies ----------------------------------------------------------------------------
 

@@ -166,7 +166,10 @@ defmodule VllmBridge.Codec.MsgpackTest do
 
     test "a map that repeats a key" do
       assert {:error, msg} = Codec.decode(<<0x82, 0xA1, "a", 1, 0xA1, "a", 2>>)
-      assert msg =~ "repeats a key"
+      assert msg =~ ~s(repeats the key "a")
+      # Python's str "a" and bytes b"a" are two keys there, one binary here
+      assert {:error, msg} = Codec.decode(<<0x82, 0xA1, "a", 1, 0xC4, 1, "a", 2>>)
+      assert msg =~ ~s(repeats the key "a")
     end
 
     test "nesting deeper than the limit, while 1000 levels decode" do

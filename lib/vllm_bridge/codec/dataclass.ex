@@ -16,9 +16,12 @@ defmodule VllmBridge.Codec.Dataclass do
   alias VllmBridge.Codec.{Msgpack, Registry}
   alias VllmBridge.Object
 
-  @doc "The ext 4 payload of a registered-class struct, as iodata."
-  @spec encode_struct(struct(), module()) :: iodata()
-  def encode_struct(%module{} = struct, handler) do
+  @doc """
+  The ext 4 payload of a registered-class struct, as iodata; its field values may nest
+  `depth` levels (see `VllmBridge.Codec.Msgpack`).
+  """
+  @spec encode_struct(struct(), module(), non_neg_integer()) :: iodata()
+  def encode_struct(%module{} = struct, handler, depth) do
     entry =
       try do
         Registry.entry(module)
@@ -30,26 +33,30 @@ defmodule VllmBridge.Codec.Dataclass do
       end
 
     fields =
-      for f <- entry.fields, do: [entry.names[f] | Msgpack.encode(Map.fetch!(struct, f), handler)]
+      for f <- entry.fields,
+          do: [entry.names[f] | Msgpack.encode_nested(Map.fetch!(struct, f), handler, depth)]
 
     [0x92, entry.wire_class, map_header(length(entry.fields)) | fields]
   end
 
-  @doc "The ext 4 payload of a `VllmBridge.Object`, as iodata."
-  @spec encode_object(Object.t(), module()) :: iodata()
-  def encode_object(%Object{class: class, fields: fields, field_order: order}, handler)
+  @doc "The ext 4 payload of a `VllmBridge.Object`, as iodata (fields nest `depth` levels)."
+  @spec encode_object(Object.t(), module(), non_neg_integer()) :: iodata()
+  def encode_object(%Object{class: class, fields: fields, field_order: order}, handler, depth)
       when is_binary(class) and is_map(fields) and is_list(order) do
     ordered = order |> Enum.filter(&Map.has_key?(fields, &1)) |> Enum.uniq()
     keys = ordered ++ Enum.sort(Map.keys(fields) -- ordered)
 
     pairs =
       for k <- keys,
-          do: [Msgpack.encode(k, handler) | Msgpack.encode(Map.fetch!(fields, k), handler)]
+          do: [
+            Msgpack.encode_nested(k, handler, depth)
+            | Msgpack.encode_nested(Map.fetch!(fields, k), handler, depth)
+          ]
 
     [0x92, Msgpack.enc_str(class), map_header(length(keys)) | pairs]
   end
 
-  def encode_object(bad, _handler) do
+  def encode_object(bad, _handler, _depth) do
     raise ArgumentError,
           "cannot encode #{inspect(bad, limit: 5)}: class must be a string, fields a map " <>
             "and field_order a list"

@@ -4,11 +4,16 @@ defmodule VllmBridge.Codec.Ext do
   `VllmBridge.Codec` uses: atoms (1), tuples (2), tensors (3, `VllmBridge.Codec.TensorExt`),
   dataclasses (4, `VllmBridge.Codec.Dataclass`), enum members (5, decode only), object
   references (6), big integers (7), plus the special floats and `VllmBridge.Bytes`.
+
+  Map keys are checked against Python's dict (`check_keys/1`, `VllmBridge.Codec.PyKeys`):
+  a key Python cannot hash, or two keys that are equal there (`1` and `true`, `1` and
+  `1.0`, `:a` and `"a"`), is refused with an `ArgumentError` naming them, since Python
+  would refuse the first and silently keep one of the others.
   """
 
   @behaviour VllmBridge.Codec.Msgpack
 
-  alias VllmBridge.Codec.{Dataclass, Msgpack, TensorExt}
+  alias VllmBridge.Codec.{Dataclass, Msgpack, PyKeys, TensorExt}
   alias VllmBridge.{Bytes, Object, Ref, Tensor}
 
   @atom 1
@@ -21,45 +26,62 @@ defmodule VllmBridge.Codec.Ext do
 
   # -- encoding --------------------------------------------------------------
 
+  # A tuple's payload is its array, at the tuple's own level; a struct and a reference
+  # spend one level for their payload (each is one nested extension value in Python).
   @impl true
-  def encode_other(:nan, _h), do: <<0xCB, 0x7FF8000000000000::64>>
-  def encode_other(:infinity, _h), do: <<0xCB, 0x7FF0000000000000::64>>
-  def encode_other(:neg_infinity, _h), do: <<0xCB, 0xFFF0000000000000::64>>
+  def encode_other(:nan, _h, _d), do: <<0xCB, 0x7FF8000000000000::64>>
+  def encode_other(:infinity, _h, _d), do: <<0xCB, 0x7FF0000000000000::64>>
+  def encode_other(:neg_infinity, _h, _d), do: <<0xCB, 0xFFF0000000000000::64>>
 
-  def encode_other(atom, _h) when is_atom(atom) do
+  def encode_other(atom, _h, _d) when is_atom(atom) do
     name = Atom.to_string(atom)
     [Msgpack.ext_header(@atom, byte_size(name)) | name]
   end
 
-  def encode_other(tuple, h) when is_tuple(tuple),
-    do: Msgpack.enc_ext(@tuple, Msgpack.encode(Tuple.to_list(tuple), h))
+  def encode_other(tuple, h, d) when is_tuple(tuple),
+    do: Msgpack.enc_ext(@tuple, Msgpack.encode_nested(Tuple.to_list(tuple), h, d))
 
-  def encode_other(%Tensor{} = t, _h), do: TensorExt.encode(t)
-  def encode_other(%Bytes{data: data}, _h) when is_binary(data), do: Msgpack.enc_bin(data)
+  def encode_other(%Tensor{} = t, _h, _d), do: TensorExt.encode(t)
+  def encode_other(%Bytes{data: data}, _h, _d) when is_binary(data), do: Msgpack.enc_bin(data)
 
-  def encode_other(%Ref{instance: i, id: id, session: s, type: type}, _h)
-      when is_binary(i) and is_integer(id) and (is_binary(s) or is_nil(s)) and is_binary(type),
-      do: Msgpack.enc_ext(@ref, Msgpack.encode([i, id, s, type]))
+  def encode_other(%Ref{instance: i, id: id, session: s, type: type} = ref, _h, d)
+      when is_binary(i) and is_integer(id) and (is_binary(s) or is_nil(s)) and is_binary(type) do
+    Msgpack.nest!(ref, d)
+    Msgpack.enc_ext(@ref, Msgpack.encode([i, id, s, type]))
+  end
 
-  def encode_other(%Object{} = o, h),
-    do: Msgpack.enc_ext(@dataclass, Dataclass.encode_object(o, h))
+  def encode_other(%Object{} = o, h, d),
+    do: Msgpack.enc_ext(@dataclass, Dataclass.encode_object(o, h, Msgpack.nest!(o, d) - 1))
 
-  def encode_other(%module{} = bad, _h) when module in [Bytes, Ref] do
+  def encode_other(%module{} = bad, _h, _d) when module in [Bytes, Ref] do
     raise ArgumentError, "cannot encode #{inspect(bad, limit: 5)}: a field has the wrong type"
   end
 
-  def encode_other(%_{} = struct, h),
-    do: Msgpack.enc_ext(@dataclass, Dataclass.encode_struct(struct, h))
+  def encode_other(%_{} = struct, h, d),
+    do:
+      Msgpack.enc_ext(
+        @dataclass,
+        Dataclass.encode_struct(struct, h, Msgpack.nest!(struct, d) - 1)
+      )
 
-  def encode_other(i, _h) when is_integer(i) do
+  def encode_other(i, _h, _d) when is_integer(i) do
     {sign, magnitude} = if i < 0, do: {1, -i}, else: {0, i}
     Msgpack.enc_ext(@bigint, [sign | :binary.encode_unsigned(magnitude)])
   end
 
-  def encode_other(other, _h) do
+  def encode_other(other, _h, _d) do
     raise ArgumentError,
           "cannot encode #{inspect(other, limit: 5)}: pids, ports, references and " <>
             "functions have no wire form"
+  end
+
+  # Maps of atom keys only, or of integer keys only, cannot collide in Python (an atom
+  # becomes the str of its name, or None/True/False/a float for nil/true/false/:nan/...).
+  @impl true
+  def check_keys(pairs) do
+    if Enum.all?(pairs, &is_atom(elem(&1, 0))) or Enum.all?(pairs, &is_integer(elem(&1, 0))),
+      do: :ok,
+      else: PyKeys.check!(pairs)
   end
 
   # -- decoding --------------------------------------------------------------

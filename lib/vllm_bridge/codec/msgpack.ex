@@ -11,6 +11,12 @@ defmodule VllmBridge.Codec.Msgpack do
   module: extension values travel as `{:msgpack_ext, type, payload}` and any other term is
   refused.
 
+  Encoding refuses a term nested deeper than a depth budget (`max_depth/0` levels by
+  default: each list, map, and each extension value that nests others, counts one) with
+  an `ArgumentError`, and hands the keys of every map whose keys are not all binaries to
+  the handler's `check_keys/1`, which may refuse them (`VllmBridge.Codec.Ext` refuses keys
+  Python cannot hash or would merge).
+
   Decoding never raises and never allocates from a declared length: every length is
   checked against the bytes actually present (binaries come out as sub-binaries of the
   input, no copy), nesting is limited to 1024 levels, and malformed input is
@@ -22,14 +28,25 @@ defmodule VllmBridge.Codec.Msgpack do
   @typedoc "An msgpack extension value as the plain codec sees it: type code and payload."
   @type ext :: {:msgpack_ext, integer(), binary()}
 
+  # Decoding: how deeply values may nest (replies from a worker).
   @max_depth 1024
+  # Encoding: the protocol's limit for one value (docs/PROTOCOL.md, "Values").
+  @max_encode_depth 64
 
   @doc """
   Encodes a term that plain msgpack cannot hold; `handler` is the handler module to pass
-  on when encoding nested values (`encode/2`). Raises `ArgumentError` naming the term when
-  it has no encoding.
+  on when encoding nested values and `depth` the levels the term may still use: a term
+  that nests others (a tuple, a struct) spends one (`nest!/2`) and encodes them with
+  `encode_nested/3` and one level less. Raises `ArgumentError` naming the term when it
+  has no encoding.
   """
-  @callback encode_other(term(), handler :: module()) :: iodata()
+  @callback encode_other(term(), handler :: module(), depth :: non_neg_integer()) :: iodata()
+
+  @doc """
+  Checks the keys of a map about to be encoded (`pairs` in key order) whose keys are not
+  all binaries; raises `ArgumentError` naming the keys it refuses.
+  """
+  @callback check_keys(pairs :: [{term(), term()}]) :: :ok
 
   @doc """
   Decodes the payload of extension `type`; `depth` is the nesting budget left for
@@ -40,11 +57,36 @@ defmodule VllmBridge.Codec.Msgpack do
 
   @doc "Encodes `term` with plain msgpack; raises `ArgumentError` naming a value it cannot encode."
   @spec encode(term()) :: iodata()
-  def encode(term), do: enc(term, __MODULE__)
+  def encode(term), do: encode(term, __MODULE__, @max_encode_depth)
 
-  @doc "Encodes `term`, handing every non-plain value to `handler` (see the callbacks)."
-  @spec encode(term(), module()) :: iodata()
-  def encode(term, handler), do: enc(term, handler)
+  @doc """
+  Encodes `term`, handing every non-plain value to `handler` (see the callbacks), nested
+  at most `depth` levels (default `max_depth/0`).
+  """
+  @spec encode(term(), module(), non_neg_integer()) :: iodata()
+  def encode(term, handler, depth \\ @max_encode_depth) do
+    enc(term, handler, depth)
+  catch
+    :throw, {__MODULE__, :too_deep, inner} ->
+      raise ArgumentError,
+            "cannot encode a value nested deeper than #{depth} levels (lists, maps, tuples " <>
+              "and structs each count one): #{inspect(inner, limit: 3)} sits below that"
+  end
+
+  @doc "The levels a value may nest when encoded (docs/PROTOCOL.md, \"Values\")."
+  @spec max_depth() :: pos_integer()
+  def max_depth, do: @max_encode_depth
+
+  @doc false
+  # Encodes a value nested inside another (for handlers): `depth` levels left.
+  @spec encode_nested(term(), module(), non_neg_integer()) :: iodata()
+  def encode_nested(term, handler, depth), do: enc(term, handler, depth)
+
+  @doc false
+  # Spends one level for `term`, which nests others; aborts the encode when none is left.
+  @spec nest!(term(), non_neg_integer()) :: pos_integer()
+  def nest!(term, 0), do: throw({__MODULE__, :too_deep, term})
+  def nest!(_term, depth), do: depth
 
   @doc "Decodes one plain msgpack value that must span the whole binary."
   @spec decode(binary()) :: {:ok, term()} | {:error, String.t()}
@@ -155,13 +197,17 @@ defmodule VllmBridge.Codec.Msgpack do
   # behaviour, so the callbacks are implemented without @impl.)
 
   @doc false
-  @spec encode_other(term(), module()) :: iodata()
-  def encode_other({:msgpack_ext, type, data}, _handler)
+  @spec encode_other(term(), module(), non_neg_integer()) :: iodata()
+  def encode_other({:msgpack_ext, type, data}, _handler, _depth)
       when is_integer(type) and type >= -128 and type <= 127 and is_binary(data),
       do: enc_ext(type, data)
 
-  def encode_other(other, _handler),
+  def encode_other(other, _handler, _depth),
     do: raise(ArgumentError, "cannot encode #{inspect(other, limit: 5)} as plain msgpack")
+
+  @doc false
+  @spec check_keys([{term(), term()}]) :: :ok
+  def check_keys(_pairs), do: :ok
 
   @doc false
   @spec decode_ext(integer(), binary(), non_neg_integer()) :: ext()
@@ -169,39 +215,50 @@ defmodule VllmBridge.Codec.Msgpack do
 
   # -- encoding --------------------------------------------------------------
 
-  defp enc(nil, _h), do: <<0xC0>>
-  defp enc(false, _h), do: <<0xC2>>
-  defp enc(true, _h), do: <<0xC3>>
-  defp enc(i, _h) when is_integer(i) and i >= 0 and i < 128, do: <<i>>
-  defp enc(i, _h) when is_integer(i) and i < 0 and i >= -32, do: <<i::signed-8>>
-  defp enc(i, _h) when is_integer(i) and i >= 0 and i < 0x100, do: <<0xCC, i>>
-  defp enc(i, _h) when is_integer(i) and i >= 0 and i < 0x10000, do: <<0xCD, i::16>>
-  defp enc(i, _h) when is_integer(i) and i >= 0 and i < 0x100000000, do: <<0xCE, i::32>>
+  defp enc(nil, _h, _d), do: <<0xC0>>
+  defp enc(false, _h, _d), do: <<0xC2>>
+  defp enc(true, _h, _d), do: <<0xC3>>
+  defp enc(i, _h, _d) when is_integer(i) and i >= 0 and i < 128, do: <<i>>
+  defp enc(i, _h, _d) when is_integer(i) and i < 0 and i >= -32, do: <<i::signed-8>>
+  defp enc(i, _h, _d) when is_integer(i) and i >= 0 and i < 0x100, do: <<0xCC, i>>
+  defp enc(i, _h, _d) when is_integer(i) and i >= 0 and i < 0x10000, do: <<0xCD, i::16>>
+  defp enc(i, _h, _d) when is_integer(i) and i >= 0 and i < 0x100000000, do: <<0xCE, i::32>>
 
-  defp enc(i, _h) when is_integer(i) and i >= 0 and i < 0x10000000000000000,
+  defp enc(i, _h, _d) when is_integer(i) and i >= 0 and i < 0x10000000000000000,
     do: <<0xCF, i::64>>
 
-  defp enc(i, _h) when is_integer(i) and i < 0 and i >= -0x80, do: <<0xD0, i::signed-8>>
-  defp enc(i, _h) when is_integer(i) and i < 0 and i >= -0x8000, do: <<0xD1, i::signed-16>>
+  defp enc(i, _h, _d) when is_integer(i) and i < 0 and i >= -0x80, do: <<0xD0, i::signed-8>>
+  defp enc(i, _h, _d) when is_integer(i) and i < 0 and i >= -0x8000, do: <<0xD1, i::signed-16>>
 
-  defp enc(i, _h) when is_integer(i) and i < 0 and i >= -0x80000000,
+  defp enc(i, _h, _d) when is_integer(i) and i < 0 and i >= -0x80000000,
     do: <<0xD2, i::signed-32>>
 
-  defp enc(i, _h) when is_integer(i) and i < 0 and i >= -0x8000000000000000,
+  defp enc(i, _h, _d) when is_integer(i) and i < 0 and i >= -0x8000000000000000,
     do: <<0xD3, i::signed-64>>
 
-  defp enc(f, _h) when is_float(f), do: <<0xCB, f::float-64>>
+  defp enc(f, _h, _d) when is_float(f), do: <<0xCB, f::float-64>>
 
-  defp enc(s, _h) when is_binary(s) do
+  defp enc(s, _h, _d) when is_binary(s) do
     # :unicode.characters_to_binary/1 returns its (valid UTF-8) argument itself, uncopied;
     # it is several times faster than String.valid?/1.
     if is_binary(:unicode.characters_to_binary(s)), do: enc_str(s), else: enc_bin(s)
   end
 
-  defp enc(l, h) when is_list(l), do: [list_header(l) | enc_list(l, h)]
+  defp enc(l, _h, 0) when is_list(l), do: throw({__MODULE__, :too_deep, l})
+  defp enc(l, h, d) when is_list(l), do: [list_header(l) | enc_list(l, h, d - 1)]
+  defp enc(m, _h, 0) when is_map(m) and not is_struct(m), do: throw({__MODULE__, :too_deep, m})
 
-  defp enc(m, h) when is_map(m) and not is_struct(m) do
+  defp enc(m, h, d) when is_map(m) and not is_struct(m) do
     n = map_size(m)
+    pairs = :lists.keysort(1, :maps.to_list(m))
+
+    # Binaries sort last: a map whose first key is one has only binary keys, which the
+    # handler never needs to see (the common case: string-keyed maps, kwargs).
+    case pairs do
+      [] -> :ok
+      [{k, _} | _] when is_binary(k) -> :ok
+      _ -> h.check_keys(pairs)
+    end
 
     header =
       cond do
@@ -210,10 +267,10 @@ defmodule VllmBridge.Codec.Msgpack do
         true -> <<0xDF, n::32>>
       end
 
-    [header | enc_pairs(:lists.keysort(1, :maps.to_list(m)), h)]
+    [header | enc_pairs(pairs, h, d - 1)]
   end
 
-  defp enc(other, h), do: h.encode_other(other, h)
+  defp enc(other, h, d), do: h.encode_other(other, h, d)
 
   defp list_header(l) do
     n =
@@ -233,11 +290,13 @@ defmodule VllmBridge.Codec.Msgpack do
     end
   end
 
-  defp enc_list([], _h), do: []
-  defp enc_list([x | rest], h), do: [enc(x, h) | enc_list(rest, h)]
+  defp enc_list([], _h, _d), do: []
+  defp enc_list([x | rest], h, d), do: [enc(x, h, d) | enc_list(rest, h, d)]
 
-  defp enc_pairs([], _h), do: []
-  defp enc_pairs([{k, v} | rest], h), do: [enc(k, h), enc(v, h) | enc_pairs(rest, h)]
+  defp enc_pairs([], _h, _d), do: []
+
+  defp enc_pairs([{k, v} | rest], h, d),
+    do: [enc(k, h, d), enc(v, h, d) | enc_pairs(rest, h, d)]
 
   # -- decoding --------------------------------------------------------------
 
@@ -304,7 +363,7 @@ defmodule VllmBridge.Codec.Msgpack do
 
   defp dec_map(r, 0, n, acc, _h, _d) do
     map = :maps.from_list(acc)
-    if map_size(map) != n, do: fail!("a map of #{n} pairs repeats a key")
+    if map_size(map) != n, do: fail!(repeated_key(acc, n))
     {map, r}
   end
 
@@ -312,6 +371,20 @@ defmodule VllmBridge.Codec.Msgpack do
     {k, r} = dec(r, h, d)
     {v, r} = dec(r, h, d)
     dec_map(r, left - 1, n, [{k, v} | acc], h, d)
+  end
+
+  # Only on the error path: which key came twice (Python's str and bytes of the same
+  # bytes are two keys there, and one binary here).
+  defp repeated_key(pairs, n) do
+    {key, _} =
+      Enum.reduce_while(pairs, {nil, MapSet.new()}, fn {k, _}, {_, seen} ->
+        if MapSet.member?(seen, k),
+          do: {:halt, {k, seen}},
+          else: {:cont, {nil, MapSet.put(seen, k)}}
+      end)
+
+    "a map of #{n} pairs repeats the key #{inspect(key, limit: 5)} once decoded " <>
+      "(Python's str and bytes of the same bytes both decode to one binary)"
   end
 
   # NaN and the infinities have no Erlang float: they decode to atoms.

@@ -1,0 +1,198 @@
+defmodule VllmBridge.Codec.PyKeysTest do
+  @moduledoc """
+  What Python can never take as it was sent is refused by the encoder, naming it: map keys
+  Python cannot hash, map keys Python holds equal (it would keep one, silently), nesting
+  past `VllmBridge.Codec.max_depth/0`; and by `VllmBridge.Wire`, naming the argument, with
+  keyword arguments given twice. Everything else still encodes, and round trips.
+  """
+  use ExUnit.Case, async: true
+
+  alias VllmBridge.{Codec, Object, Ref, Tensor, Wire}
+  alias VllmBridge.Codec.Msgpack
+  alias Vllm.ForwardContext.BatchDescriptor
+
+  defp refusal(term) do
+    Codec.encode(term)
+    flunk("#{inspect(term)} was encoded")
+  rescue
+    e in ArgumentError -> Exception.message(e)
+  end
+
+  defp round_trip(term), do: Codec.decode(IO.iodata_to_binary(Codec.encode(term)))
+
+  defp nest(n, leaf, wrap), do: Enum.reduce(1..n//1, leaf, fn _, acc -> wrap.(acc) end)
+
+  describe "keys Python holds equal are refused, naming both" do
+    # Each pair of keys is one dict key in Python.
+    @colliding [
+      {1, true, "true == 1"},
+      {0, false, "true == 1 and false == 0"},
+      {1, 1.0, "a float equal to an integer"},
+      {0, -0.0, "a float equal to an integer"},
+      {1.0, true, "true == 1"},
+      {Integer.pow(10, 20), 1.0e20, "a float equal to an integer"},
+      {Integer.pow(2, 70), Integer.pow(2, 70) * 1.0, "a float equal to an integer"},
+      {:a, "a", "an atom arrives as the string of its name"},
+      {:"héllo", "héllo", "an atom arrives as the string of its name"},
+      {{1, "a"}, {true, :a}, "their elements are equal"},
+      {{1, {2.0}}, {1.0, {2}}, "their elements are equal"}
+    ]
+
+    for {a, b, why} <- @colliding do
+      test "#{inspect(a)} and #{inspect(b)}" do
+        a = unquote(Macro.escape(a))
+        b = unquote(Macro.escape(b))
+        message = refusal(%{a => :first, b => :second})
+        assert message =~ "the map keys"
+        assert message =~ inspect(a) and message =~ inspect(b)
+        assert message =~ unquote(why)
+        # also when the map sits deep inside something else
+        assert refusal([1, {2, %{"k" => [%{a => 1, b => 2}]}}]) =~ "equal in Python"
+      end
+    end
+
+    test "structs with fields Python holds equal" do
+      message =
+        refusal(%{
+          %BatchDescriptor{num_tokens: 1} => :a,
+          %BatchDescriptor{num_tokens: 1.0} => :b
+        })
+
+      assert message =~ "equal in Python"
+
+      o1 = %Object{class: "m.C", fields: %{"x" => 1, "y" => :a}, field_order: ["x", "y"]}
+      o2 = %Object{class: "m.C", fields: %{"x" => true, "y" => "a"}, field_order: ["y", "x"]}
+      assert refusal(%{o1 => 1, o2 => 2}) =~ "equal in Python"
+    end
+  end
+
+  describe "keys Python cannot hash are refused, naming the key" do
+    for {key, kind} <- [
+          {[1], "is a list"},
+          {[], "is a list"},
+          {%{}, "is a map"},
+          {%{"a" => 1}, "is a map"},
+          {{1, [2]}, "holds a list"},
+          {{1, {2, %{}}}, "holds a map"}
+        ] do
+      test "#{inspect(key)}" do
+        key = unquote(Macro.escape(key))
+        message = refusal(%{key => 1})
+        assert message =~ "the map key #{inspect(key)} #{unquote(kind)}"
+        assert message =~ "cannot hash"
+        # whatever else the map holds, and however deep it sits
+        assert refusal([%{"ok" => 1, :ok => 2, key => 3}]) =~ "cannot hash"
+      end
+    end
+
+    test "a struct key holding a list" do
+      assert refusal(%{%BatchDescriptor{num_tokens: [1]} => 1}) =~ "holds a list"
+    end
+  end
+
+  describe "keys Python keeps apart still encode, and round trip" do
+    test "mixed keys that are distinct in Python" do
+      term = %{
+        1 => :int,
+        2.5 => :float,
+        "1" => :str,
+        :x => :atom,
+        nil => :none,
+        "nil" => :str_nil,
+        true => :t,
+        false => :f,
+        :nan => :nan,
+        :infinity => :inf,
+        {1, "a"} => :tuple,
+        {2, :b} => :tuple2,
+        <<0xFF>> => :bytes,
+        %Ref{instance: "i", id: 1, session: nil, type: "t"} => :ref1,
+        %Ref{instance: "i", id: 2, session: nil, type: "t"} => :ref2,
+        Tensor.from_list([1], :int64) => :tensor,
+        %BatchDescriptor{num_tokens: 8} => :bd8,
+        %BatchDescriptor{num_tokens: 16} => :bd16
+      }
+
+      # true == 1 in Python: only without 1 and 0 beside them
+      term = Map.drop(term, [1])
+      assert round_trip(term) == {:ok, term}
+    end
+
+    test "all-atom, all-integer and all-string maps take no check at all" do
+      for term <- [%{a: 1, b: 2, nil: 3, true: 4}, %{1 => 1, 2 => 2, -3 => 3}, %{"a" => 1}] do
+        assert round_trip(term) == {:ok, term}
+      end
+    end
+  end
+
+  describe "nesting" do
+    @max Msgpack.max_depth()
+
+    test "is #{@max} levels, each list, map, tuple, struct and reference counting one" do
+      ref = %Ref{instance: "i", id: 1, session: nil, type: "t"}
+
+      wrappers = [
+        fn x -> [x] end,
+        fn x -> %{"k" => x} end,
+        fn x -> {x} end,
+        fn x -> %Object{class: "m.C", fields: %{"f" => x}, field_order: ["f"]} end
+      ]
+
+      for wrap <- wrappers do
+        assert {:ok, _} = round_trip(nest(@max, 1, wrap))
+        assert refusal(nest(@max + 1, 1, wrap)) =~ "nested deeper than #{@max} levels"
+        # a container at the last level counts, empty or not; a reference nests a payload
+        assert refusal(nest(@max, [], wrap)) =~ "nested deeper"
+        assert refusal(nest(@max, ref, wrap)) =~ "nested deeper"
+        assert {:ok, _} = round_trip(nest(@max - 1, ref, wrap))
+      end
+
+      mixed = Enum.reduce(1..@max, 1, fn i, acc -> Enum.at(wrappers, rem(i, 4)).(acc) end)
+      assert {:ok, _} = round_trip(mixed)
+      assert refusal([mixed]) =~ "nested deeper"
+    end
+
+    test "each argument may nest the whole depth; the error names the argument" do
+      deep = nest(@max, 1, &[&1])
+      assert {:ok, _} = Wire.encode_invoke({"m", "f"}, [deep, deep], k: deep)
+
+      assert {:error, %{type: :bad_argument, message: "args[1]: " <> why}} =
+               Wire.encode_invoke({"m", "f"}, [1, [deep]], [])
+
+      assert why =~ "nested deeper than #{@max} levels"
+
+      assert {:error, %{type: :bad_argument, message: "kwargs[\"k\"]: " <> _}} =
+               Wire.encode_invoke({"m", "f"}, [], k: [deep])
+    end
+  end
+
+  describe "Wire names the argument and refuses keyword arguments given twice" do
+    test "a refused key inside an argument" do
+      assert {:error, %{type: :bad_argument, message: message}} =
+               Wire.encode_invoke({"m", "f"}, [1, [%{[1] => 2}]], [])
+
+      assert message =~ "args[1]: the map key [1] is a list"
+
+      assert {:error, %{message: "kwargs[\"opt\"]: the map keys 1 and true" <> _}} =
+               Wire.encode_invoke({"m", "f"}, [], opt: %{1 => :a, true => :b})
+    end
+
+    test "a keyword given twice, as atoms or as an atom and a string" do
+      for kw <- [[a: 1, a: 2], [{:a, 1}, {"a", 2}], %{:a => 1, "a" => 2}] do
+        assert {:error, %{type: :bad_argument, message: message}} =
+                 Wire.encode_invoke({"m", "f"}, [], kw)
+
+        assert message =~ ~s(the keyword argument "a" is given twice)
+      end
+    end
+
+    test "arguments encode to the bytes of the list and the map as a whole" do
+      args = [40, %{"a" => [1, {2}]}, :ok]
+      kw = %{"b" => 1, "a" => %{x: 1}}
+      {:ok, [_target | parts]} = Wire.encode_invoke({"m", "f"}, args, kw)
+
+      assert IO.iodata_to_binary(parts) ==
+               IO.iodata_to_binary([Codec.encode(args), Codec.encode(kw)])
+    end
+  end
+end
