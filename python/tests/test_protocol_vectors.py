@@ -11,7 +11,7 @@ from conftest import load_vectors, next_id, same
 
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.forward_context import BatchDescriptor
-from vllm_bridge.protocol import Atom, Ref, packb, unpackb
+from vllm_bridge.protocol import Atom, BadArgument, Ref, packb, unpackb
 
 VECTORS = load_vectors()
 
@@ -93,6 +93,17 @@ DECODE_ONLY = {
     "tensor_f32_cuda": torch.tensor([0.5], dtype=torch.float32),
 }
 
+#: Vectors of maps Python refuses (docs/PROTOCOL.md, "Map keys"): what the error names.
+REFUSED = {
+    "refuse_map_int_bool": "the map keys 1 and true are equal in Python",
+    "refuse_map_int_float": "the map keys 1 and 1.0 are equal in Python",
+    "refuse_map_atom_str": 'the map keys :a and "a" are equal in Python',
+    "refuse_map_tuple_keys": 'the map keys {1, "a"} and {true, :a} are equal in Python',
+    "refuse_map_list_key": "the map key [1] is a list",
+    "refuse_map_map_key": "the map key %{} is a map",
+    "refuse_map_tuple_holding_list": "the map key {1, [2]} holds a list ([2])",
+}
+
 #: Vectors that cannot come back unchanged from a worker's echo, and why.
 NOT_ECHOED = {
     # A reference names an object of one worker process; this one names none of ours,
@@ -104,8 +115,27 @@ NOT_ECHOED = {
 
 
 def test_tables_cover_every_vector():
-    assert set(VALUES) | set(DECODE_ONLY) == set(VECTORS)
+    assert set(VALUES) | set(DECODE_ONLY) | set(REFUSED) == set(VECTORS)
     assert not set(VALUES) & set(DECODE_ONLY)
+    assert not set(REFUSED) & (set(VALUES) | set(DECODE_ONLY))
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_vectors_are_refused_naming_the_keys(name):
+    with pytest.raises(BadArgument) as info:
+        unpackb(VECTORS[name])
+    assert REFUSED[name] in str(info.value)
+
+
+def test_refused_vectors_get_bad_argument_under_their_id_from_a_worker(shared_worker):
+    target = packb(["m", "vllm_bridge.diag", "echo"])
+    for name in sorted(REFUSED):
+        rid = next_id()
+        head = b"\x97" + packb("call") + packb(rid) + packb(None) + packb(30_000)
+        shared_worker.send_raw(head + target + b"\x91" + VECTORS[name] + b"\x80")
+        kind, got, err = unpackb(shared_worker.recv_raw())
+        assert (kind, got, err["type"]) == ("error", rid, "bad_argument"), name
+        assert err["message"].startswith("could not decode args[0]: " + REFUSED[name])
 
 
 @pytest.mark.parametrize("name", sorted(VALUES))
@@ -129,7 +159,7 @@ def test_every_echoable_vector_comes_back_bit_exact_from_a_worker(shared_worker)
     """The vector's bytes are spliced raw into a call of diag.echo; the reply must carry
     exactly the same bytes back (decode then encode in the worker loses nothing)."""
     target = packb(["m", "vllm_bridge.diag", "echo"])
-    for name in sorted(set(VECTORS) - NOT_ECHOED):
+    for name in sorted(set(VECTORS) - NOT_ECHOED - set(REFUSED)):
         rid = next_id()
         head = b"\x97" + packb("call") + packb(rid) + packb(None) + packb(30_000)
         shared_worker.send_raw(head + target + b"\x91" + VECTORS[name] + b"\x80")

@@ -118,8 +118,26 @@ defmodule VllmBridge.Codec.VectorsTest do
             "which an Elixir map does not keep: Elixir writes pairs in key order (and " <>
             "never sends an error message)"}},
       "msg_ping" => {["ping", 9], :both},
-      "msg_cancel" => {["cancel", 7], :both}
+      "msg_cancel" => {["cancel", 7], :both},
+      "refuse_map_int_bool" => {%{1 => "a", true => "b"}, {:refused, "the map keys 1 and true"}},
+      "refuse_map_int_float" => {%{1 => :x, 1.0 => :y}, {:refused, "the map keys 1 and 1.0"}},
+      "refuse_map_atom_str" => {%{:a => 1, "a" => 2}, {:refused, ~s(the map keys :a and "a")}},
+      "refuse_map_tuple_keys" =>
+        {%{{1, "a"} => 1, {true, :a} => 2}, {:refused, ~s(the map keys {1, "a"} and {true, :a})}},
+      "refuse_map_list_key" => {%{[1] => 2}, {:refused, "the map key [1] is a list"}},
+      "refuse_map_map_key" => {%{%{} => 1}, {:refused, "the map key %{} is a map"}},
+      "refuse_map_tuple_holding_list" =>
+        {%{{1, [2]} => 3}, {:refused, "the map key {1, [2]} holds a list ([2])"}}
     }
+  end
+
+  # The protocol's encoder without the map-key check: the bytes an unchecked peer sends.
+  defmodule Unchecked do
+    @moduledoc false
+    def encode_other(term, _h, depth),
+      do: VllmBridge.Codec.Ext.encode_other(term, __MODULE__, depth)
+
+    def check_keys(_pairs), do: :ok
   end
 
   defp vectors do
@@ -161,6 +179,12 @@ defmodule VllmBridge.Codec.VectorsTest do
           assert is_binary(why)
           # Still a faithful round trip, if not the same bytes.
           assert Codec.decode(IO.iodata_to_binary(Codec.encode(value))) == {:ok, value}
+
+        {:refused, why} ->
+          # The bytes are this value's encoding; the protocol's encoder refuses to send it.
+          assert IO.iodata_to_binary(VllmBridge.Codec.Msgpack.encode(value, Unchecked)) == bytes
+          error = assert_raise ArgumentError, fn -> Codec.encode(value) end
+          assert Exception.message(error) =~ why
       end
     end
   end
