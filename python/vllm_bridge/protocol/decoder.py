@@ -193,6 +193,8 @@ class _Pass:
 def _checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     """The dict of a decoded map; refuses a key Python cannot hash and keys that are
     equal once decoded (a plain dict would keep the last of them, silently)."""
+    if not pairs:  # the common empty kwargs: a third of the hook's cost
+        return {}
     try:
         d = dict(pairs)
     except TypeError:
