@@ -5,7 +5,7 @@ defmodule VllmBridge.Route do
 
     * bound to a reference (a target `{%Ref{}, path}`, the handle of `exit`, the refs of
       `release`): the worker whose handshake instance the reference carries, whatever the
-      affinity (`:strict_fail_fast` still fails at once when it is busy). A reference from a
+      affinity (`:strict_fail_fast` still fails at once unless it is idle). A reference from a
       worker process that is gone is `:session_lost`;
     * in a session (`session_id:`): the session's worker, under the affinity of
       `VllmBridge.Session`; a session whose worker restarted is `:session_lost`;

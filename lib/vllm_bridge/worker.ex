@@ -345,10 +345,12 @@ defmodule VllmBridge.Worker do
   defp finish(state, id, tag, bin) do
     case Map.pop(state.calls, id) do
       {{alias, counted, _, status, mon}, calls} ->
+        # The slot first: a caller that has its reply and calls again at once must find
+        # the worker idle (`:strict_fail_fast` and `:hint` look for a count of 0).
+        if counted, do: release(state)
         if status == :live, do: send(alias, {alias, tag, bin}), else: release_dropped(bin)
         # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
         if mon, do: Process.demonitor(mon)
-        if counted, do: release(state)
         %{state | calls: calls}
 
       {nil, _} ->
