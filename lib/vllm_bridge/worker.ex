@@ -42,7 +42,7 @@ defmodule VllmBridge.Worker do
 
   alias VllmBridge.{Error, Request, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.{Launcher, PythonLog}
+  alias VllmBridge.Worker.{Framer, Launcher, PythonLog}
 
   @start_timeout 60_000
   @cancel_grace 5_000
@@ -145,6 +145,9 @@ defmodule VllmBridge.Worker do
       {:ok, port} ->
         state = %{
           port: port,
+          launch: Keyword.take(opts, [:framing, :max_frame_bytes]),
+          framer: nil,
+          max_frame: Launcher.max_frame_bytes(opts),
           os_pid: Launcher.os_pid(port),
           hello: nil,
           instance: nil,
@@ -168,14 +171,15 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def handle_continue(:handshake, state) do
-    case Launcher.handshake_settling(state.port, state.start_timeout) do
-      {:ok, hello, settled} ->
+    case Launcher.handshake_settling(state.port, state.start_timeout, state.launch) do
+      {:ok, hello, settled, {framer, frames}} ->
         state = %{
           state
           | hello: hello,
             instance: hello["instance"],
             os_pid: hello["pid"],
-            settled: settled
+            settled: settled,
+            framer: framer
         }
 
         if state.meta do
@@ -185,7 +189,8 @@ defmodule VllmBridge.Worker do
         end
 
         Process.send_after(self(), :sweep, @sweep_every)
-        {:noreply, state}
+        # Frames that came with the hello (a log record, say), as if they came after it.
+        {:noreply, Enum.reduce(frames, state, &route(&2, &1))}
 
       {:error, e} ->
         Logger.error("vllm_bridge worker #{label(state)} failed to start: #{e.message}")
@@ -202,33 +207,24 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_info({port, {:data, bin}}, %{port: port} = state) do
-    case Wire.peek(bin) do
-      {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
-        {:noreply, finish(state, id, :reply, bin)}
+  def handle_info({port, {:data, data}}, %{port: port, framer: :packet} = state),
+    do: {:noreply, route(state, data)}
 
-      {:chunk, id} when id != nil ->
-        case state.calls do
-          %{^id => {alias, _, _, :live, _}} -> send(alias, {alias, :chunk, bin})
-          _ -> release_dropped(bin)
-        end
+  def handle_info({port, {:data, data}}, %{port: port} = state) do
+    case Framer.feed(state.framer, data, state.max_frame) do
+      {:ok, [frame], framer} ->
+        {:noreply, route(%{state | framer: framer}, frame)}
 
-        {:noreply, state}
+      {:ok, frames, framer} ->
+        {:noreply, Enum.reduce(frames, %{state | framer: framer}, &route(&2, &1))}
 
-      {:end, id} when id != nil ->
-        {:noreply, finish(state, id, :end, nil)}
-
-      {:log, _} ->
-        PythonLog.emit(bin, label(state))
-        {:noreply, state}
-
-      other ->
-        Logger.warning(
-          "vllm_bridge worker #{label(state)}: frame without a call to answer " <>
-            "(#{inspect(other)}): #{inspect(VllmBridge.Codec.decode(bin), limit: 12)}"
-        )
-
-        {:noreply, state}
+      {:too_large, len, frames} ->
+        state = Enum.reduce(frames, state, &route(&2, &1))
+        message = Launcher.too_large_message(state.os_pid, len, state.max_frame)
+        Logger.error("vllm_bridge worker #{label(state)}: #{message} (it restarts)")
+        # Killed first: it must not go on writing into a stream nobody reads.
+        Launcher.kill(state.os_pid)
+        {:stop, {:shutdown, {:frame_too_large, len}}, shut(state, message)}
     end
   end
 
@@ -251,7 +247,7 @@ defmodule VllmBridge.Worker do
         {:noreply, state}
 
       true ->
-        Port.command(state.port, frame)
+        put(state, frame)
 
         entry =
           cond do
@@ -271,7 +267,7 @@ defmodule VllmBridge.Worker do
   def handle_info({:"$vb_credit", id, n}, state) do
     case state.calls do
       %{^id => {_, _, _, :live, _}} ->
-        Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
+        put(state, Wire.request("credit", id, [Wire.value(n)]))
 
       _ ->
         :ok
@@ -340,6 +336,48 @@ defmodule VllmBridge.Worker do
     :ok
   end
 
+  # -- frames from the worker --------------------------------------------------------------
+
+  # One whole frame: a reply or chunk goes to its caller as it is (the caller decodes it).
+  defp route(state, bin) do
+    case Wire.peek(bin) do
+      {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
+        finish(state, id, :reply, bin)
+
+      {:chunk, id} when id != nil ->
+        case state.calls do
+          %{^id => {alias, _, _, :live, _}} -> send(alias, {alias, :chunk, bin})
+          _ -> release_dropped(bin)
+        end
+
+        state
+
+      {:end, id} when id != nil ->
+        finish(state, id, :end, nil)
+
+      {:log, _} ->
+        PythonLog.emit(bin, label(state))
+        state
+
+      other ->
+        Logger.warning(
+          "vllm_bridge worker #{label(state)}: frame without a call to answer " <>
+            "(#{inspect(other)}): #{inspect(VllmBridge.Codec.decode(bin), limit: 12)}"
+        )
+
+        state
+    end
+  end
+
+  # TEMPORARY (A/B of the framings): in :stream mode this process writes the header.
+  defp put(%{framer: :packet, port: port}, frame), do: Port.command(port, frame)
+
+  defp put(%{port: port}, frame) when is_binary(frame),
+    do: Port.command(port, [<<byte_size(frame)::32>>, frame])
+
+  defp put(%{port: port}, frame),
+    do: Port.command(port, [<<IO.iodata_length(frame)::32>> | frame])
+
   # -- calls in flight --------------------------------------------------------------------
 
   defp finish(state, id, tag, bin) do
@@ -382,7 +420,7 @@ defmodule VllmBridge.Worker do
   defp cancel(state, id) do
     case state.calls do
       %{^id => {alias, counted, deadline, status, mon}} when status in [:live, :abandoned] ->
-        if status == :live, do: Port.command(state.port, Wire.request("cancel", id, []))
+        if status == :live, do: put(state, Wire.request("cancel", id, []))
         if mon, do: Process.demonitor(mon)
         Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
         now = System.monotonic_time(:millisecond)
@@ -399,7 +437,7 @@ defmodule VllmBridge.Worker do
   defp abandon(state, mon) do
     case Enum.find(state.calls, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
       {id, {alias, counted, deadline, :live, ^mon}} ->
-        Port.command(state.port, Wire.request("cancel", id, []))
+        put(state, Wire.request("cancel", id, []))
         entry = {alias, counted, deadline, :abandoned, nil}
         %{state | calls: Map.put(state.calls, id, entry)}
 
