@@ -4,10 +4,18 @@ defmodule VllmBridge.Worker do
   port (see `VllmBridge.Worker.Launcher` for how the process is started and ended).
 
   Its whole job on the hot path: write a caller's pre-encoded request to the port and
-  record `id => caller` in its table of calls in flight; read a frame's kind and id
-  (`VllmBridge.Wire.peek/1`, not a full decode) and send the frame as it is to the caller,
-  who decodes it. Callers wait in their own `receive`, on a process alias with a monitor
-  on this process, each with its own deadline.
+  record `id => caller` in its table of calls in flight; cut the port's bytes into frames
+  (`VllmBridge.Worker.Framer`), read a frame's kind and id (`VllmBridge.Wire.peek/1`, not
+  a full decode) and send the frame as it is to the caller, who decodes it. Callers wait
+  in their own `receive`, on a process alias with a monitor on this process, each with
+  its own deadline.
+
+    * **Frame size.** A request frame over `:max_frame_bytes` is refused with
+      `:bad_argument` instead of being written (a pool's callers are refused earlier,
+      before a slot is reserved: `VllmBridge.Route`). A header from the Python process
+      declaring more means the stream cannot be trusted: the Python process is killed,
+      every call in flight gets `:worker_exit` naming the length and the limit, and this
+      process stops (its supervisor starts a new one).
 
     * **Pipelining.** Several calls may be in flight at once; the Python side runs them one
       at a time, in order. In a pool, how many is bounded by `VllmBridge.Pool.Slots`, which
@@ -30,11 +38,11 @@ defmodule VllmBridge.Worker do
       periodic sweep) does the `cancel_grace` restart apply.
     * **Logs.** `log` frames go to `Logger` with the Python logger's name.
 
-  Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`, `:env` (see
-  `VllmBridge.Worker.Launcher.open/1`), `:start_timeout` (ms, default 60 000),
-  `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the Python process is given
-  to exit on EOF before it is killed, default 3 000), and, in a pool, `:pool`, `:index`
-  and `:meta`.
+  Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
+  `:max_frame_bytes`, `:env` (see `VllmBridge.Worker.Launcher.open/1`), `:start_timeout`
+  (ms, default 60 000), `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the
+  Python process is given to exit on EOF before it is killed, default 3 000), and, in a
+  pool, `:pool`, `:index` and `:meta`.
   """
   use GenServer, restart: :permanent
 
@@ -145,7 +153,7 @@ defmodule VllmBridge.Worker do
       {:ok, port} ->
         state = %{
           port: port,
-          launch: Keyword.take(opts, [:framing, :max_frame_bytes]),
+          launch: Keyword.take(opts, [:max_frame_bytes]),
           framer: nil,
           max_frame: Launcher.max_frame_bytes(opts),
           os_pid: Launcher.os_pid(port),
@@ -207,9 +215,6 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_info({port, {:data, data}}, %{port: port, framer: :packet} = state),
-    do: {:noreply, route(state, data)}
-
   def handle_info({port, {:data, data}}, %{port: port} = state) do
     case Framer.feed(state.framer, data, state.max_frame) do
       {:ok, [frame], framer} ->
@@ -246,8 +251,17 @@ defmodule VllmBridge.Worker do
         if counted, do: release(state)
         {:noreply, state}
 
+      Wire.frame_size(frame) > state.max_frame ->
+        # Checked before a slot is taken on a pool's path (VllmBridge.Route); this catches
+        # the others (Worker.call, a session's close, a release) before Python would see
+        # a header over its limit and end the stream.
+        error = Wire.too_large(Wire.frame_size(frame), state.max_frame, "max_frame_bytes")
+        if alias, do: send(alias, {alias, :reply_error, error})
+        if counted, do: release(state)
+        {:noreply, state}
+
       true ->
-        put(state, frame)
+        Port.command(state.port, frame)
 
         entry =
           cond do
@@ -267,7 +281,7 @@ defmodule VllmBridge.Worker do
   def handle_info({:"$vb_credit", id, n}, state) do
     case state.calls do
       %{^id => {_, _, _, :live, _}} ->
-        put(state, Wire.request("credit", id, [Wire.value(n)]))
+        Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
 
       _ ->
         :ok
@@ -369,15 +383,6 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # TEMPORARY (A/B of the framings): in :stream mode this process writes the header.
-  defp put(%{framer: :packet, port: port}, frame), do: Port.command(port, frame)
-
-  defp put(%{port: port}, frame) when is_binary(frame),
-    do: Port.command(port, [<<byte_size(frame)::32>>, frame])
-
-  defp put(%{port: port}, frame),
-    do: Port.command(port, [<<IO.iodata_length(frame)::32>> | frame])
-
   # -- calls in flight --------------------------------------------------------------------
 
   defp finish(state, id, tag, bin) do
@@ -420,7 +425,7 @@ defmodule VllmBridge.Worker do
   defp cancel(state, id) do
     case state.calls do
       %{^id => {alias, counted, deadline, status, mon}} when status in [:live, :abandoned] ->
-        if status == :live, do: put(state, Wire.request("cancel", id, []))
+        if status == :live, do: Port.command(state.port, Wire.request("cancel", id, []))
         if mon, do: Process.demonitor(mon)
         Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
         now = System.monotonic_time(:millisecond)
@@ -437,7 +442,7 @@ defmodule VllmBridge.Worker do
   defp abandon(state, mon) do
     case Enum.find(state.calls, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
       {id, {alias, counted, deadline, :live, ^mon}} ->
-        put(state, Wire.request("cancel", id, []))
+        Port.command(state.port, Wire.request("cancel", id, []))
         entry = {alias, counted, deadline, :abandoned, nil}
         %{state | calls: Map.put(state.calls, id, entry)}
 

@@ -30,7 +30,6 @@ defmodule VllmBridge.Pool.Options do
     worker_env: [],
     max_in_flight: 16,
     max_frame_bytes: 1_073_741_824,
-    framing: :stream,
     queue_size: 1024,
     start_timeout: 60_000,
     cancel_grace: 5_000,
@@ -155,9 +154,6 @@ defmodule VllmBridge.Pool.Options do
   end
 
   defp check(:max_frame_bytes, _), do: {:error, "must be an integer (bytes)"}
-  # TEMPORARY (A/B measurement of the two framings).
-  defp check(:framing, v) when v in [:packet, :stream], do: :ok
-  defp check(:framing, _), do: {:error, "must be :packet or :stream"}
 
   defp check(:worker_module, v) when is_binary(v), do: :ok
   defp check(:worker_module, _), do: {:error, "must be a module name"}

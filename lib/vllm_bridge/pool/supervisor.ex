@@ -53,8 +53,7 @@ defmodule VllmBridge.Pool.Supervisor do
         :cancel_grace,
         :shutdown_grace,
         :worker_module,
-        :max_frame_bytes,
-        :framing
+        :max_frame_bytes
       ])
 
     workers =

@@ -65,22 +65,21 @@ defmodule VllmBridge.Worker.Launcher do
 
         env = for {k, v} <- Keyword.get(opts, :env, []), do: {to_charlist(k), to_charlist(v)}
 
-        packet = if framing(opts) == :packet, do: [{:packet, 4}], else: [:stream]
-
+        # :stream, not {:packet, 4}: the port's own framing would allocate whatever
+        # length a header declares (see VllmBridge.Worker.Framer).
         port =
-          Port.open(
-            {:spawn_executable, python},
-            [{:args, args}, {:env, env} | packet] ++ [:binary, :nouse_stdio, :exit_status]
-          )
+          Port.open({:spawn_executable, python}, [
+            {:args, args},
+            {:env, env},
+            :stream,
+            :binary,
+            :nouse_stdio,
+            :exit_status
+          ])
 
         {:ok, port}
     end
   end
-
-  @doc false
-  # TEMPORARY (A/B measurement of the two framings): `:packet` or `:stream`.
-  @spec framing(keyword()) :: :packet | :stream
-  def framing(opts), do: Keyword.get(opts, :framing, :stream)
 
   @doc "The frame limit of `opts` (`:max_frame_bytes`, else the default)."
   @spec max_frame_bytes(keyword()) :: pos_integer()
@@ -117,9 +116,8 @@ defmodule VllmBridge.Worker.Launcher do
     os_pid = os_pid(port)
     deadline = System.monotonic_time(:millisecond) + timeout
     max = max_frame_bytes(opts)
-    framer = if framing(opts) == :packet, do: :packet, else: Framer.new()
 
-    case await_hello(port, {os_pid, timeout, deadline, max}, framer, MapSet.new()) do
+    case await_hello(port, {os_pid, timeout, deadline, max}, Framer.new(), MapSet.new()) do
       {{:ok, hello}, settled, rest} ->
         case check_limit(hello, max) do
           :ok -> {:ok, hello, settled, rest}
@@ -133,9 +131,6 @@ defmodule VllmBridge.Worker.Launcher do
 
   defp await_hello(port, {os_pid, timeout, deadline, max} = how, framer, settled) do
     receive do
-      {^port, {:data, data}} when framer == :packet ->
-        {check_hello(Codec.decode(data)), settled, {:packet, []}}
-
       {^port, {:data, data}} ->
         case Framer.feed(framer, data, max) do
           {:ok, [], framer} ->
