@@ -1,7 +1,9 @@
-"""Erlang ``{packet, 4}`` framing: a 4-byte big-endian length, then the body.
+"""Frames as Erlang's ``{packet, 4}`` has them: a 4-byte big-endian length, then the body,
+with every body bounded by a limit (``--max-frame-bytes``) in both directions.
 
 The worker reads frames from fd 3 and writes them to fd 4 (the port is opened with
-``:nouse_stdio``), so stdout and stderr stay free for logs.
+``:nouse_stdio``), so stdout and stderr stay free for logs. The Elixir side cuts the same
+frames itself (its port is in ``:stream`` mode, so that it can bound them too).
 """
 
 from __future__ import annotations
