@@ -11,6 +11,10 @@ defmodule VllmBridge.Worker.Framer do
   # and joined once), bounded by the limit. docs/PROTOCOL.md ("Transport") and
   # bench/README.md have the measurements behind the choice.
   #
+  # A body that shares a chunk with others is a sub-binary of that chunk (up to 64 KiB),
+  # as a body used to be a binary of its own frame's size: a caller that keeps a string
+  # decoded from a small reply (also a sub-binary) keeps that chunk alive, no more.
+  #
   # State: `<<>>` (between frames), a binary of fewer than 4 bytes (part of a header), or
   # `{:body, missing, chunks}`: a body whose header was read, `missing` bytes still to
   # come, `chunks` the parts so far, newest first.
