@@ -128,7 +128,7 @@ def test_a_header_over_the_limit_behind_a_frame_is_refused_while_a_call_runs() -
     wp = spawn_worker(["--allow", D], stderr=subprocess.PIPE)
     try:
         rid = next_id()
-        wp.send(["call", rid, None, 60_000, ["m", D, "sleep"], [1.0], {}])
+        wp.send(["call", rid, None, 60_000, ["m", D, "sleep"], [3.0], {}])
         deadline = time.monotonic() + 30
         while wp.ping()["running"] != rid:
             assert time.monotonic() < deadline, "the sleep call never ran"
