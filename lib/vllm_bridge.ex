@@ -372,9 +372,8 @@ defmodule VllmBridge do
   defp run(rt, {kind, what}, bound, payload, parts, timed) do
     result =
       with {:ok, route} <- Route.resolve(rt, kind, bound, payload),
-           {:ok, pid, _index} <- Route.checkout(route, rt.deadline) do
-        req = Request.new(kind, [Wire.value(route.session)], timed, parts)
-
+           req = Request.new(kind, [Wire.value(route.session)], timed, parts),
+           {:ok, pid, _index} <- Route.checkout(route, req, rt.deadline) do
         if kind in ["exit", "release"] do
           pid
           |> Request.send_request(req, :infinity, true, :reply_demonitor, false)

@@ -8,7 +8,8 @@ defmodule VllmBridge.Error do
     * `:worker_exit` - the Python process died while the call was in flight
     * `:python_exception` - Python raised; `python_type` and `traceback` say what
     * `:queue_full` - the pool's queue is full (back-pressure)
-    * `:pool_busy` - no worker could take the call under `:strict_fail_fast` affinity
+    * `:pool_busy` - under `:strict_fail_fast` affinity, the worker the call must run on
+      was not idle (running or holding a call, or restarting)
     * `:session_lost` - the session's worker restarted, so its state is gone
     * `:bad_argument` - a value was refused at the boundary (either side)
     * `:protocol` - a frame could not be decoded or broke the protocol

@@ -33,22 +33,39 @@ defmodule VllmBridge.Request do
   alias VllmBridge.{Error, Runtime, Wire}
 
   @enforce_keys [:kind]
-  defstruct kind: nil, pre: [], timed: true, post: []
+  defstruct kind: nil, pre: [], timed: true, post: [], size: 0
 
   @typedoc """
   A request before it has an id: `kind`, the encoded fields before the timeout (`pre`,
-  usually the session), whether the kind carries a timeout field, and the encoded fields
-  after it (`post`).
+  usually the session), whether the kind carries a timeout field, the encoded fields
+  after it (`post`), and the bytes `pre` and `post` take (`size`, counted once).
   """
-  @type t :: %__MODULE__{kind: String.t(), pre: [iodata()], timed: boolean(), post: [iodata()]}
+  @type t :: %__MODULE__{
+          kind: String.t(),
+          pre: [iodata()],
+          timed: boolean(),
+          post: [iodata()],
+          size: non_neg_integer()
+        }
 
   @typedoc "A request in flight: worker pid, id and the alias/monitor."
   @type handle :: {pid(), non_neg_integer(), reference()}
 
-  @doc "A request of `kind` with its encoded fields (see `t:t/0`)."
+  @doc """
+  A request of `kind` with its encoded fields (see `t:t/0`). Their size is counted here,
+  once: the frame limit is checked with it before anything is reserved (`max_size/1`),
+  and the frame is built with it, without walking them again.
+  """
   @spec new(String.t(), [iodata()], boolean(), [iodata()]) :: t()
-  def new(kind, pre, timed, post),
-    do: %__MODULE__{kind: kind, pre: pre, timed: timed, post: post}
+  def new(kind, pre, timed, post) do
+    size = IO.iodata_length(pre) + IO.iodata_length(post)
+    %__MODULE__{kind: kind, pre: pre, timed: timed, post: post, size: size}
+  end
+
+  @doc "The most bytes the body of `req`'s frame can take (`VllmBridge.Wire.max_request_size/3`)."
+  @spec max_size(t()) :: pos_integer()
+  def max_size(%__MODULE__{kind: kind, timed: timed, size: size}),
+    do: Wire.max_request_size(kind, timed, size)
 
   @doc """
   Sends `req` to `pid` and waits for its one reply until `deadline`. `counted` says the
@@ -95,18 +112,18 @@ defmodule VllmBridge.Request do
     :ok
   end
 
-  defp frame(%{kind: kind, pre: pre, timed: true, post: post}, id, deadline) do
+  defp frame(%{kind: kind, pre: pre, timed: true, post: post, size: size}, id, deadline) do
     ms =
       case Runtime.remaining(deadline) do
-        :infinity -> nil
-        left -> left
+        :infinity -> Wire.value(nil)
+        left -> Wire.value(left)
       end
 
-    Wire.request(kind, id, pre ++ [Wire.value(ms) | post])
+    Wire.request(kind, id, pre ++ [ms | post], size + IO.iodata_length(ms))
   end
 
-  defp frame(%{kind: kind, pre: pre, post: post}, id, _deadline),
-    do: Wire.request(kind, id, pre ++ post)
+  defp frame(%{kind: kind, pre: pre, post: post, size: size}, id, _deadline),
+    do: Wire.request(kind, id, pre ++ post, size)
 
   @doc """
   Waits until `deadline` for the one reply of a request sent with `send_request/6`. Past

@@ -5,17 +5,19 @@ defmodule VllmBridge.Route do
 
     * bound to a reference (a target `{%Ref{}, path}`, the handle of `exit`, the refs of
       `release`): the worker whose handshake instance the reference carries, whatever the
-      affinity (`:strict_fail_fast` still fails at once when it is busy). A reference from a
+      affinity (`:strict_fail_fast` still fails at once unless it is idle). A reference from a
       worker process that is gone is `:session_lost`;
     * in a session (`session_id:`): the session's worker, under the affinity of
       `VllmBridge.Session`; a session whose worker restarted is `:session_lost`;
     * otherwise: any worker of the pool `pool_name:` names.
 
-  `checkout/2` then reserves room (`VllmBridge.Pool.Checkout`) and checks that the worker
-  it got is still the process the session or reference belongs to.
+  `checkout/3` then checks the request against the pool's frame limit (`max_frame_bytes`;
+  a request over it is `:bad_argument`, and nothing is reserved), reserves room
+  (`VllmBridge.Pool.Checkout`) and checks that the worker it got is still the process the
+  session or reference belongs to.
   """
 
-  alias VllmBridge.{Error, Ref, Runtime, Session}
+  alias VllmBridge.{Error, Ref, Request, Runtime, Session, Wire}
   alias VllmBridge.Pool.{Checkout, Directory, Meta, Slots}
 
   @enforce_keys [:meta, :constraint]
@@ -92,12 +94,15 @@ defmodule VllmBridge.Route do
   end
 
   @doc """
-  Reserves room on a worker of the route before `deadline`: the worker's pid and index.
+  Reserves room for `req` on a worker of the route before `deadline`: the worker's pid
+  and index. A request whose frame could be larger than the pool's `max_frame_bytes` is
+  refused first (`:bad_argument` naming its size and the limit), with nothing reserved.
   """
-  @spec checkout(t(), integer() | :infinity) ::
+  @spec checkout(t(), Request.t(), integer() | :infinity) ::
           {:ok, pid(), non_neg_integer()} | {:error, Error.t()}
-  def checkout(%__MODULE__{meta: meta} = route, deadline) do
-    with {:ok, i} <- Checkout.checkout(meta, route.constraint, deadline) do
+  def checkout(%__MODULE__{meta: meta} = route, %Request{} = req, deadline) do
+    with :ok <- fits(meta, req),
+         {:ok, i} <- Checkout.checkout(meta, route.constraint, deadline) do
       case Directory.worker(meta.name, i) do
         {pid, instance} ->
           case verify(route, i, instance) do
@@ -114,6 +119,16 @@ defmodule VllmBridge.Route do
 
           {:error, Error.new(:worker_exit, "worker #{i} of pool #{inspect(meta.name)} went down")}
       end
+    end
+  end
+
+  defp fits(%Meta{max_frame_bytes: max, name: name}, req) do
+    case Request.max_size(req) do
+      size when size > max ->
+        {:error, Wire.too_large(size, max, "max_frame_bytes of pool #{inspect(name)}")}
+
+      _ ->
+        :ok
     end
   end
 

@@ -27,10 +27,13 @@ defmodule VllmBridge.Runtime do
   queued comes out of it, and the worker is told the milliseconds left when the request
   is sent.
 
-  **Affinity** says where a call in a session may run (see `VllmBridge.Session`). The
-  default is `:strict_queue`, not `:hint`: a call such as `get_forward_context()` reads
-  session state without carrying any, and only the caller knows that; `:hint` is an
-  opt-in for calls known to be state-free.
+  **Affinity** says where a call in a session may run (see `VllmBridge.Session`):
+  `:strict_queue` waits its turn on the session's worker; `:strict_fail_fast` runs only
+  when that worker is idle (nothing running or queued on it, whatever `max_in_flight`
+  is) and is `:pool_busy` at once otherwise; `:hint` runs there when it is idle and else
+  on the least loaded worker with room. The default is `:strict_queue`, not `:hint`: a
+  call such as `get_forward_context()` reads session state without carrying any, and
+  only the caller knows that; `:hint` is an opt-in for calls known to be state-free.
 
   Unknown options and bad values are refused with `{:error, %VllmBridge.Error{type:
   :bad_argument}}` naming them.

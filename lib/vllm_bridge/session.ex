@@ -17,17 +17,26 @@ defmodule VllmBridge.Session do
   for it.
 
   **Affinity** (runtime option `affinity:`) decides what a session's call does when its
-  worker is busy (`max_in_flight` calls in flight, or restarting):
+  worker is not idle. Busy means busy: a worker running one call, or holding one queued
+  behind it, is busy, however many more `max_in_flight` would let it take.
 
-    * `:strict_queue` (the default) - wait for the session's worker;
-    * `:strict_fail_fast` - fail at once with `{:error, %Error{type: :pool_busy}}`;
-    * `:hint` - prefer the session's worker but run elsewhere when it is busy. Only a call
-      that carries no session state may move: a call whose target, args or kwargs hold a
+    * `:strict_queue` (the default) - go to the session's worker: pipelined behind the
+      calls it has while it has room (`max_in_flight`), else wait in the pool's queue;
+    * `:strict_fail_fast` - run only if the session's worker is idle (nothing running,
+      nothing queued on it); otherwise fail at once with
+      `{:error, %Error{type: :pool_busy}}`, whose message says how many calls the worker
+      has, or that it is restarting. The same holds for a request bound to a reference
+      under `:strict_fail_fast`. The call never waits and never queues;
+    * `:hint` - run on the session's worker when it is idle; when it is running or holds
+      a call, run on the least loaded worker with room (the session's worker wins ties,
+      so with every worker busy alike the call stays home). Only a call that carries no
+      session state may move: a call whose target, args or kwargs hold a
       `%VllmBridge.Ref{}` (a `get` or call on a reference, `exit`, `release`), and every
-      `enter`, stays on the session's worker. A call that *reads* session state without
-      carrying any (`get_forward_context()`) cannot be told apart: use `:hint` only for
-      calls you know to be state-free. A moved call still runs under the session's id on
-      the other worker; whatever it leaves there is released when the session closes.
+      `enter`, stays on the session's worker as under `:strict_queue`. A call that
+      *reads* session state without carrying any (`get_forward_context()`) cannot be told
+      apart: use `:hint` only for calls you know to be state-free. A moved call still
+      runs under the session's id on the other worker; whatever it leaves there is
+      released when the session closes.
 
   **Restarts.** A session lives on one worker process. Once that process is gone (the
   worker restarted with a new instance), every call in the session gets

@@ -53,8 +53,8 @@ defmodule VllmBridge.Stream do
   defp start(bound, args, kwargs, parts, opts) do
     with {:ok, rt} <- Runtime.resolve(opts, :stream),
          {:ok, route} <- Route.resolve(rt, "stream", bound, {args, kwargs}),
-         {:ok, pid, _i} <- Route.checkout(route, rt.deadline) do
-      req = Request.new("stream", [Wire.value(route.session)], true, parts)
+         req = Request.new("stream", [Wire.value(route.session)], true, parts),
+         {:ok, pid, _i} <- Route.checkout(route, req, rt.deadline) do
       handle = Request.send_request(pid, req, rt.deadline, true, :demonitor)
 
       %{

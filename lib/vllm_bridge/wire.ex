@@ -31,17 +31,55 @@ defmodule VllmBridge.Wire do
   # -- requests ---------------------------------------------------------------------------
 
   @doc """
-  One request body: `kind`, `id`, then the already encoded `fields` (at most 14, which
-  covers every message of the protocol).
+  One request frame: the 4-byte big-endian length, then the body: `kind`, `id`, then the
+  already encoded `fields` (at most 14, which covers every message of the protocol).
 
-  A body of up to 64 KiB is one binary (one cheap copy, then a single refc binary moves
-  between processes); a larger one stays iodata, so that a large tensor's data goes to the
-  port as the binary it already is instead of being copied into a new one.
+  A frame of up to 64 KiB is one binary (one cheap copy, then a single refc binary moves
+  between processes); a larger one stays iodata, `[<<length::32>> | body]`, so that a
+  large tensor's data goes to the port as the binary it already is instead of being
+  copied into a new one. `frame_size/1` reads the length back without a walk.
   """
   @spec request(String.t(), non_neg_integer(), [iodata()]) :: iodata()
-  def request(kind, id, fields) when length(fields) <= 13 do
-    frame = [0x92 + length(fields), Codec.encode(kind), Codec.encode(id) | fields]
-    if IO.iodata_length(frame) > @flatten_max, do: frame, else: IO.iodata_to_binary(frame)
+  def request(kind, id, fields), do: request(kind, id, fields, IO.iodata_length(fields))
+
+  @doc """
+  `request/3` when the byte size of `fields` is known already (`VllmBridge.Request`
+  counts its encoded arguments once, before anything is reserved), so that they are not
+  walked again.
+  """
+  @spec request(String.t(), non_neg_integer(), [iodata()], non_neg_integer()) :: iodata()
+  def request(kind, id, fields, fields_size) when length(fields) <= 13 do
+    head = [0x92 + length(fields), Codec.encode(kind) | Codec.encode(id)]
+    size = IO.iodata_length(head) + fields_size
+    frame = [<<size::32>>, head | fields]
+    if size > @flatten_max, do: frame, else: IO.iodata_to_binary(frame)
+  end
+
+  @doc "The body length of a frame made by `request/3,4`, read from its header."
+  @spec frame_size(iodata()) :: non_neg_integer()
+  def frame_size(<<size::32, _::binary>>), do: size
+  def frame_size([<<size::32>> | _]), do: size
+
+  @doc """
+  The most bytes the body of a request of `kind` can take when its encoded fields take
+  `fields_size` bytes: the id (and the timeout, when `timed`) counted at their largest
+  encoding (9 bytes each), since neither is fixed until the request is sent.
+  """
+  @spec max_request_size(String.t(), boolean(), non_neg_integer()) :: pos_integer()
+  def max_request_size(kind, timed, fields_size),
+    do: 1 + IO.iodata_length(Codec.encode(kind)) + 9 + if(timed, do: 9, else: 0) + fields_size
+
+  @doc """
+  The `:bad_argument` of a request whose frame would be `size` bytes, over the frame
+  limit `max` (`what` names the limit's origin).
+  """
+  @spec too_large(non_neg_integer(), pos_integer(), String.t()) :: Error.t()
+  def too_large(size, max, what) do
+    Error.new(
+      :bad_argument,
+      "the request's frame would be #{size} bytes, over the frame limit of #{max} bytes " <>
+        "(#{what}); it was not sent"
+    )
   end
 
   @doc "Encodes one value of a request (raises `ArgumentError` naming what cannot travel)."

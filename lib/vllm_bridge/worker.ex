@@ -4,10 +4,18 @@ defmodule VllmBridge.Worker do
   port (see `VllmBridge.Worker.Launcher` for how the process is started and ended).
 
   Its whole job on the hot path: write a caller's pre-encoded request to the port and
-  record `id => caller` in its table of calls in flight; read a frame's kind and id
-  (`VllmBridge.Wire.peek/1`, not a full decode) and send the frame as it is to the caller,
-  who decodes it. Callers wait in their own `receive`, on a process alias with a monitor
-  on this process, each with its own deadline.
+  record `id => caller` in its table of calls in flight; cut the port's bytes into frames
+  (`VllmBridge.Worker.Framer`), read a frame's kind and id (`VllmBridge.Wire.peek/1`, not
+  a full decode) and send the frame as it is to the caller, who decodes it. Callers wait
+  in their own `receive`, on a process alias with a monitor on this process, each with
+  its own deadline.
+
+    * **Frame size.** A request frame over `:max_frame_bytes` is refused with
+      `:bad_argument` instead of being written (a pool's callers are refused earlier,
+      before a slot is reserved: `VllmBridge.Route`). A header from the Python process
+      declaring more means the stream cannot be trusted: the Python process is killed,
+      every call in flight gets `:worker_exit` naming the length and the limit, and this
+      process stops (its supervisor starts a new one).
 
     * **Pipelining.** Several calls may be in flight at once; the Python side runs them one
       at a time, in order. In a pool, how many is bounded by `VllmBridge.Pool.Slots`, which
@@ -30,11 +38,11 @@ defmodule VllmBridge.Worker do
       periodic sweep) does the `cancel_grace` restart apply.
     * **Logs.** `log` frames go to `Logger` with the Python logger's name.
 
-  Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`, `:env` (see
-  `VllmBridge.Worker.Launcher.open/1`), `:start_timeout` (ms, default 60 000),
-  `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the Python process is given
-  to exit on EOF before it is killed, default 3 000), and, in a pool, `:pool`, `:index`
-  and `:meta`.
+  Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
+  `:max_frame_bytes`, `:env` (see `VllmBridge.Worker.Launcher.open/1`), `:start_timeout`
+  (ms, default 60 000), `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the
+  Python process is given to exit on EOF before it is killed, default 3 000), and, in a
+  pool, `:pool`, `:index` and `:meta`.
   """
   use GenServer, restart: :permanent
 
@@ -42,7 +50,7 @@ defmodule VllmBridge.Worker do
 
   alias VllmBridge.{Error, Request, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.{Launcher, PythonLog}
+  alias VllmBridge.Worker.{Framer, Launcher, PythonLog}
 
   @start_timeout 60_000
   @cancel_grace 5_000
@@ -145,6 +153,9 @@ defmodule VllmBridge.Worker do
       {:ok, port} ->
         state = %{
           port: port,
+          launch: Keyword.take(opts, [:max_frame_bytes]),
+          framer: nil,
+          max_frame: Launcher.max_frame_bytes(opts),
           os_pid: Launcher.os_pid(port),
           hello: nil,
           instance: nil,
@@ -168,14 +179,15 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def handle_continue(:handshake, state) do
-    case Launcher.handshake_settling(state.port, state.start_timeout) do
-      {:ok, hello, settled} ->
+    case Launcher.handshake_settling(state.port, state.start_timeout, state.launch) do
+      {:ok, hello, settled, {framer, frames}} ->
         state = %{
           state
           | hello: hello,
             instance: hello["instance"],
             os_pid: hello["pid"],
-            settled: settled
+            settled: settled,
+            framer: framer
         }
 
         if state.meta do
@@ -185,7 +197,8 @@ defmodule VllmBridge.Worker do
         end
 
         Process.send_after(self(), :sweep, @sweep_every)
-        {:noreply, state}
+        # Frames that came with the hello (a log record, say), as if they came after it.
+        {:noreply, Enum.reduce(frames, state, &route(&2, &1))}
 
       {:error, e} ->
         Logger.error("vllm_bridge worker #{label(state)} failed to start: #{e.message}")
@@ -202,33 +215,21 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_info({port, {:data, bin}}, %{port: port} = state) do
-    case Wire.peek(bin) do
-      {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
-        {:noreply, finish(state, id, :reply, bin)}
+  def handle_info({port, {:data, data}}, %{port: port} = state) do
+    case Framer.feed(state.framer, data, state.max_frame) do
+      {:ok, [frame], framer} ->
+        {:noreply, route(%{state | framer: framer}, frame)}
 
-      {:chunk, id} when id != nil ->
-        case state.calls do
-          %{^id => {alias, _, _, :live, _}} -> send(alias, {alias, :chunk, bin})
-          _ -> release_dropped(bin)
-        end
+      {:ok, frames, framer} ->
+        {:noreply, Enum.reduce(frames, %{state | framer: framer}, &route(&2, &1))}
 
-        {:noreply, state}
-
-      {:end, id} when id != nil ->
-        {:noreply, finish(state, id, :end, nil)}
-
-      {:log, _} ->
-        PythonLog.emit(bin, label(state))
-        {:noreply, state}
-
-      other ->
-        Logger.warning(
-          "vllm_bridge worker #{label(state)}: frame without a call to answer " <>
-            "(#{inspect(other)}): #{inspect(VllmBridge.Codec.decode(bin), limit: 12)}"
-        )
-
-        {:noreply, state}
+      {:too_large, len, frames} ->
+        state = Enum.reduce(frames, state, &route(&2, &1))
+        message = Launcher.too_large_message(state.os_pid, len, state.max_frame)
+        Logger.error("vllm_bridge worker #{label(state)}: #{message} (it restarts)")
+        # Killed first: it must not go on writing into a stream nobody reads.
+        Launcher.kill(state.os_pid)
+        {:stop, {:shutdown, {:frame_too_large, len}}, shut(state, message)}
     end
   end
 
@@ -247,6 +248,15 @@ defmodule VllmBridge.Worker do
           do:
             send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
 
+        if counted, do: release(state)
+        {:noreply, state}
+
+      Wire.frame_size(frame) > state.max_frame ->
+        # Checked before a slot is taken on a pool's path (VllmBridge.Route); this catches
+        # the others (Worker.call, a session's close, a release) before Python would see
+        # a header over its limit and end the stream.
+        error = Wire.too_large(Wire.frame_size(frame), state.max_frame, "max_frame_bytes")
+        if alias, do: send(alias, {alias, :reply_error, error})
         if counted, do: release(state)
         {:noreply, state}
 
@@ -340,15 +350,50 @@ defmodule VllmBridge.Worker do
     :ok
   end
 
+  # -- frames from the worker --------------------------------------------------------------
+
+  # One whole frame: a reply or chunk goes to its caller as it is (the caller decodes it).
+  defp route(state, bin) do
+    case Wire.peek(bin) do
+      {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
+        finish(state, id, :reply, bin)
+
+      {:chunk, id} when id != nil ->
+        case state.calls do
+          %{^id => {alias, _, _, :live, _}} -> send(alias, {alias, :chunk, bin})
+          _ -> release_dropped(bin)
+        end
+
+        state
+
+      {:end, id} when id != nil ->
+        finish(state, id, :end, nil)
+
+      {:log, _} ->
+        PythonLog.emit(bin, label(state))
+        state
+
+      other ->
+        Logger.warning(
+          "vllm_bridge worker #{label(state)}: frame without a call to answer " <>
+            "(#{inspect(other)}): #{inspect(VllmBridge.Codec.decode(bin), limit: 12)}"
+        )
+
+        state
+    end
+  end
+
   # -- calls in flight --------------------------------------------------------------------
 
   defp finish(state, id, tag, bin) do
     case Map.pop(state.calls, id) do
       {{alias, counted, _, status, mon}, calls} ->
+        # The slot first: a caller that has its reply and calls again at once must find
+        # the worker idle (`:strict_fail_fast` and `:hint` look for a count of 0).
+        if counted, do: release(state)
         if status == :live, do: send(alias, {alias, tag, bin}), else: release_dropped(bin)
         # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
         if mon, do: Process.demonitor(mon)
-        if counted, do: release(state)
         %{state | calls: calls}
 
       {nil, _} ->

@@ -69,12 +69,12 @@ def test_a_frame_split_across_many_writes_is_reassembled(pipe):
 
 @pytest.mark.parametrize(
     ("size", "kind"),
-    [((1 << 20) - 1, bytearray), (1 << 20, memoryview), ((3 << 20) + 5, bytearray)],
+    [((1 << 20) - 1, bytearray), (1 << 20, memoryview), ((3 << 20) + 5, memoryview)],
 )
 def test_large_frames_around_the_direct_read_thresholds(pipe, size, kind):
     """Below reuse_min: through the buffer, a bytearray of its own; from reuse_min to
     reuse_max: straight into the kept buffer (a view); past reuse_max: straight into a
-    bytearray of its own."""
+    buffer of its own (a view of it)."""
     r, w = pipe
     body = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
     data = frame(b"before") + frame(body) + frame(b"after")

@@ -1,6 +1,10 @@
 defmodule VllmBridge.WireFrameTest do
-  @moduledoc "Request frames: small ones are one binary; large ones keep tensor data uncopied."
+  @moduledoc """
+  Request frames: the 4-byte length, then the body; small ones are one binary; large ones
+  keep tensor data uncopied; the size given to request/4 and the frame limit's bound.
+  """
   use ExUnit.Case, async: true
+  import Bitwise, only: [<<<: 2]
 
   alias VllmBridge.{Codec, Tensor, Wire}
 
@@ -8,9 +12,11 @@ defmodule VllmBridge.WireFrameTest do
     {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "add"}, [1, 2], %{})
     frame = Wire.request("call", 5, [Wire.value(nil), Wire.value(1000) | parts])
     assert is_binary(frame)
+    assert <<len::32, body::binary>> = frame
+    assert len == byte_size(body) and Wire.frame_size(frame) == len
 
     assert {:ok, ["call", 5, nil, 1000, ["m", "vllm_bridge.diag", "add"], [1, 2], %{}]} =
-             Codec.decode(frame)
+             Codec.decode(body)
   end
 
   test "a large request stays iodata holding the tensor's own binary" do
@@ -20,9 +26,28 @@ defmodule VllmBridge.WireFrameTest do
     frame = Wire.request("call", 6, [Wire.value(nil), Wire.value(nil) | parts])
     refute is_binary(frame)
     assert Enum.any?(leaves(frame), &:erts_debug.same(&1, data))
+    assert <<len::32, body::binary>> = IO.iodata_to_binary(frame)
+    assert len == byte_size(body) and Wire.frame_size(frame) == len
 
-    assert {:ok, ["call", 6, nil, nil, _target, [^t], %{}]} =
-             Codec.decode(IO.iodata_to_binary(frame))
+    assert {:ok, ["call", 6, nil, nil, _target, [^t], %{}]} = Codec.decode(body)
+  end
+
+  test "request/4 with the fields' size makes the frame request/3 makes, within the bound" do
+    for args <- [[], [1], ["x"], [:binary.copy("y", 70_000)], [%{"a" => [1.5, nil]}]],
+        timeout <- [nil, 0, 127, 128, 65_536, 4_294_967_296],
+        id <- [0, 127, 255, 65_536, 1 <<< 40] do
+      {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "echo"}, args, %{})
+      req = VllmBridge.Request.new("call", [Wire.value("s")], true, parts)
+      fields = req.pre ++ [Wire.value(timeout) | req.post]
+      frame = Wire.request("call", id, fields)
+
+      assert IO.iodata_to_binary(Wire.request("call", id, fields, IO.iodata_length(fields))) ==
+               IO.iodata_to_binary(frame)
+
+      # The bound used before anything is reserved is never below the real size.
+      assert Wire.frame_size(frame) <= VllmBridge.Request.max_size(req)
+      assert Wire.frame_size(frame) + 18 >= VllmBridge.Request.max_size(req)
+    end
   end
 
   # iodata may hold improper lists ([header | binary])

@@ -123,7 +123,7 @@ defmodule VllmBridge.Runtime.PoolTest do
     start_pool!(:rt_poll, size: 1, poll_us: 500)
     [%{os_pid: os_pid}] = workers!(:rt_poll)
     args = "/proc/#{os_pid}/cmdline" |> File.read!() |> String.split(<<0>>, trim: true)
-    assert Enum.take(args, -2) == ["--poll-us", "500"]
+    assert Enum.take(args, -4) == ["--poll-us", "500", "--max-frame-bytes", "1073741824"]
 
     for i <- 1..20,
         do:

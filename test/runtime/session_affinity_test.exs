@@ -3,7 +3,8 @@ defmodule VllmBridge.Runtime.SessionAffinityTest do
   Affinity of a session's calls when the session's worker is busy (filled with hold/1):
   `:strict_queue` waits for it, `:strict_fail_fast` fails at once with `:pool_busy`,
   `:hint` moves a state-free call to another worker but keeps a call carrying a
-  reference at home.
+  reference at home; the queue serves `:strict_queue` waiters in order meanwhile. (With
+  the default `max_in_flight`: test/runtime/session_busy_test.exs.)
   """
   use ExUnit.Case, async: false
   @moduletag :capture_log
@@ -88,6 +89,37 @@ defmodule VllmBridge.Runtime.SessionAffinityTest do
       # The slot comes back once the worker has answered the cancelled stream.
       wait_until(fn -> Slots.load(meta, 1) == 0 end)
       assert {:ok, 3} = diag("add", [1, 2], session_id: s.id, affinity: :strict_fail_fast)
+    end
+
+    test "the queue serves :strict_queue waiters in order; fail-fast and hint pass it by",
+         %{ws: [_, %{os_pid: away}], meta: meta} do
+      s = open!(worker: 0)
+      assert {:ok, nil} = diag("set_var", [0], session_id: s.id)
+      held = hold(pool_name: @pool, session_id: s.id)
+
+      # Each waiter sets the session's variable and gets the one before: the order in
+      # which the worker ran them.
+      waiters =
+        for n <- 1..4 do
+          t = Task.async(fn -> diag("set_var", [n], session_id: s.id) end)
+          wait_until(fn -> Slots.waiting(meta) == n end)
+          t
+        end
+
+      assert {:error, %Error{type: :pool_busy}} =
+               diag("add", [1, 1], session_id: s.id, affinity: :strict_fail_fast)
+
+      assert {:ok, %{"pid" => ^away}} = diag("info", [], session_id: s.id, affinity: :hint)
+      assert Slots.waiting(meta) == 4
+
+      unhold(held)
+
+      assert Enum.map(waiters, &Task.await(&1, 30_000)) == [
+               {:ok, 0},
+               {:ok, 1},
+               {:ok, 2},
+               {:ok, 3}
+             ]
     end
 
     test ":hint runs a state-free call elsewhere, and is closed there too", %{ws: ws} do

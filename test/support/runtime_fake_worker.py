@@ -1,11 +1,17 @@
-"""A stand-in worker for handshake tests of the Elixir runtime (test/runtime/worker_test.exs).
+"""A stand-in worker for tests of the Elixir runtime (test/runtime/worker_test.exs,
+test/runtime/frame_limit_test.exs).
 
-The real worker cannot be made to speak another protocol version or to hang before its
-handshake, so this one does, on purpose, as ``FAKE_WORKER_MODE`` says:
+The real worker cannot be made to speak another protocol version, to hang before its
+handshake or to send a frame header over the limit, so this one does, on purpose, as
+``FAKE_WORKER_MODE`` says:
 
 * ``version`` - announce protocol version 99, then wait for EOF on fd 3;
 * ``silent``  - announce nothing and wait for EOF on fd 3;
-* ``crash``   - exit with status 3 before any handshake.
+* ``crash``   - exit with status 3 before any handshake;
+* ``limit``   - announce a ``max_frame_bytes`` other than the one it was given;
+* ``huge_header`` - a valid hello, then read ``FAKE_WORKER_CALLS`` requests (default 2)
+  without answering them, then write a header declaring ``FAKE_WORKER_DECLARE`` bytes
+  (default 4 GiB - 1) and a few bytes of "body", and wait for EOF (or to be killed).
 """
 
 from __future__ import annotations
@@ -26,6 +32,20 @@ def _wait_for_eof() -> None:
         pass
 
 
+def _read_exact(n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(3, n - len(data))
+        if not chunk:
+            raise EOFError("fd 3 closed")
+        data += chunk
+    return data
+
+
+def _hello(**extra: object) -> dict[str, object]:
+    return {"protocol": 1, "pid": os.getpid(), "instance": os.urandom(8).hex(), **extra}
+
+
 def main() -> int:
     """Behave as ``FAKE_WORKER_MODE`` says."""
     mode = os.environ.get("FAKE_WORKER_MODE", "")
@@ -39,6 +59,22 @@ def main() -> int:
         return 0
     if mode == "crash":
         return 3
+    if mode == "limit":
+        _write(msgpack.packb(["hello", _hello(max_frame_bytes=12345)]))
+        _wait_for_eof()
+        return 0
+    if mode == "huge_header":
+        _write(msgpack.packb(["hello", _hello()]))
+        try:
+            for _ in range(int(os.environ.get("FAKE_WORKER_CALLS", "2"))):
+                (length,) = struct.unpack(">I", _read_exact(4))
+                _read_exact(length)
+        except EOFError:  # stopped before the calls came (the pool stopped)
+            return 0
+        declared = int(os.environ.get("FAKE_WORKER_DECLARE", str(0xFFFF_FFFF)))
+        os.write(4, struct.pack(">I", declared) + b"\x93" * 100)
+        _wait_for_eof()
+        return 0
     sys.stderr.write(f"runtime_fake_worker: unknown FAKE_WORKER_MODE {mode!r}\n")
     return 2
 

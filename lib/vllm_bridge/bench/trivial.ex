@@ -15,16 +15,20 @@ defmodule VllmBridge.Bench.Trivial do
   def call(opts), do: Vllm.ForwardContext.Module.is_forward_context_available(__runtime__: opts)
 
   @doc """
-  The bytes of the frame the trivial call sends (session nil, a timeout): what the raw
-  echo sends to be compared with it.
+  The body of the frame the trivial call sends (session nil, a timeout), without its
+  4-byte length: what the raw echo, whose port adds the length itself (`{:packet, 4}`),
+  sends to be compared with it.
   """
   @spec request_frame() :: binary()
   def request_frame do
     {:ok, parts} = Wire.encode_invoke(@target, [], %{})
     req = Request.new("call", [Wire.value(nil)], true, parts)
 
-    IO.iodata_to_binary(
-      Wire.request(req.kind, 1_000_000, req.pre ++ [Wire.value(120_000) | req.post])
-    )
+    <<_length::32, body::binary>> =
+      IO.iodata_to_binary(
+        Wire.request(req.kind, 1_000_000, req.pre ++ [Wire.value(120_000) | req.post])
+      )
+
+    body
   end
 end

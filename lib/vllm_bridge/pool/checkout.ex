@@ -5,8 +5,16 @@ defmodule VllmBridge.Pool.Checkout do
   pool's queue (`VllmBridge.Pool.Queue`) until it hands over a slot, the deadline passes
   (`:timeout`) or the queue is full (`:queue_full`).
 
-  Constraints: `:any` worker; `{:prefer, i}` (worker `i` when it has room, else any);
-  `{:only, i}` (wait for worker `i`); `{:fail_fast, i}` (worker `i` now, or `:pool_busy`).
+  Constraints:
+
+    * `:any` - any worker, the least loaded with room;
+    * `{:prefer, i}` (affinity `:hint`) - worker `i` when it is idle (nothing in flight),
+      else the least loaded worker with room, `i` winning ties: a call that may move does
+      not wait behind a running call while another worker could run it now;
+    * `{:only, i}` - wait for room on worker `i`;
+    * `{:fail_fast, i}` - worker `i` only if it is idle (nothing running and nothing
+      queued on it, whatever `max_in_flight` allows), else `:pool_busy` at once, saying
+      how many calls it has or that it is restarting. Never queued.
   """
 
   alias VllmBridge.{Error, Runtime}
@@ -23,15 +31,9 @@ defmodule VllmBridge.Pool.Checkout do
   @spec checkout(Meta.t(), constraint(), integer() | :infinity) ::
           {:ok, non_neg_integer()} | {:error, Error.t()}
   def checkout(meta, {:fail_fast, i}, _deadline) do
-    if Slots.reserve(meta, i) do
-      {:ok, i}
-    else
-      {:error,
-       Error.new(
-         :pool_busy,
-         "worker #{i} of pool #{inspect(meta.name)} is busy (#{meta.max_in_flight} call(s) " <>
-           "in flight, or restarting) and affinity is :strict_fail_fast"
-       )}
+    case Slots.reserve_idle(meta, i) do
+      :ok -> {:ok, i}
+      {:busy, count} -> {:error, busy(meta, i, count)}
     end
   end
 
@@ -45,8 +47,7 @@ defmodule VllmBridge.Pool.Checkout do
   defp fast(meta, :any), do: Slots.reserve_any(meta)
   defp fast(meta, {:only, i}), do: if(Slots.reserve(meta, i), do: i)
 
-  defp fast(meta, {:prefer, i}),
-    do: if(Slots.reserve(meta, i), do: i, else: Slots.reserve_any(meta))
+  defp fast(meta, {:prefer, i}), do: Slots.reserve_prefer(meta, i)
 
   defp wait(%Meta{queue: queue} = meta, constraint, deadline) do
     alias = :erlang.alias()
@@ -93,6 +94,21 @@ defmodule VllmBridge.Pool.Checkout do
       {:DOWN, ^mon, :process, _, _} ->
         :ok
     end
+  end
+
+  # A count of half of Slots.down/0 or more is a worker that is not serving (a reservation
+  # undone or a slot given back can leave it a little off down/0 itself).
+  defp busy(meta, i, count) do
+    why =
+      if count >= div(Slots.down(), 2),
+        do: "is restarting (not serving yet)",
+        else: "is busy with #{count} call(s) running or queued"
+
+    Error.new(
+      :pool_busy,
+      "worker #{i} of pool #{inspect(meta.name)} #{why}, and affinity :strict_fail_fast " <>
+        "takes a worker only when it is idle"
+    )
   end
 
   defp stopped(meta),

@@ -2,17 +2,18 @@ defmodule VllmBridge.Pool.Meta do
   @moduledoc """
   What a caller needs to know of a pool, read from `VllmBridge.Pool.Directory` on every
   call: its size, its slot counters (`VllmBridge.Pool.Slots`), the in-flight bound per
-  worker, the queue process and its bound.
+  worker, the frame limit (`max_frame_bytes`), the queue process and its bound.
   """
 
-  @enforce_keys [:name, :size, :slots, :max_in_flight, :queue_size]
-  defstruct [:name, :size, :slots, :max_in_flight, :queue_size, :queue]
+  @enforce_keys [:name, :size, :slots, :max_in_flight, :max_frame_bytes, :queue_size]
+  defstruct [:name, :size, :slots, :max_in_flight, :max_frame_bytes, :queue_size, :queue]
 
   @type t :: %__MODULE__{
           name: term(),
           size: pos_integer(),
           slots: :atomics.atomics_ref(),
           max_in_flight: pos_integer(),
+          max_frame_bytes: pos_integer(),
           queue_size: non_neg_integer(),
           queue: pid() | nil
         }

@@ -11,6 +11,7 @@ defmodule VllmBridge.Pool.Options do
   | `:poll_us` | µs a worker polls for the next request before it sleeps (`--poll-us`, at most 10 000): lower latency for back-to-back calls on machines where waking an idle CPU is slow (VMs), paid in that much CPU after each call | 0 |
   | `:worker_env` | environment per worker: `[{name, value}]` for all, or `fn index -> [{name, value}] end` (a DP rank per worker) | `[]` |
   | `:max_in_flight` | calls pipelined to one worker at once | 16 |
+  | `:max_frame_bytes` | the largest frame body either way (`--max-frame-bytes`): a request over it is `:bad_argument` before it is sent, a reply over it is an error from the worker, a header declaring more ends the stream (the worker restarts); 65 536 to 4 294 967 295 | 1 073 741 824 (1 GiB) |
   | `:queue_size` | callers that may wait for a worker; one more gets `:queue_full` | 1024 |
   | `:start_timeout` | ms for a worker's handshake | 60 000 |
   | `:cancel_grace` | ms a cancelled call may keep running before its worker is restarted | 5 000 |
@@ -28,6 +29,7 @@ defmodule VllmBridge.Pool.Options do
     poll_us: 0,
     worker_env: [],
     max_in_flight: 16,
+    max_frame_bytes: 1_073_741_824,
     queue_size: 1024,
     start_timeout: 60_000,
     cancel_grace: 5_000,
@@ -145,6 +147,13 @@ defmodule VllmBridge.Pool.Options do
   defp check(k, _)
        when k in [:queue_size, :start_timeout, :cancel_grace, :shutdown_grace, :max_restarts],
        do: {:error, "must be a non-negative integer"}
+
+  defp check(:max_frame_bytes, v) when is_integer(v) do
+    range = VllmBridge.Worker.Launcher.max_frame_range()
+    if v in range, do: :ok, else: {:error, "must be from #{range.first} to #{range.last}"}
+  end
+
+  defp check(:max_frame_bytes, _), do: {:error, "must be an integer (bytes)"}
 
   defp check(:worker_module, v) when is_binary(v), do: :ok
   defp check(:worker_module, _), do: {:error, "must be a module name"}

@@ -4,8 +4,8 @@ defmodule VllmBridge.Pool.Queue do
   found no room (`VllmBridge.Pool.Checkout`). It also publishes the pool's
   `VllmBridge.Pool.Meta` in the directory (and removes it when it stops).
 
-  A waiter names what it may take: `:any` worker, `{:prefer, i}` (worker `i`, else any)
-  or `{:only, i}`. When a slot frees (a worker sends `:kick`), waiters are served in
+  A waiter names what it may take: `:any` worker, `{:prefer, i}` (worker `i` when idle,
+  else the least loaded; see `VllmBridge.Pool.Checkout`) or `{:only, i}`. When a slot frees (a worker sends `:kick`), waiters are served in
   arrival order, each on a worker it may use; a waiter that cannot be served yet keeps its
   place and does not hold up those behind it that can. The queue reserves the slot
   itself and tells the waiter which worker it got (`{alias, :granted, index}`); the
@@ -137,8 +137,7 @@ defmodule VllmBridge.Pool.Queue do
 
   defp grant(meta, :any), do: Slots.reserve_any(meta)
 
-  defp grant(meta, {:prefer, i}),
-    do: if(Slots.reserve(meta, i), do: i, else: Slots.reserve_any(meta))
+  defp grant(meta, {:prefer, i}), do: Slots.reserve_prefer(meta, i)
 
   defp grant(meta, {:only, i}), do: if(Slots.reserve(meta, i), do: i)
 end

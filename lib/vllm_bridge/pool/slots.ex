@@ -9,7 +9,9 @@ defmodule VllmBridge.Pool.Slots do
   starting, or gone) holds a count of `down/0`, so no reservation on it succeeds; it
   resets its count to 0 once its handshake is done.
 
-  A reservation is `add_get`; one that overshoots `max_in_flight` is undone at once. When
+  A reservation is `add_get`; one that overshoots `max_in_flight` is undone at once. A
+  reservation that needs the worker idle (`reserve_idle/2`, for `:strict_fail_fast` and
+  the first choice of `:hint`) is a `compare_exchange` from 0 to 1 instead. When
   callers are waiting, a new caller does not take a freed slot ahead of them: it queues
   too (`waiting/1`), so the queue is served in order.
   """
@@ -43,11 +45,39 @@ defmodule VllmBridge.Pool.Slots do
     end
   end
 
+  @doc """
+  Reserves room on worker `index` only when it has nothing in flight (its count is 0):
+  `:ok`, or `{:busy, count}` with the count found (`down/0` or more while it is not
+  serving). One `compare_exchange`, so two callers never both find it idle.
+  """
+  @spec reserve_idle(Meta.t(), non_neg_integer()) :: :ok | {:busy, integer()}
+  def reserve_idle(%Meta{slots: slots}, index) do
+    case :atomics.compare_exchange(slots, index + 1, 0, 1) do
+      :ok -> :ok
+      count -> {:busy, count}
+    end
+  end
+
+  @doc """
+  Reserves room for a call that prefers worker `home` (affinity `:hint`): `home` when it
+  is idle, else the least loaded worker with room, `home` winning ties. Its index, or nil.
+  """
+  @spec reserve_prefer(Meta.t(), non_neg_integer()) :: non_neg_integer() | nil
+  def reserve_prefer(meta, home) do
+    case reserve_idle(meta, home) do
+      :ok -> home
+      {:busy, _} -> reserve_least(meta, home)
+    end
+  end
+
   @doc "Reserves room on the least loaded worker with room; its index, or nil."
   @spec reserve_any(Meta.t()) :: non_neg_integer() | nil
   def reserve_any(%Meta{size: 1} = meta), do: if(reserve(meta, 0), do: 0)
+  def reserve_any(meta), do: reserve_least(meta, nil)
 
-  def reserve_any(%Meta{size: size, slots: slots, max_in_flight: max} = meta) do
+  # The least loaded worker with room, `home` first among equals; the others in an order
+  # that starts at a random worker, so that ties spread over the pool.
+  defp reserve_least(%Meta{size: size, slots: slots, max_in_flight: max} = meta, home) do
     start = :erlang.unique_integer([:positive]) |> rem(size)
 
     candidates =
@@ -55,11 +85,11 @@ defmodule VllmBridge.Pool.Slots do
           i = rem(start + k, size),
           load = :atomics.get(slots, i + 1),
           load < max,
-          do: {load, i}
+          do: {{load, i != home}, i}
 
     candidates
     |> Enum.sort_by(&elem(&1, 0))
-    |> Enum.find_value(fn {_load, i} -> if reserve(meta, i), do: i end)
+    |> Enum.find_value(fn {_key, i} -> if reserve(meta, i), do: i end)
   end
 
   @doc "Whether worker `index` has room now (no reservation made)."

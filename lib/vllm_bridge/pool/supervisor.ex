@@ -39,6 +39,7 @@ defmodule VllmBridge.Pool.Supervisor do
       size: size,
       slots: Slots.new(size),
       max_in_flight: opts[:max_in_flight],
+      max_frame_bytes: opts[:max_frame_bytes],
       queue_size: opts[:queue_size]
     }
 
@@ -51,7 +52,8 @@ defmodule VllmBridge.Pool.Supervisor do
         :start_timeout,
         :cancel_grace,
         :shutdown_grace,
-        :worker_module
+        :worker_module,
+        :max_frame_bytes
       ])
 
     workers =

@@ -1,11 +1,14 @@
-"""Erlang ``{packet, 4}`` framing: a 4-byte big-endian length, then the body.
+"""Frames as Erlang's ``{packet, 4}`` has them: a 4-byte big-endian length, then the body,
+with every body bounded by a limit (``--max-frame-bytes``) in both directions.
 
 The worker reads frames from fd 3 and writes them to fd 4 (the port is opened with
-``:nouse_stdio``), so stdout and stderr stay free for logs.
+``:nouse_stdio``), so stdout and stderr stay free for logs. The Elixir side cuts the same
+frames itself (its port is in ``:stream`` mode, so that it can bound them too).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import select
 import struct
@@ -17,9 +20,26 @@ READ_FD = 3
 WRITE_FD = 4
 
 _HEADER = struct.Struct(">I")
-#: Largest body we accept; {packet, 4} allows up to 4 GiB - 1.
+#: Largest body a 4-byte header can declare (4 GiB - 1).
 MAX_FRAME = 0xFFFF_FFFF
+#: The default limit of a frame's body, both ways (``--max-frame-bytes``; the pool option
+#: ``max_frame_bytes`` on the Elixir side has the same default).
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+#: The smallest limit allowed: the handshake, pings and error replies must always fit.
+MIN_MAX_FRAME_BYTES = 64 << 10
 _IOV_MAX = 1024
+
+
+def check_max_frame(limit: int) -> int:
+    """``limit`` if it is a valid frame limit (an int from :data:`MIN_MAX_FRAME_BYTES` to
+    :data:`MAX_FRAME`), else ``ValueError`` naming it."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"a frame limit must be an int, got {limit!r}")
+    if not MIN_MAX_FRAME_BYTES <= limit <= MAX_FRAME:
+        raise ValueError(
+            f"a frame limit must be from {MIN_MAX_FRAME_BYTES} to {MAX_FRAME} bytes, got {limit}"
+        )
+    return limit
 
 
 #: Pipe capacity a worker asks for: a large frame then crosses in 1 MiB steps instead of
@@ -59,6 +79,27 @@ class FrameError(Exception):
     """The byte stream ended in the middle of a frame, or a frame is too large."""
 
 
+class FrameTooLarge(FrameError):
+    """A frame's length is over the limit: declared by a header that was read (the input
+    can no longer be trusted: a length-prefixed stream cannot find the next frame), or
+    of a frame about to be written (refused before any byte of it is)."""
+
+    def __init__(self, length: int, limit: int, what: str = "a frame header declares") -> None:
+        super().__init__(
+            f"{what} {length} bytes, over the limit of {limit} bytes (max_frame_bytes)"
+        )
+        self.length = length
+        self.limit = limit
+
+
+def _anonymous_map(length: int) -> mmap.mmap:
+    """``length`` bytes of private anonymous memory: the kernel makes each page when it is
+    first written, so a large body takes memory only as fast as its bytes arrive (and a
+    fresh map costs less than a ``bytearray``, which writes zeros over every page first;
+    see bench/frame_buffer_bench.py)."""
+    return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def _read_exact(fd: int, n: int) -> bytearray | None:
     """Read exactly ``n`` bytes; ``None`` on EOF before the first byte."""
     if n == 0:
@@ -76,15 +117,19 @@ def _read_exact(fd: int, n: int) -> bytearray | None:
     return buf
 
 
-def read_frame(fd: int = READ_FD) -> bytearray | None:
+def read_frame(fd: int = READ_FD, limit: int = MAX_FRAME) -> bytearray | None:
     """Read one frame body from ``fd``; ``None`` when the peer closed the stream.
 
-    The body is returned as the buffer it was read into (no further copy).
+    The body is returned as the buffer it was read into (no further copy). A header that
+    declares more than ``limit`` bytes raises :class:`FrameTooLarge` before the body's
+    buffer is made.
     """
     header = _read_exact(fd, 4)
     if header is None:
         return None
     (length,) = _HEADER.unpack(header)
+    if length > limit:
+        raise FrameTooLarge(length, limit)
     body = _read_exact(fd, length)
     if body is None:
         raise FrameError(f"EOF before a body of {length} bytes")
@@ -95,14 +140,19 @@ class FrameReader:
     """Reads frames from ``fd`` through a buffer: one ``read`` brings in every small frame
     that has arrived, not one syscall per header and one per body.
 
+    * A header that declares more than ``max_frame`` bytes raises :class:`FrameTooLarge`
+      before anything is allocated for the body: the stream cannot be trusted any more.
     * A small body comes back as a fresh ``bytearray`` of its own.
-    * A body of ``reuse_min`` to ``reuse_max`` bytes is read straight into one buffer kept
-      from frame to frame (a fresh 64 MiB buffer costs far more than reading into it: the
-      OS maps and zeroes every page first) and comes back as a ``memoryview`` of it, valid
-      **only until the next** :meth:`read_frame`: whoever decodes a frame must copy out
-      what it keeps (the decoder does: msgpack builds new objects and large tensors are
-      copied out, see :mod:`~vllm_bridge.protocol.splice`).
-    * A body over ``reuse_max`` bytes is read straight into a buffer of its own.
+    * A body of ``reuse_min`` bytes or more is read straight into anonymous memory
+      (:func:`_anonymous_map`), whose pages exist only once written: the process grows
+      with the bytes that actually arrive, not with what the header declares. One such
+      buffer of up to ``reuse_max`` bytes is kept from frame to frame (its pages already
+      exist, which makes a 64 MiB read about twice as fast here) and the body comes back
+      as a ``memoryview`` of it, valid **only until the next** :meth:`read_frame`:
+      whoever decodes a frame must copy out what it keeps (the decoder does: msgpack
+      builds new objects and large tensors are copied out, see
+      :mod:`~vllm_bridge.protocol.splice`).
+    * A body over ``reuse_max`` bytes gets a buffer of its own, also as a ``memoryview``.
 
     With ``poll_s`` > 0, a read that finds nothing buffered first polls ``fd`` (without
     sleeping) for up to that many seconds before it blocks: the next request of a busy
@@ -121,23 +171,26 @@ class FrameReader:
         reuse_min: int = 1 << 20,
         reuse_max: int = 256 << 20,
         poll_s: float = 0.0,
+        max_frame: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.fd = fd
         self.poll_s = poll_s
         self.reuse_min = reuse_min
         self.reuse_max = reuse_max
+        self.max_frame = check_max_frame(max_frame)
         self._chunk = chunk
         self._buf = bytearray()
         self._pos = 0
-        self._large = bytearray()
+        self._large: mmap.mmap | None = None
 
     def has_frame(self) -> bool:
-        """True when a whole frame is already buffered (reading it will not block)."""
+        """True when reading the next frame will not block: a whole frame is buffered,
+        or a buffered header already declares too much (reading it fails at once)."""
         avail = len(self._buf) - self._pos
         if avail < 4:
             return False
         (length,) = _HEADER.unpack_from(self._buf, self._pos)
-        return avail - 4 >= length
+        return avail - 4 >= length or length > self.max_frame
 
     def _fill(self, need: int) -> bool:
         """Buffer at least ``need`` unread bytes; False on EOF with nothing unread."""
@@ -167,11 +220,15 @@ class FrameReader:
         """The next frame body; ``None`` when the peer closed the stream between frames.
 
         Raises:
+            FrameTooLarge: the header declares more than ``max_frame`` bytes (nothing is
+                allocated for it; the stream is not usable after this).
             FrameError: the stream ended inside a frame.
         """
         if not self._fill(4):
             return None
         (length,) = _HEADER.unpack_from(self._buf, self._pos)
+        if length > self.max_frame:
+            raise FrameTooLarge(length, self.max_frame)
         self._pos += 4
         if length >= self.reuse_min and length > len(self._buf) - self._pos:
             return self._read_large(length)
@@ -187,15 +244,16 @@ class FrameReader:
             self._pos = 0
         return body
 
-    def _read_large(self, length: int) -> bytearray | memoryview:
-        # What is buffered already goes first, the rest is read straight into place.
-        if length <= self.reuse_max:
-            if len(self._large) < length:
-                self._large = bytearray(length)  # a new one: views of the old may live on
-            target: bytearray = self._large
+    def _read_large(self, length: int) -> memoryview:
+        if length > self.reuse_max:
+            target = _anonymous_map(length)
         else:
-            target = bytearray(length)
+            if self._large is None or len(self._large) < length:
+                # A new one (views of the old may live on; it goes with the last of them).
+                self._large = _anonymous_map(length)
+            target = self._large
         view = memoryview(target)[:length]
+        # What is buffered already goes first, the rest is read straight into place.
         unread = len(self._buf) - self._pos
         view[:unread] = memoryview(self._buf)[self._pos :]
         self._buf.clear()
@@ -206,25 +264,27 @@ class FrameReader:
             if n == 0:
                 raise FrameError(f"EOF after {got} of {length} bytes")
             got += n
-        return view if target is self._large else target
+        return view
 
 
-def write_frame(body: bytes, fd: int = WRITE_FD) -> None:
+def write_frame(body: bytes, fd: int = WRITE_FD, limit: int = MAX_FRAME) -> None:
     """Write one frame (header and body) to ``fd``, retrying short writes."""
-    write_segments([body], fd)
+    write_segments([body], fd, limit)
 
 
-def write_segments(segments: Sequence[bytes | memoryview], fd: int = WRITE_FD) -> None:
+def write_segments(
+    segments: Sequence[bytes | memoryview], fd: int = WRITE_FD, limit: int = MAX_FRAME
+) -> None:
     """Write one frame whose body is the concatenation of ``segments``.
 
     The segments go to ``writev`` as they are, so a tensor's memory is written straight
     from where it lies.
 
     Raises:
-        FrameError: the body is longer than a ``{packet, 4}`` frame can be.
+        FrameTooLarge: the body is longer than ``limit`` (nothing is written).
     """
     if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < 65536:
-        # The common small reply: one write of header and body together.
+        # The common small reply (under any limit): one write of header and body together.
         view = memoryview(_HEADER.pack(len(segments[0])) + segments[0])
         while view.nbytes:
             view = view[os.write(fd, view) :]
@@ -232,8 +292,8 @@ def write_segments(segments: Sequence[bytes | memoryview], fd: int = WRITE_FD) -
     views = [s if isinstance(s, memoryview) else memoryview(s) for s in segments]
     views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
     length = sum(v.nbytes for v in views)
-    if length > MAX_FRAME:
-        raise FrameError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    if length > min(limit, MAX_FRAME):
+        raise FrameTooLarge(length, min(limit, MAX_FRAME), "a frame to write has")
     pending = [memoryview(_HEADER.pack(length))] + [v for v in views if v.nbytes]
     while pending:
         written = os.writev(fd, pending[:_IOV_MAX])

@@ -16,15 +16,25 @@ from typing import Any
 
 from vllm_bridge.protocol.encoder import Encoder, MakeRef, Segment
 from vllm_bridge.protocol.errors import simple_error
-from vllm_bridge.protocol.framing import WRITE_FD, write_segments
+from vllm_bridge.protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    WRITE_FD,
+    check_max_frame,
+    write_segments,
+)
 
 
 class Channel:
-    """Writes messages as frames to ``fd``."""
+    """Writes messages as frames of at most ``max_frame`` bytes to ``fd``."""
 
-    def __init__(self, encoder: Encoder, fd: int = WRITE_FD) -> None:
+    def __init__(
+        self, encoder: Encoder, fd: int = WRITE_FD, max_frame: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
         self.encoder = encoder
         self.fd = fd
+        #: The largest body a frame may have (``--max-frame-bytes``); a larger one is
+        #: refused with :class:`~vllm_bridge.protocol.framing.FrameTooLarge`, unwritten.
+        self.max_frame = check_max_frame(max_frame)
         self._lock = threading.Lock()
         self._local = threading.local()
         #: Set once the peer is known to be gone: writes are dropped from then on.
@@ -40,13 +50,17 @@ class Channel:
 
     def write(self, segments: list[Segment]) -> None:
         """Write one frame made of ``segments``; exit the process if the peer is gone
-        (unless :meth:`close` was called: then the frame is dropped)."""
+        (unless :meth:`close` was called: then the frame is dropped).
+
+        Raises:
+            FrameTooLarge: the frame is over ``max_frame`` bytes (nothing is written).
+        """
         if self.closed:
             return
         with self._lock:
             self._local.writing = True
             try:
-                write_segments(segments, self.fd)
+                write_segments(segments, self.fd, self.max_frame)
             except (BrokenPipeError, ConnectionResetError):
                 if not self.closed:
                     _peer_gone()

@@ -18,7 +18,6 @@ from vllm_bridge.protocol.decoder import materialize_field
 from vllm_bridge.protocol.encoder import Segment, segments_length
 from vllm_bridge.protocol.errors import BadArgument, BridgeError, Cancelled, error_map
 from vllm_bridge.protocol.flow import Flow
-from vllm_bridge.protocol.framing import MAX_FRAME
 from vllm_bridge.protocol.messages import Abandon, Close, Exit, Invoke, Release, Request
 from vllm_bridge.protocol.registry import TypeRegistry
 from vllm_bridge.protocol.types import Ref, qualified_name
@@ -286,14 +285,17 @@ class Dispatcher:
     def _reply(self, req: Request, session: Session, kind: str, value: Any) -> Frame:
         """Encode ``[kind, id, value]``; references it needs are owned by ``session``.
 
-        If the reply cannot be encoded, the references made for it are dropped again.
+        If the reply cannot be encoded, or is over the frame limit (``ValueError`` naming
+        its size and the limit), the references made for it are dropped again.
         """
         t = type(value)
         if t is bool or t is float or t is str or value is None or (
             t is int and -(1 << 63) <= value < (1 << 64)
         ):
             # Plain msgpack and no reference: the encoder's machinery is not needed.
-            return [_packb([kind, req.id, value], use_bin_type=True)]
+            body = _packb([kind, req.id, value], use_bin_type=True)
+            self._check_size(len(body))
+            return [body]
         created: list[int] = []
 
         def make_ref(obj: Any) -> Ref:
@@ -303,18 +305,37 @@ class Dispatcher:
 
         try:
             segments = self.channel.encoder.encode([kind, req.id, value], make_ref)
-            size = segments_length(segments)
-            if size > MAX_FRAME:
-                raise ValueError(f"a reply of {size} bytes exceeds the frame limit of {MAX_FRAME}")
+            self._check_size(segments_length(segments))
         except BaseException:
             for ref_id in created:
                 self.sessions.drop(session, ref_id)
             raise
         return segments
 
+    def _check_size(self, size: int) -> None:
+        limit = self.channel.max_frame
+        if size > limit:
+            raise ValueError(
+                f"a reply of {size} bytes exceeds the frame limit of {limit} bytes "
+                "(max_frame_bytes)"
+            )
+
     def _fail(self, req: Request, session: Session, exc: BaseException) -> Frame:
         if isinstance(exc, BridgeError) and exc.error_type != "python_exception":
             err = error_map(exc)
         else:
             err = error_map(exc, self.sessions.record(session, exc))
+        frame = self.channel.encoder.encode(["error", req.id, err])
+        size = segments_length(frame)
+        if size <= self.channel.max_frame:
+            return frame
+        # An error whose message or traceback alone is over the limit: it is cut, so that
+        # the request still gets its answer (the smallest limit leaves room for this).
+        cut = (
+            f" [cut: the error reply was {size} bytes, over the frame limit of "
+            f"{self.channel.max_frame} bytes (max_frame_bytes)]"
+        )
+        err["message"] = err["message"][:2000] + cut
+        if err["traceback"] is not None:
+            err["traceback"] = err["traceback"][-8000:]
         return self.channel.encoder.encode(["error", req.id, err])

@@ -326,8 +326,12 @@ class Executor:
         try:
             body = self._reader.read_frame()
         except FrameError as exc:
+            # Ends the worker as EOF does. Logged once the output is closed (on_eof), so
+            # that the record goes to stderr rather than to the peer that broke the stream.
+            if self._halt():
+                self._on_eof()
             _log.error("input stream broken: %s", exc)
-            body = None
+            return None
         if body is None and self._halt():
             self._on_eof()
         return body

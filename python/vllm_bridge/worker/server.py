@@ -1,5 +1,5 @@
 """The worker process: ``python -m vllm_bridge.worker [--allow MODULE ...] [--max-refs N]
-[--poll-us N]``.
+[--poll-us N] [--max-frame-bytes N]``.
 
 Threads (see :mod:`~vllm_bridge.worker.executor` for how they share fd 3):
 
@@ -33,7 +33,13 @@ from vllm_bridge.protocol.decoder import Decoder
 from vllm_bridge.protocol.encoder import Encoder
 from vllm_bridge.protocol.errors import BadArgument, ProtocolError
 from vllm_bridge.protocol.flow import STREAM_WINDOW
-from vllm_bridge.protocol.framing import FrameReader, enlarge_pipes
+from vllm_bridge.protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_FRAME,
+    MIN_MAX_FRAME_BYTES,
+    FrameReader,
+    enlarge_pipes,
+)
 from vllm_bridge.protocol.messages import (
     Abandon,
     Control,
@@ -86,7 +92,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="microseconds to poll for the next request before sleeping (default 0: sleep "
         f"at once; at most {MAX_POLL_US})",
     )
+    parser.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=DEFAULT_MAX_FRAME_BYTES,
+        metavar="N",
+        help="largest frame body read or written, both ways (default "
+        f"{DEFAULT_MAX_FRAME_BYTES}; from {MIN_MAX_FRAME_BYTES} to {MAX_FRAME})",
+    )
     opts = parser.parse_args(argv)
+    if not MIN_MAX_FRAME_BYTES <= opts.max_frame_bytes <= MAX_FRAME:
+        parser.error(
+            f"--max-frame-bytes must be from {MIN_MAX_FRAME_BYTES} to {MAX_FRAME}, "
+            f"got {opts.max_frame_bytes}"
+        )
     if not 0 <= opts.poll_us <= MAX_POLL_US:
         parser.error(f"--poll-us must be from 0 to {MAX_POLL_US}, got {opts.poll_us}")
     if opts.max_refs < 1:
@@ -111,7 +130,7 @@ def _import_allowed(modules: tuple[str, ...]) -> dict[str, str]:
 
 
 def _hello(
-    instance: str, modules: tuple[str, ...], import_errors: dict[str, str]
+    instance: str, modules: tuple[str, ...], import_errors: dict[str, str], max_frame: int
 ) -> list[Any]:
     import torch
 
@@ -127,6 +146,7 @@ def _hello(
             "device": default_device(),
             "instance": instance,
             "stream_window": STREAM_WINDOW,
+            "max_frame_bytes": max_frame,
             "capabilities": list(CAPABILITIES),
             "modules": list(modules),
             "import_errors": import_errors,
@@ -143,13 +163,15 @@ class Worker:
         max_refs: int,
         poll_us: int = 0,
         import_errors: dict[str, str] | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self.modules = modules
+        self.max_frame = max_frame
         self.import_errors = dict(import_errors or {})
         self.instance = secrets.token_hex(8)
         self.registry = TypeRegistry(modules)
         self.decoder = Decoder()
-        self.channel = Channel(Encoder(self.registry))
+        self.channel = Channel(Encoder(self.registry), max_frame=max_frame)
         self.sessions = Sessions(self.instance, max_refs)
         self.dispatcher = Dispatcher(
             self.sessions,
@@ -164,7 +186,7 @@ class Worker:
             self.dispatcher.refuse,
             self.channel.write,
             self.on_frame,
-            FrameReader(poll_s=poll_us / 1e6),
+            FrameReader(poll_s=poll_us / 1e6, max_frame=max_frame),
             # The port is gone: replies and log frames have no reader any more.
             on_eof=self.channel.close,
         )
@@ -172,7 +194,9 @@ class Worker:
     def serve(self) -> int:
         """Announce, then serve until EOF; returns the exit status."""
         watch_parent()
-        self.channel.send(_hello(self.instance, self.modules, self.import_errors))
+        self.channel.send(
+            _hello(self.instance, self.modules, self.import_errors, self.max_frame)
+        )
         root = logging.getLogger()
         for handler in root.handlers:
             # While the port is open records go to the Elixir side as log frames; stderr
@@ -283,4 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.captureWarnings(True)
     enlarge_pipes()
     import_errors = _import_allowed(opts.allow)
-    return Worker(opts.allow, opts.max_refs, opts.poll_us, import_errors).serve()
+    return Worker(
+        opts.allow, opts.max_refs, opts.poll_us, import_errors, opts.max_frame_bytes
+    ).serve()
