@@ -24,7 +24,7 @@ from vllm_bridge.protocol.registry import TypeRegistry
 from vllm_bridge.protocol.types import Ref, qualified_name
 from vllm_bridge.worker.channel import Channel
 from vllm_bridge.worker.coerce import coerce_arguments
-from vllm_bridge.worker.guard import refusal, spot
+from vllm_bridge.worker.guard import spot
 from vllm_bridge.worker.sessions import CONTEXT_TYPE, EnteredContext, Session, Sessions
 from vllm_bridge.worker.targets import TargetResolver
 
@@ -311,7 +311,7 @@ class Dispatcher:
             if reason is not None:  # the whole reply fails; its references are dropped
                 reply = "a chunk of" if kind == "chunk" else "the reply to"
                 reply = f"{reply} {req.kind} {req.id}"
-                raise refusal(obj, spot(value, obj, reply), reason)
+                raise guard.refusal(obj, spot(value, obj, reply), reason)
             ref = self.sessions.new_ref(session, obj)
             created.append(ref.ref_id)
             return ref

@@ -51,6 +51,9 @@ _EACH_TYPES = frozenset(
     {types.FunctionType, types.BuiltinFunctionType, types.MethodType, *_METHOD_KINDS}
 )
 _EACH_BASES = (types.ModuleType, type, staticmethod, functools.partial, _LRU_WRAPPER)
+#: Containers judged one by one too: a module's namespace and the interpreter's
+#: registries are plain dicts and lists (guard_tables.CONTAINERS).
+_CONTAINER_TYPES = (dict, list)
 
 
 class Guard:
@@ -71,6 +74,8 @@ class Guard:
         self._base_reasons: list[tuple[type, str]] = []
         self._methods: dict[str, list[tuple[type, str]]] = {}
         self._exempt: dict[int, Any] = {}
+        #: id -> (container, reason): module namespaces and the tables' CONTAINERS.
+        self._containers: dict[int, tuple[Any, str, str]] = {}
         self._modules_seen = -1
         self._refresh()
 
@@ -97,7 +102,15 @@ class Guard:
             verdict = self.reason(value)
         if verdict is None:
             return value
-        raise refusal(value, where, verdict)
+        raise self.refusal(value, where, verdict)
+
+    def refusal(self, value: Any, where: str, reason: str) -> BadArgument:
+        """The error for ``value``, refused for ``reason``, found at ``where``."""
+        entry = self._containers.get(id(value))
+        what = entry[2] if entry is not None and entry[0] is value else describe(value)
+        return BadArgument(
+            f"{where} is {what}, which no caller may reach: {reason} (see docs/SECURITY.md)"
+        )
 
     def reason(self, value: Any) -> str | None:
         """Why ``value`` is refused (a phrase of :mod:`guard_tables`), or ``None``."""
@@ -117,7 +130,7 @@ class Guard:
         self._refresh()
         if t in tables.REFUSED_TYPES:
             verdict: Any = tables.REFUSED_TYPES[t]
-        elif t in _EACH_TYPES or issubclass(t, _EACH_BASES):
+        elif t in _EACH_TYPES or t in _CONTAINER_TYPES or issubclass(t, _EACH_BASES):
             verdict = _EACH
         else:
             # An instance is what its class is (a logger, an open file, a bridge object).
@@ -130,6 +143,10 @@ class Guard:
     def _judge(self, value: Any) -> str | None:  # noqa: C901 - one branch per kind
         """The verdict on one callable, class or module (cached when it is long-lived)."""
         t = type(value)
+        if t is dict or t is list:  # most are ordinary; a few are the interpreter's
+            self._refresh()
+            entry = self._containers.get(id(value))
+            return entry[1] if entry is not None and entry[0] is value else None
         # Bound methods first (new objects at each access, never named in the tables):
         # judged by their owner and their function, cached per owner type.
         if t is types.MethodType:
@@ -302,6 +319,17 @@ class Guard:
             if isinstance(cls, type):
                 for name in names:
                     methods.setdefault(name, []).append((cls, reason))
+        containers = {}
+        for module_obj in list(sys.modules.values()):
+            namespace = getattr(module_obj, "__dict__", None)
+            if isinstance(module_obj, types.ModuleType) and type(namespace) is dict:
+                label = f"the namespace of the module {module_obj.__name__!r}"
+                containers[id(namespace)] = (namespace, tables.NAMESPACE, label)
+        for module, attr, reason in tables.CONTAINERS:
+            obj = _lookup(module, attr)
+            if obj is not _MISSING:
+                containers[id(obj)] = (obj, reason, f"{module}.{attr}")
+        self._containers = containers
         exempt = {}
         for module, attr in tables.BRIDGE_VALUES:
             obj = _lookup(module, attr)
@@ -367,14 +395,6 @@ def describe(value: Any) -> str:
 
 def _qualified(cls: type) -> str:
     return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', '?')}"
-
-
-def refusal(value: Any, where: str, reason: str) -> BadArgument:
-    """The error for a refused ``value`` found at ``where``."""
-    return BadArgument(
-        f"{where} is {describe(value)}, which no caller may reach: {reason} "
-        "(see docs/SECURITY.md)"
-    )
 
 
 def spot(root: Any, target: Any, where: str) -> str:

@@ -21,6 +21,10 @@ OS_ACCESS = "operating-system access (files, processes, sockets, signals, thread
 GENERIC_ACCESS = "generic attribute access or calls of whatever it is given"
 WORKER = "the worker's own machinery (its logging, sessions, protocol or allow-list)"
 FOREIGN_MODULE = "a module outside the allow-list"
+NAMESPACE = (
+    "a module's namespace or the interpreter's import and dispatch state (changing it "
+    "changes what every call reaches)"
+)
 DUNDER = "a dunder method, which no path may name"
 
 #: Types whose every instance is refused.
@@ -152,6 +156,21 @@ NAMED: tuple[tuple[str, str, str], ...] = (
     ),
 )
 
+#: Containers refused by identity (module, dotted attribute, why), beside every module's
+#: namespace (``vars(module)``, the builtins' included), which the guard adds itself:
+#: a caller holding one could rewrite what other calls reach (``BUILTINS.update``,
+#: ``sys.modules.update``) or remove the worker's log handler.
+CONTAINERS: tuple[tuple[str, str, str], ...] = (
+    *(
+        ("sys", name, NAMESPACE)
+        for name in ("modules", "path", "meta_path", "path_hooks", "path_importer_cache")
+    ),
+    ("copyreg", "dispatch_table", NAMESPACE),
+    ("warnings", "filters", NAMESPACE),
+    ("logging", "root.handlers", WORKER),
+    ("logging", "Logger.manager.loggerDict", WORKER),
+)
+
 #: Classes whose subclasses and instances are refused (module, class, why): machinery
 #: that subclasses elsewhere would otherwise carry out of its home.
 BASES: tuple[tuple[str, str, str], ...] = (
@@ -159,6 +178,12 @@ BASES: tuple[tuple[str, str, str], ...] = (
         ("logging", name, WORKER)
         for name in ("Filterer", "Manager", "PlaceHolder", "LoggerAdapter", "Formatter")
     ),
+    ("io", "IOBase", OS_ACCESS),  # every file object, whoever subclassed it
+    ("socket", "socket", OS_ACCESS),
+    ("subprocess", "Popen", OS_ACCESS),
+    ("threading", "Thread", OS_ACCESS),
+    ("multiprocessing.process", "BaseProcess", OS_ACCESS),
+    ("string", "Formatter", GENERIC_ACCESS),
     ("contextvars", "Context", WORKER),  # a session's context, and Context.run calls anything
     ("contextlib", "ExitStack", GENERIC_ACCESS),  # callback() calls whatever it is given
     ("contextlib", "AsyncExitStack", GENERIC_ACCESS),
