@@ -64,7 +64,7 @@ class Guard:
         #: type -> None (its instances pass), a reason (refused), or _EACH.
         self._types: dict[type, Any] = {}
         #: id -> (object, reason) for long-lived objects judged one by one: module-level
-        #: functions and classes, C functions, modules (closures are not kept alive here).
+        #: functions and classes, C functions (closures are not kept alive here).
         self._objects: dict[int, tuple[Any, str | None]] = {}
         #: (owner type, method name or function id) -> (name or function, reason).
         self._bound: dict[tuple[type, Any], tuple[Any, str | None]] = {}
@@ -164,11 +164,10 @@ class Guard:
         elif t is types.FunctionType:
             reason = self._function_reason(value)
             lasting = "<locals>" not in value.__qualname__
-        elif isinstance(value, types.ModuleType):
+        elif isinstance(value, types.ModuleType):  # not cached: sys.modules may change
             name = getattr(value, "__name__", None)
             ok = name in self.allowed and sys.modules.get(name) is value
             reason = None if ok else tables.FOREIGN_MODULE
-            lasting = True
         elif isinstance(value, type):
             reason = self._class_reason(value)
             lasting = "<locals>" not in getattr(value, "__qualname__", "<locals>")
