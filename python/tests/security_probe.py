@@ -281,8 +281,8 @@ def type_of(value: Any) -> type:
 
 
 def bound_logger_method() -> Any:
-    """A logger's bound method."""
-    return LOGGER.warning
+    """A logger's bound method that would rewire logging."""
+    return LOGGER.addHandler
 
 
 def storage() -> Any:

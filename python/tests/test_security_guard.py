@@ -60,7 +60,7 @@ from vllm_bridge import diag
 from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.protocol.messages import ModuleTarget
 from vllm_bridge.protocol.registry import TypeRegistry
-from vllm_bridge.worker import channel, dispatch, executor, server, sessions
+from vllm_bridge.worker import channel, dispatch, executor, guard_tables, server, sessions
 from vllm_bridge.worker.guard import Guard
 from vllm_bridge.worker.targets import TargetResolver
 
@@ -97,13 +97,23 @@ def _defined_in(module: types.ModuleType, value: Any) -> bool:
     return getattr(value, "__module__", None) == module.__name__
 
 
+#: What the forward-context API hands out on purpose (``init_logger``, ``logger``): a
+#: logger may be held, and may log; test_loggers_may_log_but_not_be_rewired says how far.
+HANDED_OUT = (logging.Logger, logging.RootLogger)
+
+
 def capabilities() -> list[tuple[str, Any]]:
     """Every callable and class the capability modules define, and the evaluating
     builtins: what no caller may reach."""
     found = [(f"builtins.{f.__name__}", f) for f in EVALUATING_BUILTINS]
     for module in CAPABILITY_MODULES:
         for name, value in sorted(vars(module).items()):
-            if not name.startswith("__") and callable(value) and _defined_in(module, value):
+            if (
+                not name.startswith("__")
+                and callable(value)
+                and _defined_in(module, value)
+                and value not in HANDED_OUT
+            ):
                 found.append((f"{module.__name__}.{name}", value))
     return found
 
@@ -162,8 +172,21 @@ def test_wrappers_are_judged_by_what_they_wrap(guard: Guard) -> None:
     assert guard.reason(staticmethod(diag.add)) is None
 
 
+def test_loggers_may_log_but_not_be_rewired(guard: Guard) -> None:
+    logger = logging.getLogger("security.test")
+    for ordinary in (logger, logger.info, logger.warning, logger.log, logger.getChild("c"),
+                     logger.isEnabledFor, logger.root, logger.root.error):
+        assert guard.reason(ordinary) is None, ordinary
+    for refused in (logger.addHandler, logger.removeHandler, logger.setLevel,
+                    logger.addFilter, logger.findCaller, logger.makeRecord, logger.manager,
+                    logger.root.handlers, logger.root.setLevel, logging.Logger.info,
+                    logging.getLogger, logging.Handler(), logging.LogRecord(
+                        "n", 10, "p", 1, "m", None, None)):
+        assert guard.reason(refused) == guard_tables.WORKER, refused
+
+
 def test_methods_are_judged_by_their_owner(guard: Guard) -> None:
-    assert guard.reason(logging.getLogger("x").info) is not None  # a logger's
+    assert guard.reason(logging.getLogger("x").addHandler) is not None  # a logger's
     assert guard.reason(sys.stderr.write) is not None  # an open file's
     assert guard.reason("{}".format) is not None and guard.reason(str.format) is not None
     assert guard.reason(np.zeros(2).tofile) is not None
@@ -189,6 +212,43 @@ def test_the_allow_list_is_exact(guard: Guard) -> None:
     assert guard.reason(vllm_bridge) is not None  # the package is not allow-listed
     stale = types.ModuleType("vllm_bridge.diag")  # an impostor of the same name
     assert guard.reason(stale) is not None
+
+
+def test_a_module_imported_afresh_leaves_the_old_object_outside() -> None:
+    name = "security_guard_fresh"
+    first = types.ModuleType(name)
+    sys.modules[name] = first
+    try:
+        guard = Guard(frozenset({name}))
+        for _ in range(2):  # judged twice: no cached verdict outlives sys.modules
+            assert guard.check(first, "x") is first
+        second = sys.modules[name] = types.ModuleType(name)
+        assert guard.reason(first) is not None and guard.reason(second) is None
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_a_capability_imported_later_is_refused_from_then_on() -> None:
+    """The tables name objects by module; a module imported after the guard has looked
+    is looked up as soon as it is there (here the class BASES names in
+    ``multiprocessing.process``, imported afresh)."""
+    import multiprocessing
+
+    name = "multiprocessing.process"
+    saved_module, saved_attr = sys.modules.pop(name), multiprocessing.process
+    try:
+        guard = Guard(ALLOWED)
+        assert guard.reason(diag.add) is None  # looked at sys.modules without it
+        fresh = importlib.import_module(name)
+        assert fresh is not saved_module
+
+        class Spawner(fresh.BaseProcess):  # type: ignore[name-defined, misc]
+            pass
+
+        assert guard.reason(Spawner) == guard_tables.OS_ACCESS
+    finally:
+        sys.modules[name] = saved_module
+        multiprocessing.process = saved_attr  # type: ignore[attr-defined]
 
 
 # -- the reachable graph ------------------------------------------------------------------
@@ -239,6 +299,7 @@ def test_no_capability_or_worker_state_is_reachable(guard: Guard) -> None:
     assert hits == []
     for path, obj in seen.values():
         assert not isinstance(obj, WORKER_CLASSES), path
+        assert not isinstance(obj, (logging.Handler, logging.Manager, logging.Filter)), path
         assert not isinstance(obj, (types.FrameType, types.CodeType, types.TracebackType)), path
         if isinstance(obj, types.ModuleType):
             assert obj.__name__ in ALLOWED, path

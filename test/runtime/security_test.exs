@@ -42,6 +42,13 @@ defmodule VllmBridge.Runtime.SecurityTest do
     message
   end
 
+  # A dataclass decodes to its struct when a module of this run defines one for the class
+  # (the codec tests do), else to %VllmBridge.Object{}: the fields either way.
+  defp fields(%VllmBridge.Object{fields: fields}), do: fields
+
+  defp fields(%_{} = struct),
+    do: struct |> Map.from_struct() |> Map.new(fn {k, v} -> {Atom.to_string(k), v} end)
+
   describe "escapes" do
     test "the issue's example: a generator's frame, its builtins, eval" do
       {:ok, %Ref{} = g} = call({@diag, "count"}, [3])
@@ -125,10 +132,8 @@ defmodule VllmBridge.Runtime.SecurityTest do
                  {:entered, name}
                end)
 
-      assert {:ok, %VllmBridge.Object{class: "vllm_bridge.diag.Sample", fields: fields}} =
-               call({@diag, "Sample"}, ["s", :high])
-
-      assert fields == %{"name" => "s", "level" => :high, "payload" => nil}
+      assert {:ok, sample} = call({@diag, "Sample"}, ["s", :high])
+      assert fields(sample) == %{"name" => "s", "level" => :high, "payload" => nil}
     end
   end
 end

@@ -24,7 +24,7 @@ from vllm_bridge.protocol.registry import TypeRegistry
 from vllm_bridge.protocol.types import Ref, qualified_name
 from vllm_bridge.worker.channel import Channel
 from vllm_bridge.worker.coerce import coerce_arguments
-from vllm_bridge.worker.guard import spot
+from vllm_bridge.worker.guard_messages import spot
 from vllm_bridge.worker.sessions import CONTEXT_TYPE, EnteredContext, Session, Sessions
 from vllm_bridge.worker.targets import TargetResolver
 

@@ -22,7 +22,6 @@ value costs one dict lookup; callables and classes are judged one by one (cheapl
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 import types
@@ -30,6 +29,7 @@ from typing import Any
 
 from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.worker import guard_tables as tables
+from vllm_bridge.worker.guard_messages import describe
 
 #: A type verdict meaning "judge each object of this type on its own".
 _EACH = object()
@@ -73,7 +73,11 @@ class Guard:
         self._bases: tuple[type, ...] = ()
         self._base_reasons: list[tuple[type, str]] = []
         self._methods: dict[str, list[tuple[type, str]]] = {}
+        #: Classes whose instances pass although their home is refused (the tables'
+        #: BRIDGE_VALUES and OPEN_CLASSES).
         self._exempt: dict[int, Any] = {}
+        #: id -> (function, class): the OPEN_CLASSES' methods a caller may call.
+        self._open_methods: dict[int, tuple[Any, type]] = {}
         #: id -> (container, reason): module namespaces and the tables' CONTAINERS.
         self._containers: dict[int, tuple[Any, str, str]] = {}
         self._modules_seen = -1
@@ -244,7 +248,11 @@ class Guard:
             reason = tables.DUNDER if fn.startswith("__") else None
             reason = reason or self.reason(owner) or self._method_reason(owner, fn)
         else:
-            reason = self.reason(fn) or self.reason(owner)
+            opened = self._open_methods.get(id(fn))
+            if opened is not None and opened[0] is fn and isinstance(owner, opened[1]):
+                reason = self.reason(owner)  # logger.info: refused home, open method
+            else:
+                reason = self.reason(fn) or self.reason(owner)
         verdict = self._types.get(type(owner), _EACH)
         lasting = named or "<locals>" not in getattr(fn, "__qualname__", "<locals>")
         if verdict is not _EACH and lasting:  # the owner's type decides for all instances
@@ -334,6 +342,16 @@ class Guard:
             obj = _lookup(module, attr)
             if obj is not _MISSING:
                 exempt[id(obj)] = obj
+        open_methods = {}
+        for module, attr, names in tables.OPEN_CLASSES:
+            cls = _lookup(module, attr)
+            if isinstance(cls, type):
+                exempt[id(cls)] = cls
+                for name in names:
+                    fn = getattr(cls, name, None)
+                    if fn is not None:
+                        open_methods[id(fn)] = (fn, cls)
+        self._open_methods = open_methods
         if (named.keys(), [b for b, _ in bases], exempt.keys()) != (
             self._named.keys(),
             [b for b, _ in self._base_reasons],
@@ -363,71 +381,3 @@ def _lookup(module: str, attr: str) -> Any:
 
 def _home(cls: type) -> Any:
     return getattr(cls, "__module__", None)
-
-
-def describe(value: Any) -> str:
-    """What ``value`` is, for messages, without calling its ``repr``."""
-    if isinstance(value, types.ModuleType):
-        return f"the module {getattr(value, '__name__', '?')!r}"
-    if isinstance(value, type):
-        return f"the class {_qualified(value)}"
-    name = getattr(value, "__name__", "?")
-    if isinstance(value, types.FunctionType):
-        return f"the function {value.__module__}.{value.__qualname__}"
-    if isinstance(value, types.BuiltinFunctionType):
-        owner = value.__self__
-        if owner is None or isinstance(owner, types.ModuleType):
-            home = owner.__name__ if owner is not None else value.__module__
-            name = getattr(value, "__qualname__", name)
-            return f"the builtin {home}.{name}" if isinstance(home, str) else f"the builtin {name}"
-        cls = owner if isinstance(owner, type) else type(owner)
-        return f"the method {_qualified(cls)}.{name}"
-    if isinstance(value, types.MethodType):
-        owner = value.__self__
-        cls = owner if isinstance(owner, type) else type(owner)
-        return f"the method {_qualified(cls)}.{name}"
-    if isinstance(value, _METHOD_KINDS):
-        owner = getattr(value, "__objclass__", None) or type(getattr(value, "__self__", None))
-        return f"the method {_qualified(owner)}.{name}"
-    return f"a {_qualified(type(value))} object"
-
-
-def _qualified(cls: type) -> str:
-    return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', '?')}"
-
-
-def spot(root: Any, target: Any, where: str) -> str:
-    """``where`` (a reply) completed with where ``target`` sits inside ``root``."""
-    path = locate(root, target)
-    if path is None:
-        return f"a value inside {where}"
-    return f"{where} (at {path})" if path else where
-
-
-def locate(root: Any, target: Any, limit: int = 10_000) -> str | None:
-    """Where ``target`` sits inside ``root`` as the encoder walks it (list and tuple items,
-    dict keys and values, dataclass fields): ``"[2]['model'].weight"``, ``""`` for
-    ``root`` itself, or ``None`` when it is not found within ``limit`` values."""
-    stack: list[tuple[Any, str]] = [(root, "")]
-    seen: set[int] = set()
-    while stack and limit > 0:
-        value, path = stack.pop()
-        limit -= 1
-        if value is target:
-            return path
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, (list, tuple)):
-            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))
-        elif isinstance(value, dict):
-            for k, v in reversed(list(value.items())):
-                label = repr(k) if isinstance(k, (str, int, float, bool)) else "<key>"
-                stack.append((v, f"{path}[{label}]"))
-                stack.append((k, f"{path}<key {label}>"))
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            stack.extend(
-                (getattr(value, f.name, None), f"{path}.{f.name}")
-                for f in reversed(dataclasses.fields(value))
-            )
-    return None

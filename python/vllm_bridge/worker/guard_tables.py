@@ -176,7 +176,8 @@ CONTAINERS: tuple[tuple[str, str, str], ...] = (
 BASES: tuple[tuple[str, str, str], ...] = (
     *(
         ("logging", name, WORKER)
-        for name in ("Filterer", "Manager", "PlaceHolder", "LoggerAdapter", "Formatter")
+        for name in ("Handler", "Filter", "Manager", "PlaceHolder", "LoggerAdapter",
+                     "Formatter", "LogRecord")
     ),
     ("io", "IOBase", OS_ACCESS),  # every file object, whoever subclassed it
     ("socket", "socket", OS_ACCESS),
@@ -199,6 +200,21 @@ BASES: tuple[tuple[str, str, str], ...] = (
 METHODS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("builtins", "str", ("format", "format_map"), GENERIC_ACCESS),
     ("numpy", "ndarray", ("tofile", "dump", "dumps"), OS_ACCESS),
+)
+
+#: Classes of a refused home whose instances a caller may hold, and the methods it may
+#: call on them (module, class, method names): what the forward-context API hands out
+#: (``init_logger``, ``logger``; docs/SECURITY.md). A logger is a name and a level: it
+#: may log and be asked about itself. What hangs from it (its handlers, the manager, the
+#: root logger's handler list) and every method that changes it stay refused.
+OPEN_CLASSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "logging",
+        "Logger",
+        ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal",
+         "log", "isEnabledFor", "getEffectiveLevel", "getChild", "hasHandlers"),
+    ),
+    ("logging", "RootLogger", ()),  # the root logger; its methods are the Logger's
 )
 
 #: Values of the bridge's own packages that are ordinary data, not machinery: wire value
