@@ -66,6 +66,9 @@ class Guard:
         #: id -> (object, reason) for long-lived objects judged one by one: module-level
         #: functions and classes, C functions (closures are not kept alive here).
         self._objects: dict[int, tuple[Any, str | None]] = {}
+        #: id -> object, for those of ``_objects`` that pass: the resolver's one-step fast
+        #: path reads it (``passed.get(id(obj)) is obj``) before calling :meth:`check`.
+        self.passed: dict[int, Any] = {}
         #: (owner type, method name or function id) -> (name or function, reason).
         self._bound: dict[tuple[type, Any], tuple[Any, str | None]] = {}
         self._homes: dict[tuple[str, bool], str | None] = {}
@@ -154,11 +157,19 @@ class Guard:
         # Bound methods first (new objects at each access, never named in the tables):
         # judged by their owner and their function, cached per owner type.
         if t is types.MethodType:
-            return self._bound_reason(value.__self__, value.__func__)
+            owner, fn = value.__self__, value.__func__
+            entry = self._bound.get((type(owner), id(fn)))
+            if entry is not None and entry[0] is fn:
+                return entry[1]
+            return self._bound_reason(owner, fn)
         if t is types.BuiltinFunctionType:
             owner = value.__self__
             if owner is not None and not isinstance(owner, types.ModuleType):
-                return self._bound_reason(owner, value.__name__)  # tensor.sum, list.append
+                name = value.__name__  # tensor.sum, list.append
+                entry = self._bound.get((type(owner), name))
+                if entry is not None:
+                    return entry[1]
+                return self._bound_reason(owner, name)
         self._refresh()
         lasting = False
         named = self._named.get(id(value))
@@ -196,7 +207,10 @@ class Guard:
         if lasting:
             if len(self._objects) >= _CACHE_LIMIT:
                 self._objects.clear()
+                self.passed.clear()
             self._objects[id(value)] = (value, reason)
+            if reason is None:
+                self.passed[id(value)] = value
         return reason
 
     def _class_reason(self, cls: type) -> str | None:
@@ -359,6 +373,7 @@ class Guard:
         ) or methods.keys() != self._methods.keys():
             self._types.clear()
             self._objects.clear()
+            self.passed.clear()
             self._bound.clear()
         self._named, self._base_reasons, self._methods, self._exempt = (
             named,
