@@ -196,7 +196,7 @@ ESCAPES = [
            lambda w: w.call(P, "BUILTINS_COPY.get", "open"), "the builtin io.open",
            t.OS_ACCESS),
     Escape("the builtins namespace returned by value", lambda w: w.call(P, "builtins_dict"),
-           "the reply to call", ""),
+           "(at ['__loader__']) is the class _frozen_importlib.BuiltinImporter", t.EVALUATION),
     Escape("a module inside a dict", lambda w: w.call(P, "MODULES.get", "os"),
            "the module 'os'", t.FOREIGN_MODULE),
     Escape("eval nested in lists and tuples", lambda w: w.call(P, "nested"),
