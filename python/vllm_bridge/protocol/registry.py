@@ -95,9 +95,15 @@ def _is_value_class(cls: type) -> bool:
 
 
 def _walk(root: Any, qualname: str) -> Any:
+    # A class is reachable by its qualified name inside its own module, never through
+    # another module: stopping at one keeps a wire name such as
+    # "vllm_bridge.dp.torch._dynamo.X" from importing anything (a lazy module's
+    # __getattr__ would).
     obj = root
     for part in qualname.split("."):
         if not part or part.startswith("__"):
+            return None
+        if obj is not root and isinstance(obj, types.ModuleType):
             return None
         obj = getattr(obj, part, None)
         if obj is None:

@@ -23,6 +23,7 @@ from vllm_bridge.protocol.registry import TypeRegistry
 from vllm_bridge.protocol.types import Ref, qualified_name
 from vllm_bridge.worker.channel import Channel
 from vllm_bridge.worker.coerce import coerce_arguments
+from vllm_bridge.worker.guard_messages import spot
 from vllm_bridge.worker.sessions import CONTEXT_TYPE, EnteredContext, Session, Sessions
 from vllm_bridge.worker.targets import TargetResolver
 
@@ -132,8 +133,12 @@ class Dispatcher:
         args, kwargs = req.args, req.kwargs
         if req.special:
 
+            guard = self.resolver.guard
+
             def resolve(ref: Ref) -> Any:
-                return self.sessions.resolve(session, ref)
+                # Vetted when the reference was made; vetted again as it is used.
+                where = f"argument reference {ref.ref_id} ({ref.type_name})"
+                return guard.check(self.sessions.resolve(session, ref), where)
 
             args = materialize_field(args, "args", self.registry, resolve)
             kwargs = materialize_field(kwargs, "kwargs", self.registry, resolve)
@@ -142,6 +147,7 @@ class Dispatcher:
         return args, kwargs
 
     def _stream(self, req: Invoke, session: Session, result: Any, where: str) -> Frame:
+        self.resolver.guard.check(result, f"the result of {where}")
         try:
             iterator = iter(result)
         except TypeError:
@@ -172,6 +178,7 @@ class Dispatcher:
         return self.channel.encoder.encode(["end", req.id])
 
     def _enter(self, req: Invoke, session: Session, manager: Any, where: str) -> Frame:
+        self.resolver.guard.check(manager, f"the result of {where}")
         cls = type(manager)
         enter = getattr(cls, "__enter__", None)
         exit_ = getattr(cls, "__exit__", None)
@@ -285,8 +292,10 @@ class Dispatcher:
     def _reply(self, req: Request, session: Session, kind: str, value: Any) -> Frame:
         """Encode ``[kind, id, value]``; references it needs are owned by ``session``.
 
-        If the reply cannot be encoded, or is over the frame limit (``ValueError`` naming
-        its size and the limit), the references made for it are dropped again.
+        Every object that would become a reference passes the value guard first; if one
+        is refused, or the reply cannot be encoded, or it is over the frame limit
+        (``ValueError`` naming its size and the limit), the references made for it are
+        dropped again.
         """
         t = type(value)
         if t is bool or t is float or t is str or value is None or (
@@ -297,8 +306,14 @@ class Dispatcher:
             self._check_size(len(body))
             return [body]
         created: list[int] = []
+        guard = self.resolver.guard
 
         def make_ref(obj: Any) -> Ref:
+            reason = guard.reason(obj)
+            if reason is not None:  # the whole reply fails; its references are dropped
+                reply = "a chunk of" if kind == "chunk" else "the reply to"
+                reply = f"{reply} {req.kind} {req.id}"
+                raise guard.refusal(obj, spot(value, obj, reply), reason)
             ref = self.sessions.new_ref(session, obj)
             created.append(ref.ref_id)
             return ref

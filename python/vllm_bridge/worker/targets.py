@@ -4,12 +4,14 @@ Rules (docs/PROTOCOL.md, "Targets"):
 
 * a module target names a module of the allow-list exactly; only allow-listed modules are
   ever imported because of a request;
-* no path part may be empty or start with ``__`` (dunders are unreachable);
-* no step may land on a module outside the allow-list (``vllm_bridge.diag.os`` is
-  refused although ``diag`` imports ``os``), and a reference to such a module cannot be
-  used as a target either.
+* no path part may be empty or start with ``__`` (dunders are unreachable by name);
+* every step of a path, and the object a reference stands for, must pass the value
+  guard (:mod:`~vllm_bridge.worker.guard`): no step may land on a module outside the
+  allow-list (``vllm_bridge.diag.os`` is refused although ``diag`` imports ``os``), a
+  frame, a code object, an evaluating builtin, the worker's own machinery...
+  (docs/SECURITY.md).
 
-Refusals raise :class:`~vllm_bridge.protocol.errors.BadArgument` naming the target.
+Refusals raise :class:`~vllm_bridge.protocol.errors.BadArgument` naming the step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.protocol.messages import ModuleTarget, RefTarget, Target
+from vllm_bridge.worker.guard import Guard
 from vllm_bridge.worker.sessions import Session, Sessions
 
 
@@ -31,6 +34,9 @@ class TargetResolver:
     def __init__(self, modules: Iterable[str]) -> None:
         self.modules: tuple[str, ...] = tuple(modules)
         self._allowed = frozenset(self.modules)
+        #: Checks every value a target reaches; the dispatcher checks replies and
+        #: argument references with it too.
+        self.guard = Guard(self._allowed)
 
     def module(self, name: str) -> types.ModuleType:
         """The allow-listed module ``name``, imported on first use.
@@ -63,14 +69,16 @@ class TargetResolver:
                     obj = getattr(obj, path)
                 except AttributeError:
                     raise BadArgument(f"{target.module} has no attribute {path!r}") from None
-                if isinstance(obj, types.ModuleType):
-                    self._check_module(obj, f"{target.module}.{path}")
-                return obj, f"{target.module}.{path}"
+                where = f"{target.module}.{path}"
+                if self.guard.passed.get(id(obj)) is not obj:  # a known function: passes
+                    self.guard.check(obj, where)
+                return obj, where
             return self.walk(obj, path, target.module), f"{target.module}.{path}"
         if isinstance(target, RefTarget):
             obj = sessions.resolve(session, target.ref)
             where = f"reference {target.ref.ref_id} ({target.ref.type_name})"
-            self._check_module(obj, where)
+            # Vetted when the reference was made; vetted again as it is used.
+            self.guard.check(obj, where)
             if target.path is None:
                 return obj, where
             return self.walk(obj, target.path, where), f"{where}.{target.path}"
@@ -93,12 +101,6 @@ class TargetResolver:
             except AttributeError:
                 raise BadArgument(f"{where} has no attribute {part!r}") from None
             where = f"{where}.{part}"
-            self._check_module(obj, where)
+            # Each step before the next: getattr never runs on a refused object.
+            self.guard.check(obj, where)
         return obj
-
-    def _check_module(self, obj: Any, where: str) -> None:
-        if isinstance(obj, types.ModuleType) and obj.__name__ not in self._allowed:
-            raise BadArgument(
-                f"{where} is the module {obj.__name__!r}, which is not in the worker's "
-                "allow-list"
-            )
