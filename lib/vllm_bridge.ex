@@ -373,7 +373,7 @@ defmodule VllmBridge do
     result =
       with {:ok, route} <- Route.resolve(rt, kind, bound, payload),
            {:ok, pid, _index} <- Route.checkout(route, rt.deadline) do
-        req = Request.new(kind, [Wire.value(route.session)], timed, parts)
+        req = Request.new(kind, [Wire.value(route.session)], timed, parts, what)
 
         if kind in ["exit", "release"] do
           pid
