@@ -120,12 +120,30 @@ def _import_allowed(modules: tuple[str, ...]) -> dict[str, str]:
     return failed
 
 
+def hello_device() -> str:
+    """The device this worker computes on, for the hello, without initialising CUDA.
+
+    ``"cuda:N"`` when CUDA is usable, else ``"cpu"``, as
+    :func:`vllm_bridge.diag.default_device` says, but when nothing has initialised CUDA yet
+    it does not ask CUDA for its current device: that would create a CUDA context (seconds
+    and GPU memory, on device 0 in every worker, DP ranks on other GPUs included) before
+    the handshake, for a name. Until a thread picks another device, CUDA's current device
+    is 0; so the answer is ``"cuda:0"``, and the context is made by the first request
+    that uses the GPU.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    if torch.cuda.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cuda:0"
+
+
 def _hello(
     instance: str, modules: tuple[str, ...], import_errors: dict[str, str]
 ) -> list[Any]:
     import torch
-
-    from vllm_bridge.diag import default_device
 
     return [
         "hello",
@@ -134,7 +152,7 @@ def _hello(
             "pid": os.getpid(),
             "python": sys.version.split()[0],
             "torch": torch.__version__,
-            "device": default_device(),
+            "device": hello_device(),
             "instance": instance,
             "stream_window": STREAM_WINDOW,
             "capabilities": list(CAPABILITIES),
