@@ -30,7 +30,9 @@ defmodule VllmBridge.Worker do
       interrupted), or it caught the interruption and went on. Then the Python process is
       killed so that the worker restarts; every call in flight on it gets `:worker_exit`
       saying so (which request, and `cancel_grace`), and the sessions on it are lost
-      (their next call's `:session_lost` says why too).
+      (their next call's `:session_lost` says why too). As with Ctrl-C, an interruption
+      that lands in the interrupted code's own cleanup can leave that code's state
+      half-reset; the worker's own state is never interrupted.
     * **Callers that die.** Each waiting caller is monitored while its request is in
       flight. When one dies, its requests are cancelled at once, as on a timeout: a
       queued call is dropped, a running one interrupted, so their slots come back.
