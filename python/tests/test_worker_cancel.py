@@ -5,8 +5,10 @@ when it returns; code that swallows the interruption runs on; EOF interrupts too
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
+import threading
 import time
 
 from conftest import FRAME_WAIT, next_id, spawn_worker
@@ -206,4 +208,31 @@ def test_eof_while_a_request_is_stuck_exits_after_the_grace():
         log = w.proc.stderr.read().decode()
         assert f"fd 3 closed while request {rid} runs (it did not stop when interrupted)" in log
     finally:
+        w.stop()
+
+
+def test_an_interruption_never_cuts_a_log_frame_the_code_is_writing(monkeypatch):
+    """The code logs large records without pause while its reader is slow (the pipe
+    fills, so frames are written in several steps): cancels land during those writes,
+    and every frame still arrives whole."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    w = spawn_worker(["--allow", D, "cancel_support"])
+    # A cut frame would leave this reader waiting for bytes that never come: the worker
+    # is killed after a while, so that the test fails instead of hanging.
+    watchdog = threading.Timer(FRAME_WAIT, w.proc.kill)
+    watchdog.start()
+    try:
+        for round_ in range(8):
+            rid = next_id()
+            target = ["m", "cancel_support", "log_loop"]
+            w.send(["call", rid, None, 60_000, target, [LONG_S, 256 * 1024], {}])
+            wait_running(w, rid)
+            time.sleep(0.05)  # let the pipe fill: the worker is blocked in a write
+            w.send(["cancel", rid])
+            assert_cancelled(w, rid)  # every frame before it decoded whole
+            assert w.call(D, "add", round_, 1) == round_ + 1
+        assert w.logs and all(len(m[3]) > 256 * 1024 for m in w.logs)
+    finally:
+        watchdog.cancel()
         w.stop()
