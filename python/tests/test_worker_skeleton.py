@@ -51,8 +51,8 @@ def test_the_hello_names_the_device_calls_run_on(shared_worker):
     not torch.cuda.is_available(), reason="needs CUDA: without it, nothing initialises CUDA"
 )
 def test_the_hello_does_not_initialise_cuda():
-    """The handshake names the device without creating a CUDA context (seconds and GPU
-    memory before the worker may serve); the name is the one calls then run on."""
+    """The handshake names the device without initialising CUDA (work that would delay
+    it); the name is the one calls then run on."""
     code = (
         "import json, torch\n"
         "from vllm_bridge import PUBLIC_MODULES\n"

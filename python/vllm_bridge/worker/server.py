@@ -125,11 +125,10 @@ def hello_device() -> str:
 
     ``"cuda:N"`` when CUDA is usable, else ``"cpu"``, as
     :func:`vllm_bridge.diag.default_device` says, but when nothing has initialised CUDA yet
-    it does not ask CUDA for its current device: that would create a CUDA context (seconds
-    and GPU memory, on device 0 in every worker, DP ranks on other GPUs included) before
-    the handshake, for a name. Until a thread picks another device, CUDA's current device
-    is 0; so the answer is ``"cuda:0"``, and the context is made by the first request
-    that uses the GPU.
+    it does not ask CUDA for its current device: ``torch.cuda.current_device()`` runs
+    torch's lazy CUDA initialisation, work that would delay the handshake for a name.
+    Until code picks another device, CUDA's current device is 0; so the answer is
+    ``"cuda:0"``, and the first request that uses the GPU initialises CUDA.
     """
     import torch
 
