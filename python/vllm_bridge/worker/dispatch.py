@@ -7,7 +7,7 @@ failure becomes an ``error`` reply: a Python exception never stops the worker.
 
 The request's own code (the call it makes, each ``next()`` of a stream) runs under its
 :class:`~vllm_bridge.worker.interrupt.Guard`, so that a cancel interrupts it there and
-nowhere else; ``__enter__`` and ``__exit__`` never are.
+nowhere else (never in ``__enter__`` or ``__exit__``).
 """
 
 from __future__ import annotations
