@@ -16,6 +16,17 @@ defmodule VllmBridge do
   see `VllmBridge.Runtime`. The deadline is fixed when the call enters and covers time
   spent queued.
 
+  **Timeouts cancel in place.** A call past its deadline returns `{:error, %Error{type:
+  :timeout}}` and is cancelled in its worker: dropped if it is still queued, interrupted
+  where it is if it runs (a Python loop at its next bytecode, a sleep, lock wait or read
+  at once, as Ctrl-C would; code in C once it returns to Python). The worker, its
+  sessions and their state stay, and the session's next call runs at once. A call that
+  has not stopped `cancel_grace` ms (a pool option, 5 000 by default) after its cancel is
+  stuck (in C code, in an `__enter__`, or it caught the interruption and went on): its
+  worker's Python process is killed and restarted, and every call and session that loses
+  it says why (`VllmBridge.Worker`). Like Ctrl-C, an interruption can leave the
+  interrupted code's own state half-updated if it lands in that code's cleanup.
+
   **Results** are what `VllmBridge.Codec` decodes: plain values, structs for registered
   dataclasses, atoms for enum members, `%VllmBridge.Tensor{}`, `%VllmBridge.Ref{}` for
   objects that cannot travel by value. Every function returns `{:ok, value}` or
@@ -94,10 +105,12 @@ defmodule VllmBridge do
 
   An `enter` that times out leaves nothing entered: `{:error, %Error{type: :timeout}}`,
   and the context is exited again as soon as `__enter__` returns (see
-  `VllmBridge.Request`), so later calls of the session do not run inside it. Like any
-  call given up while it runs, an `__enter__` still running `cancel_grace` ms after the
-  timeout (5 s by default) has its Python process killed, so the worker restarts and its
-  sessions are lost (`VllmBridge.Worker`).
+  `VllmBridge.Request`), so later calls of the session do not run inside it. Making the
+  context manager (the call of `target`) is interrupted like any call, but `__enter__`
+  itself never is (an interruption just after it returned could not be told from one
+  inside it, and the context would leak): an `__enter__` still running `cancel_grace` ms
+  after the timeout (5 s by default) has its Python process killed, so the worker
+  restarts and its sessions are lost (`VllmBridge.Worker`).
   """
   @spec enter(target(), list(), map() | keyword(), Runtime.opts()) :: result({Ref.t(), term()})
   def enter(target, args \\ [], kwargs \\ %{}, opts \\ []) do
@@ -372,7 +385,7 @@ defmodule VllmBridge do
   defp run(rt, {kind, what}, bound, payload, parts, timed) do
     result =
       with {:ok, route} <- Route.resolve(rt, kind, bound, payload),
-           req = Request.new(kind, [Wire.value(route.session)], timed, parts),
+           req = Request.new(kind, [Wire.value(route.session)], timed, parts, what),
            {:ok, pid, _index} <- Route.checkout(route, req, rt.deadline) do
         if kind in ["exit", "release"] do
           pid

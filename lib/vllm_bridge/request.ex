@@ -24,42 +24,48 @@ defmodule VllmBridge.Request do
       late, and the caller has its result (`{:ok, ...}` as usual);
     * `:cancelled`: the cancel went on to Python, and whatever reply still comes stops at
       the worker process, which releases the references in it, whatever their session
-      (`VllmBridge.Worker`); Python exits the context of a cancelled `enter` (once
-      `__enter__` returns if it still runs, else at once), before any request that
-      reaches it after the cancel, such as the caller's next call. The call answers
-      `:timeout`.
+      (`VllmBridge.Worker`). Python drops the call if it is still queued, interrupts its
+      code if it runs (the worker and the session's state stay; the caller's next call
+      runs at once), and exits the context of a cancelled `enter` (once `__enter__`
+      returns if it still runs, else at once), before any request that reaches it after
+      the cancel, such as the caller's next call. The call answers `:timeout`. A call
+      still running `cancel_grace` ms after its cancel (stuck in C code) costs the
+      worker its Python process (`VllmBridge.Worker`).
   """
 
   alias VllmBridge.{Error, Runtime, Wire}
 
   @enforce_keys [:kind]
-  defstruct kind: nil, pre: [], timed: true, post: [], size: 0
+  defstruct kind: nil, pre: [], timed: true, post: [], size: 0, target: nil
 
   @typedoc """
   A request before it has an id: `kind`, the encoded fields before the timeout (`pre`,
   usually the session), whether the kind carries a timeout field, the encoded fields
-  after it (`post`), and the bytes `pre` and `post` take (`size`, counted once).
+  after it (`post`), the bytes `pre` and `post` take (`size`, counted once), and the
+  `target` it runs, if any (only for messages: the worker names it when the call costs
+  the Python process, see `VllmBridge.Worker`).
   """
   @type t :: %__MODULE__{
           kind: String.t(),
           pre: [iodata()],
           timed: boolean(),
           post: [iodata()],
-          size: non_neg_integer()
+          size: non_neg_integer(),
+          target: term()
         }
 
   @typedoc "A request in flight: worker pid, id and the alias/monitor."
   @type handle :: {pid(), non_neg_integer(), reference()}
 
   @doc """
-  A request of `kind` with its encoded fields (see `t:t/0`). Their size is counted here,
-  once: the frame limit is checked with it before anything is reserved (`max_size/1`),
-  and the frame is built with it, without walking them again.
+  A request of `kind` with its encoded fields and its target (see `t:t/0`). Their size
+  is counted here, once: the frame limit is checked with it before anything is reserved
+  (`max_size/1`), and the frame is built with it, without walking them again.
   """
-  @spec new(String.t(), [iodata()], boolean(), [iodata()]) :: t()
-  def new(kind, pre, timed, post) do
+  @spec new(String.t(), [iodata()], boolean(), [iodata()], term()) :: t()
+  def new(kind, pre, timed, post, target \\ nil) do
     size = IO.iodata_length(pre) + IO.iodata_length(post)
-    %__MODULE__{kind: kind, pre: pre, timed: timed, post: post, size: size}
+    %__MODULE__{kind: kind, pre: pre, timed: timed, post: post, size: size, target: target}
   end
 
   @doc "The most bytes the body of `req`'s frame can take (`VllmBridge.Wire.max_request_size/3`)."
@@ -100,7 +106,8 @@ defmodule VllmBridge.Request do
     id = :erlang.unique_integer([:positive])
     mref = :erlang.monitor(:process, pid, [{:alias, mode}])
     caller = if watch, do: self()
-    send(pid, {:"$vb_req", id, mref, caller, frame(req, id, deadline), deadline, counted})
+    frame = frame(req, id, deadline)
+    send(pid, {:"$vb_req", id, mref, caller, frame, deadline, counted, what(req)})
     {pid, id, mref}
   end
 
@@ -108,9 +115,12 @@ defmodule VllmBridge.Request do
   @spec cast(pid(), t(), integer() | :infinity) :: :ok
   def cast(pid, %__MODULE__{} = req, deadline) do
     id = :erlang.unique_integer([:positive])
-    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false})
+    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false, what(req)})
     :ok
   end
+
+  defp what(%{target: nil}), do: nil
+  defp what(%{kind: kind, target: target}), do: {kind, target}
 
   defp frame(%{kind: kind, pre: pre, timed: true, post: post, size: size}, id, deadline) do
     ms =

@@ -40,7 +40,11 @@ defmodule VllmBridge.Session do
 
   **Restarts.** A session lives on one worker process. Once that process is gone (the
   worker restarted with a new instance), every call in the session gets
-  `{:error, %Error{type: :session_lost}}`; close it and open a new one.
+  `{:error, %Error{type: :session_lost}}`, whose message says why the process went down
+  when this node knows (it exited with a status, or it was killed because a call did not
+  stop within `cancel_grace` of its cancel); close it and open a new one. A call that
+  times out does not cost the session: it is interrupted in Python and the session's
+  next call runs normally (see `VllmBridge.Worker`).
   """
 
   alias VllmBridge.{Error, Request, Runtime, Wire}
@@ -190,10 +194,16 @@ defmodule VllmBridge.Session do
   @doc false
   @spec lost(t()) :: Error.t()
   def lost(%__MODULE__{} = s) do
+    why =
+      case Directory.down_reason(s.pool, s.worker, s.instance) do
+        nil -> ""
+        reason -> " (#{reason})"
+      end
+
     Error.new(
       :session_lost,
       "session #{inspect(s.id)} lived on worker #{s.worker} of pool #{inspect(s.pool)} " <>
-        "(instance #{s.instance}), which restarted or stopped; its state is gone"
+        "(instance #{s.instance}), which restarted or stopped#{why}; its state is gone"
     )
   end
 

@@ -26,16 +26,24 @@ defmodule VllmBridge.Worker do
     * **Timeouts.** A caller that times out settles the call through here (`$vb_settle`):
       the cancel goes to Python if the call is still in the table, and `:cancelled` goes
       back to the caller, always, after any reply already passed on (see
-      `VllmBridge.Request`). The late reply is dropped here, and the references in it
-      (made for it, and seen by nobody) are released in their sessions. If the call is still
-      in the table `cancel_grace` ms later, the Python process is stuck in it and is
-      killed (so it restarts).
+      `VllmBridge.Request`). Python drops a queued call, and interrupts a running one
+      where it is (a Python loop at its next bytecode, a blocking call such as a sleep or
+      a lock wait at once; see docs/PROTOCOL.md, "Cancel"): the worker, its sessions and
+      their state stay, and the next call runs at once. Whatever reply still comes is
+      dropped here, and the references in it (made for it, and seen by nobody) are
+      released in their sessions.
+    * **`cancel_grace`.** A cancelled call still in the table `cancel_grace` ms later did
+      not stop when interrupted: it is stuck in C code (a kernel, a C extension's loop:
+      interrupted only once it returns to Python), in an `__enter__` (never
+      interrupted), or it caught the interruption and went on. Then the Python process is
+      killed so that the worker restarts; every call in flight on it gets `:worker_exit`
+      saying so (which request, and `cancel_grace`), and the sessions on it are lost
+      (their next call's `:session_lost` says why too). As with Ctrl-C, an interruption
+      that lands in the interrupted code's own cleanup can leave that code's state
+      half-reset; the worker's own state is never interrupted.
     * **Callers that die.** Each waiting caller is monitored while its request is in
-      flight. When one dies, its requests are cancelled at once: a queued call is dropped
-      by the Python side and a stream stops at its next chunk, so their slots come back;
-      a plain call already running cannot be interrupted and runs to its end (its reply
-      is dropped). Only if such a call is still running past its own deadline (found by a
-      periodic sweep) does the `cancel_grace` restart apply.
+      flight. When one dies, its requests are cancelled at once, as on a timeout: a
+      queued call is dropped, a running one interrupted, so their slots come back.
     * **Logs.** `log` frames go to `Logger` with the Python logger's name.
 
   Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
@@ -111,7 +119,8 @@ defmodule VllmBridge.Worker do
     deadline = VllmBridge.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
 
     with {:ok, parts} <- Wire.encode_invoke({module, name}, args, kwargs) do
-      Request.call(pid, Request.new("call", [Wire.value(nil)], true, parts), deadline, false)
+      req = Request.new("call", [Wire.value(nil)], true, parts, {module, name})
+      Request.call(pid, req, deadline, false)
     end
   end
 
@@ -163,6 +172,8 @@ defmodule VllmBridge.Worker do
           index: index,
           meta: meta,
           calls: %{},
+          # Why the Python process was killed, once this process killed it (cancel_grace).
+          killed: nil,
           settled: MapSet.new(),
           arrivals: 0,
           start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
@@ -233,10 +244,11 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # A call in the table: `{alias, counted, deadline, status, monitor}`, where status is
-  # :live (a caller waits on `alias`, monitored by `monitor`), :detached (nobody waits),
-  # :abandoned (the caller died; cancel sent) or {:cancelled, since} (grace running).
-  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted}, state) do
+  # A call in the table: `{alias, {counted, what}, deadline, status, monitor}`, where
+  # `what` is `{kind, target}` (for messages), and status is :live (a caller waits on
+  # `alias`, monitored by `monitor`), :detached (nobody waits) or {:cancelled, since}
+  # (cancel sent, grace running).
+  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted, what}, state) do
     cond do
       MapSet.member?(state.settled, id) ->
         # Its caller gave up while this process was starting, and was answered then.
@@ -265,9 +277,9 @@ defmodule VllmBridge.Worker do
 
         entry =
           cond do
-            caller -> {alias, counted, deadline, :live, Process.monitor(caller)}
-            alias -> {alias, counted, deadline, :live, nil}
-            true -> {nil, counted, deadline, :detached, nil}
+            caller -> {alias, {counted, what}, deadline, :live, Process.monitor(caller)}
+            alias -> {alias, {counted, what}, deadline, :live, nil}
+            true -> {nil, {counted, what}, deadline, :detached, nil}
           end
 
         calls = Map.put(state.calls, id, entry)
@@ -300,20 +312,21 @@ defmodule VllmBridge.Worker do
 
   def handle_info({:"$vb_grace", id}, state) do
     case state.calls do
-      %{^id => {_, _, _, {:cancelled, since}, _}} ->
-        Logger.warning(
-          "vllm_bridge worker #{label(state)}: request #{id} still runs " <>
-            "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled; " <>
-            "killing the Python process (os pid #{state.os_pid}) so that the worker restarts"
-        )
+      %{^id => {_, {_, what}, _, {:cancelled, since}, _}} ->
+        why =
+          "the Python process (os pid #{state.os_pid}) was killed because request #{id}" <>
+            "#{describe(what)} was still running " <>
+            "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled " <>
+            "(cancel_grace #{state.cancel_grace} ms: it did not stop when interrupted)"
 
+        Logger.warning("vllm_bridge worker #{label(state)}: #{why}; the worker restarts")
         Launcher.kill(state.os_pid)
+        # Every call that loses its worker, and every session lost with it, says why.
+        {:noreply, %{state | killed: why}}
 
       _ ->
-        :ok
+        {:noreply, state}
     end
-
-    {:noreply, state}
   end
 
   def handle_info({:DOWN, mon, :process, _caller, _reason}, state) do
@@ -333,9 +346,8 @@ defmodule VllmBridge.Worker do
     )
 
     state = %{state | port: nil}
-
-    {:stop, {:shutdown, {:worker_exit, status}},
-     shut(state, "the Python worker exited with status #{status}")}
+    why = state.killed || "the Python worker exited with status #{status}"
+    {:stop, {:shutdown, {:worker_exit, status}}, shut(state, why)}
   end
 
   def handle_info({:EXIT, port, _reason}, %{port: port} = state) when is_port(port) do
@@ -387,7 +399,7 @@ defmodule VllmBridge.Worker do
 
   defp finish(state, id, tag, bin) do
     case Map.pop(state.calls, id) do
-      {{alias, counted, _, status, mon}, calls} ->
+      {{alias, {counted, _}, _, status, mon}, calls} ->
         # The slot first: a caller that has its reply and calls again at once must find
         # the worker idle (`:strict_fail_fast` and `:hint` look for a count of 0).
         if counted, do: release(state)
@@ -420,16 +432,17 @@ defmodule VllmBridge.Worker do
   defp release(%{meta: nil}), do: :ok
   defp release(%{meta: meta, index: index}), do: Slots.release(meta, index)
 
-  # The caller gave up (or its call is overdue): cancel it, and restart the Python process
-  # if the call still runs `cancel_grace` ms from now.
+  # The caller gave up, died, or its call is overdue: cancel it (Python drops it if
+  # queued, interrupts it if running), and restart the Python process if the call still
+  # runs `cancel_grace` ms from now.
   defp cancel(state, id) do
     case state.calls do
-      %{^id => {alias, counted, deadline, status, mon}} when status in [:live, :abandoned] ->
-        if status == :live, do: Port.command(state.port, Wire.request("cancel", id, []))
+      %{^id => {alias, slot, deadline, :live, mon}} ->
+        Port.command(state.port, Wire.request("cancel", id, []))
         if mon, do: Process.demonitor(mon)
         Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
         now = System.monotonic_time(:millisecond)
-        entry = {alias, counted, deadline, {:cancelled, now}, nil}
+        entry = {alias, slot, deadline, {:cancelled, now}, nil}
         %{state | calls: Map.put(state.calls, id, entry)}
 
       _ ->
@@ -437,29 +450,22 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # The caller of a call died: cancel the call (a queued one is dropped, a stream stops),
-  # without the grace restart: a running plain call may take as long as its deadline.
+  # The caller of a call died: cancel the call as if it had timed out.
   defp abandon(state, mon) do
     case Enum.find(state.calls, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
-      {id, {alias, counted, deadline, :live, ^mon}} ->
-        Port.command(state.port, Wire.request("cancel", id, []))
-        entry = {alias, counted, deadline, :abandoned, nil}
-        %{state | calls: Map.put(state.calls, id, entry)}
-
-      nil ->
-        state
+      {id, _entry} -> cancel(state, id)
+      nil -> state
     end
   end
 
-  # Calls past their deadline whose caller did not cancel them (it died): cancel them now.
-  # And a slot count left over by a caller that died between reserving and sending is
-  # set right when the table has been empty for a whole sweep.
+  # Calls past their deadline that nobody cancelled (their caller forgot them): cancel
+  # them now. And a slot count left over by a caller that died between reserving and
+  # sending is set right when the table has been empty for a whole sweep.
   defp sweep(state) do
     now = System.monotonic_time(:millisecond)
 
     overdue =
-      for {id, {_, _, deadline, status, _}} <- state.calls,
-          status in [:live, :abandoned],
+      for {id, {_, _, deadline, :live, _}} <- state.calls,
           is_integer(deadline) and deadline + @sweep_every < now,
           do: id
 
@@ -481,13 +487,19 @@ defmodule VllmBridge.Worker do
     end
 
     if state.meta do
-      Directory.worker_down(state.pool, state.index, state.instance)
+      Directory.worker_down(state.pool, state.index, state.instance, message)
       Slots.put_load(state.meta, state.index, Slots.down())
     end
 
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
-    %{state | calls: %{}, port: nil}
+    # Down once: terminate/2 runs this again, and must not overwrite the reason recorded.
+    %{state | calls: %{}, port: nil, instance: nil}
   end
+
+  defp describe({kind, target}) when is_binary(kind),
+    do: " (#{kind} #{inspect(target, limit: 5, printable_limit: 80)})"
+
+  defp describe(_), do: ""
 
   defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"
   defp label(%{pool: pool, index: index}), do: "#{inspect(pool)}[#{index}]"

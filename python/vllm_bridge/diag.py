@@ -5,7 +5,9 @@ managers, timeouts) can be exercised without the forward-context system:
 
 * values: :func:`echo`, :func:`add`, :func:`to_device`, :class:`Level` (an enum), :class:`Sample` (a
   dataclass), :func:`level_name` (takes a ``Level``, so an atom is coerced to it);
-* time: :func:`sleep` (a stand-in for a long forward pass), :func:`count` (a generator);
+* time: :func:`sleep` (a stand-in for a long forward pass), :func:`count` (a generator),
+  :func:`spin` (a long loop in pure Python), :func:`stuck` (a long call in C code, which
+  a cancel cannot interrupt until it returns);
 * failures: :func:`fail` raises; :func:`opaque` returns an object that can only travel
   as a reference; :func:`log` logs a message;
 * per-session state: :func:`set_var` / :func:`get_var` use a ``ContextVar``;
@@ -80,6 +82,74 @@ def sleep(seconds: float) -> float:
     """Sleep for ``seconds`` and return them; a stand-in for a long forward pass."""
     _check_seconds("seconds", seconds)
     time.sleep(seconds)
+    return seconds
+
+
+def spin(seconds: float, cleanup: float = 0.0, swallow: bool = False) -> int:
+    """Loop in pure Python for ``seconds`` (a busy CPU, no blocking call); return the
+    number of turns. A stand-in for Python code that runs long, which a cancel interrupts
+    at its next bytecode (see docs/PROTOCOL.md, "Cancel").
+
+    How it ends is recorded in :func:`exit_log` under ``"spin"`` (``type`` is that of
+    the exception that ended it, ``None`` when it ran to its end).
+
+    Args:
+        seconds: How long to loop.
+        cleanup: Seconds its ``finally`` clause then sleeps, as cleanup code would; once
+            that is done, ``"spin cleanup"`` is recorded in :func:`exit_log` (a cleanup
+            cut short records nothing).
+        swallow: Catch whatever is raised inside the loop (the cancel's interruption
+            included), record it under ``"spin swallowed"``, and loop on to the end, as
+            code that catches ``BaseException`` would.
+    """
+    end = time.monotonic() + _check_seconds("seconds", seconds)
+    cleanup = _check_seconds("cleanup", cleanup)
+    outcome: BaseException | None = None
+    try:
+        while True:
+            # The whole loop runs inside this try (a loop's own jump back is where Python
+            # looks for pending signals): what ``swallow`` catches is caught wherever it
+            # lands.
+            try:
+                return _spin_until(end)
+            except BaseException as exc:  # noqa: BLE001 - what ``swallow`` stands for
+                if not swallow:
+                    raise
+                _record("spin swallowed", exc)
+    except BaseException as exc:
+        outcome = exc
+        raise
+    finally:
+        _record("spin", outcome)
+        if cleanup:
+            time.sleep(cleanup)
+            _record("spin cleanup", None)
+
+
+def _spin_until(end: float) -> int:
+    turns = 0
+    while time.monotonic() < end:
+        turns += 1
+    return turns
+
+
+def stuck(seconds: float) -> float:
+    """Sleep ``seconds`` as code stuck in C would: the worker's interrupt signal is
+    blocked on this thread meanwhile (``signal.pthread_sigmask``; the mask is restored
+    after), so a cancel cannot interrupt it before it returns; then it is interrupted at
+    once. Returns ``seconds``. A stand-in for a call that a cancel does not stop within
+    ``cancel_grace``.
+    """
+    import signal
+
+    from vllm_bridge.worker.interrupt import INTERRUPT_SIGNAL
+
+    _check_seconds("seconds", seconds)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return seconds
 
 

@@ -1,8 +1,8 @@
 defmodule VllmBridge.Runtime.PoolFailureTest do
   @moduledoc """
   A pool under stress: a bounded queue that fills, deadlines that cover queueing, a
-  timed-out call whose late reply is dropped, a worker stuck past the cancel grace period
-  (restarted, its other callers told), a worker killed with kill -9 mid-call (callers get
+  timed-out call whose late reply is dropped, a worker stuck (in C code) past the cancel
+  grace period (restarted, its other callers told why), a worker killed with kill -9 mid-call (callers get
   :worker_exit, capacity comes back), and a stopped pool leaving no Python process.
   """
   use ExUnit.Case, async: false
@@ -69,10 +69,11 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
   test "a call still running after the grace period restarts the worker", %{instance: inst} do
     parent = self()
 
+    # Stuck in C: the cancel cannot interrupt it (a Python loop or sleep it would).
     stuck =
       Task.async(fn ->
         send(parent, :stuck_sent)
-        call("sleep", [60], timeout: 200)
+        call("stuck", [60], timeout: 200)
       end)
 
     assert_receive :stuck_sent
@@ -82,7 +83,8 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
     behind = Task.async(fn -> call("add", [1, 1], timeout: 60_000) end)
 
     assert {:error, %Error{type: :timeout}} = Task.await(stuck)
-    assert {:error, %Error{type: :worker_exit}} = Task.await(behind, 30_000)
+    assert {:error, %Error{type: :worker_exit, message: why}} = Task.await(behind, 30_000)
+    assert why =~ "still running" and why =~ "cancel_grace 1500 ms"
 
     [%{instance: new}] = workers!(@pool)
     assert new != inst

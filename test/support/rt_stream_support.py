@@ -1,7 +1,7 @@
 """Generators and calls for the runtime tests of the Elixir side (test/runtime/: the
 stream, context-manager and loose-reference tests), beyond what ``vllm_bridge.diag`` has:
-a generator that fails part-way, objects that travel only as references, and a stream
-that reports its context's diagnostic variable.
+a generator that fails part-way, objects that travel only as references (one of them
+late, whatever its cancel), and a stream that reports its context's diagnostic variable.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from vllm_bridge import diag
+from vllm_bridge.protocol.errors import CallInterrupted
 
 
 def _check_n(n: int) -> None:
@@ -33,8 +34,13 @@ def opaques(n: int) -> Iterator[object]:
 
 def slow_opaque(delay: float) -> object:
     """Sleep ``delay`` seconds (``diag.sleep``), then return an object that can only travel
-    as a reference."""
-    return diag.Opaque(diag.sleep(delay))
+    as a reference. A cancel does not stop it (the interruption is caught): it stands for
+    a reply that crossed its cancel, whose references the Elixir side must release."""
+    try:
+        diag.sleep(delay)
+    except CallInterrupted:
+        pass
+    return diag.Opaque(delay)
 
 
 def vars_seen(n: int) -> Iterator[Any]:

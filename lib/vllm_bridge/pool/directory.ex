@@ -9,7 +9,9 @@ defmodule VllmBridge.Pool.Directory do
     * `{{:instance, instance}, name, index, pid}` - the same, by handshake instance (how a
       `%VllmBridge.Ref{}` finds its worker);
     * `{{:session, id}, %VllmBridge.Session{}}` and `{{:touch, id, index}}` - open sessions
-      and the other workers a session's `:hint` calls ran on.
+      and the other workers a session's `:hint` calls ran on;
+    * `{{:down, name, index}, instance, why}` - why the last process at that index went
+      down (one row per index, overwritten), so that a session lost with it can say why.
 
   Reads are concurrent; each writer owns its rows (a pool's queue its `:pool` row, a
   worker its `:worker`/`:instance` rows, the session manager the session rows).
@@ -57,7 +59,10 @@ defmodule VllmBridge.Pool.Directory do
 
   @doc false
   @spec delete_pool(term()) :: true
-  def delete_pool(name), do: :ets.delete(@table, {:pool, name})
+  def delete_pool(name) do
+    :ets.match_delete(@table, {{:down, name, :_}, :_, :_})
+    :ets.delete(@table, {:pool, name})
+  end
 
   @doc "The live worker at `index` of pool `name`: `{pid, instance}`."
   @spec worker(term(), non_neg_integer()) :: {pid(), String.t()} | nil
@@ -100,11 +105,25 @@ defmodule VllmBridge.Pool.Directory do
   end
 
   @doc false
-  @spec worker_down(term(), non_neg_integer(), String.t() | nil) :: :ok
-  def worker_down(name, index, instance) do
+  @spec worker_down(term(), non_neg_integer(), String.t() | nil, String.t()) :: :ok
+  def worker_down(name, index, instance, why) do
     # Only the rows of this very process: a successor may already be up.
     :ets.match_delete(@table, {{:worker, name, index}, :_, instance})
-    if instance, do: :ets.delete(@table, {:instance, instance})
+
+    if instance do
+      :ets.delete(@table, {:instance, instance})
+      :ets.insert(@table, {{:down, name, index}, instance, why})
+    end
+
     :ok
+  end
+
+  @doc "Why the process `instance` at `index` of pool `name` went down, if it is the last that did."
+  @spec down_reason(term(), non_neg_integer(), String.t()) :: String.t() | nil
+  def down_reason(name, index, instance) do
+    case :ets.lookup(@table, {:down, name, index}) do
+      [{_, ^instance, why}] -> why
+      _ -> nil
+    end
   end
 end

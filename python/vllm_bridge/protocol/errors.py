@@ -37,7 +37,8 @@ class SessionLost(BridgeError):
 
 
 class Cancelled(BridgeError):
-    """The call was cancelled before it started, or a stream was cancelled."""
+    """The request was cancelled: before it started, or while it ran (a stream between two
+    chunks, a call interrupted by :class:`CallInterrupted`)."""
 
     error_type = "cancelled"
 
@@ -46,6 +47,21 @@ class DeadlineExceeded(BridgeError):
     """The call's deadline had passed before it could start."""
 
     error_type = "timeout"
+
+
+class CallInterrupted(BaseException):
+    """Raised inside the code a request runs when its caller gave up (a ``cancel``), as
+    ``KeyboardInterrupt`` is on Ctrl-C; see :mod:`vllm_bridge.worker.interrupt`.
+
+    A ``BaseException``, so that user code's ``except Exception`` lets it through. The
+    worker answers the request with the wire type ``cancelled`` (it turns the exception
+    into :class:`Cancelled` where the user's code returns to it). ``token`` identifies
+    the request's interruptible part that raised it.
+    """
+
+    def __init__(self, message: str, token: object = None) -> None:
+        super().__init__(message)
+        self.token = token
 
 
 def python_type_name(exc: BaseException) -> str:

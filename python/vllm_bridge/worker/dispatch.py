@@ -4,6 +4,10 @@
 resolved, registered dataclasses built, atoms turned into enum members by annotation),
 run the code and reply; ``exit``, ``release`` and ``close`` manage the session. Every
 failure becomes an ``error`` reply: a Python exception never stops the worker.
+
+The request's own code (the call it makes, each ``next()`` of a stream) runs under its
+:class:`~vllm_bridge.worker.interrupt.Interruptible`, so that a cancel interrupts it there and
+nowhere else (never in ``__enter__`` or ``__exit__``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from vllm_bridge.protocol.types import Ref, qualified_name
 from vllm_bridge.worker.channel import Channel
 from vllm_bridge.worker.coerce import coerce_arguments
 from vllm_bridge.worker.guard_messages import spot
+from vllm_bridge.worker.interrupt import Interrupter, Interruptible
 from vllm_bridge.worker.sessions import CONTEXT_TYPE, EnteredContext, Session, Sessions
 from vllm_bridge.worker.targets import TargetResolver
 
@@ -43,6 +48,7 @@ class Dispatcher:
         registry: TypeRegistry,
         channel: Channel,
         open_flow: Callable[[Request], Flow],
+        interrupter: Interrupter | None = None,
     ) -> None:
         self.sessions = sessions
         self.resolver = resolver
@@ -51,6 +57,9 @@ class Dispatcher:
         #: Makes the flow control of a stream request (the worker passes the executor's
         #: :meth:`~vllm_bridge.worker.executor.Executor.open_flow`).
         self.open_flow = open_flow
+        #: Interrupts the request's code when it is cancelled (one that is never
+        #: installed interrupts nothing: a cancel only marks the request then).
+        self.interrupter = interrupter if interrupter is not None else Interrupter()
 
     # -- entry points (execution thread) -------------------------------------------------
 
@@ -111,6 +120,7 @@ class Dispatcher:
         if req.kind == "get":
             return self._reply(req, session, "ok", obj)
         args, kwargs = self._arguments(req, session)
+        own = self.interrupter.interruptible(req)  # the request's own code: cancel stops it
         if req.kind in ("stream", "enter") and not callable(obj) and not args and not kwargs:
             result = obj  # stream an iterator / enter a context manager held by reference
         else:
@@ -120,13 +130,13 @@ class Dispatcher:
                 )
             if args or kwargs:
                 args, kwargs = coerce_arguments(obj, args, kwargs, where)
-                result = obj(*args, **kwargs)
+                result = own.call(obj, *args, **kwargs)
             else:
-                result = obj()
+                result = own.call(obj)
         if req.kind == "call":
             return self._reply(req, session, "ok", result)
         if req.kind == "stream":
-            return self._stream(req, session, result, where)
+            return self._stream(req, session, result, where, own)
         return self._enter(req, session, result, where)
 
     def _arguments(self, req: Invoke, session: Session) -> tuple[list[Any], dict[str, Any]]:
@@ -146,7 +156,9 @@ class Dispatcher:
             kwargs = {str(k): v for k, v in kwargs.items()}
         return args, kwargs
 
-    def _stream(self, req: Invoke, session: Session, result: Any, where: str) -> Frame:
+    def _stream(
+        self, req: Invoke, session: Session, result: Any, where: str, own: Interruptible
+    ) -> Frame:
         self.resolver.guard.check(result, f"the result of {where}")
         try:
             iterator = iter(result)
@@ -163,7 +175,7 @@ class Dispatcher:
                 if req.cancelled or not flow.take():
                     raise Cancelled(f"stream {req.id} was cancelled")
                 try:
-                    item = next(iterator)
+                    item = own.call(next, iterator)
                 except StopIteration:
                     break
                 self.channel.write(self._reply(req, session, "chunk", item))

@@ -1,12 +1,14 @@
 """The execution thread, and who reads fd 3 when.
 
-Requests run one at a time, in arrival order, on one execution thread. Reading frames is
-a *role* that two threads pass between them under one lock:
+Requests run one at a time, in arrival order, on one execution thread (:meth:`Executor.run`;
+in the worker it is the main thread, so that a cancel can interrupt the running request:
+see :mod:`vllm_bridge.worker.interrupt`). Reading frames is a *role* that two threads
+pass between them under one lock:
 
 * while the execution thread is idle it reads fd 3 itself: a request it reads runs at
   once, on the thread that read it, with no hand-over between threads (the common case:
   one short call after another);
-* the *watcher* (:meth:`Executor.watch`, the main thread) looks every ``poll`` seconds
+* the *watcher* (:meth:`Executor.watch`, a thread of its own) looks every ``poll`` seconds
   (every :data:`IDLE_POLL_SECONDS` once the worker has been idle for a few looks); when
   it sees the same request running at two looks in a row, it takes the role and
   reads: it answers ``ping`` at once, records ``cancel``\\ s and queues requests, so a long
@@ -19,8 +21,10 @@ a *role* that two threads pass between them under one lock:
 
 A request whose deadline passed before its turn is answered with a ``timeout`` error and
 not started. A queued request can be cancelled (it is dropped; the caller answers it); a
-running one is only marked (a stream stops at its next chunk; an ``enter`` exits the
-context again once ``__enter__`` returns).
+running one is marked and interrupted (the ``interrupt`` hook: its code stops where it
+is; a stream also stops at its next chunk; an ``enter`` exits the context again once
+``__enter__`` returns). The end of the input (or :meth:`Executor.stop`) does the same to
+the running request.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Executor:
         reader: FrameReader,
         on_eof: Callable[[], None] = lambda: None,
         poll: float = POLL_SECONDS,
+        interrupt: Callable[[], None] = lambda: None,
     ) -> None:
         """
         Args:
@@ -77,6 +82,9 @@ class Executor:
             reader: The buffered reader of fd 3.
             on_eof: Called once, by the thread that reads EOF (or a broken stream).
             poll: Seconds between two looks of the watcher.
+            interrupt: Called (without the lock) once the running request has been marked
+                cancelled, to interrupt its code (the worker signals the execution
+                thread: :meth:`vllm_bridge.worker.interrupt.Interrupter.interrupt`).
         """
         self._handle = handle
         self._expired = expired
@@ -85,6 +93,7 @@ class Executor:
         self._reader = reader
         self._on_eof = on_eof
         self._poll = poll
+        self._interrupt = interrupt
         self._queue: deque[Request] = deque()
         self._cond = threading.Condition()
         self._running: Request | None = None
@@ -94,15 +103,37 @@ class Executor:
         self._urgent = False  # the running request waits for a frame: read at once
         self._watcher_wake = threading.Event()
         self._stopping = False
-        self._final: Callable[[], None] | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self.thread = threading.Thread(target=self._run, name="vllm-bridge-exec", daemon=True)
+        #: The execution thread (set by :meth:`run` or :meth:`start`).
+        self.thread: threading.Thread | None = None
+        #: Set once :meth:`run` has returned (``final`` included).
+        self.done = threading.Event()
 
-    def start(self, final: Callable[[], None] | None = None) -> None:
-        """Start the execution thread; ``final`` runs on it once it stops."""
-        self._final = final
-        self.thread.start()
+    def run(self, final: Callable[[], None] | None = None) -> None:
+        """Run requests on this thread until EOF or :meth:`stop`; then ``final``."""
+        self.thread = threading.current_thread()
+        try:
+            while True:
+                request = self._next()
+                if request is None:
+                    break
+                self._execute(request)
+        finally:
+            try:
+                if final is not None:
+                    final()
+            finally:
+                self.done.set()
+
+    def start(self, final: Callable[[], None] | None = None) -> threading.Thread:
+        """:meth:`run` on a new (daemon) thread, returned."""
+        thread = threading.Thread(
+            target=self.run, args=(final,), name="vllm-bridge-exec", daemon=True
+        )
+        self.thread = thread
+        thread.start()
+        return thread
 
     @property
     def running_id(self) -> int | None:
@@ -161,7 +192,8 @@ class Executor:
 
         Returns:
             The request if it was still queued (it is removed and will not run; the
-            caller answers it), else ``None`` (a running request is only marked).
+            caller answers it), else ``None`` (a running request is marked cancelled and
+            interrupted; it answers for itself).
         """
         with self._cond:
             for request in self._queue:
@@ -169,41 +201,41 @@ class Executor:
                 if request.id == request_id and not isinstance(request, Abandon):
                     self._queue.remove(request)
                     return request
-            if self._running is not None and self._running.id == request_id:
-                self._running.cancelled = True
-                _stop_flow(self._running)
+            running = self._running
+            hit = running is not None and running.id == request_id
+            if hit:
+                running.cancelled = True
+                _stop_flow(running)
+        if hit:
+            # Marked first: the handler raises only for a request marked cancelled.
+            self._interrupt()
         return None
 
     def stop(self) -> None:
-        """Drop the queue; after the running request (if any) the thread runs ``final``."""
+        """Drop the queue and interrupt the running request (if any); then the execution
+        thread runs ``final``."""
         self._halt()
 
     def _halt(self) -> bool:
-        # Drop the queue, stop a running stream's wait, wake both threads; True the first
-        # time (stop() or the end of the input, whichever comes first).
+        # Drop the queue, cancel the running request (its stream's wait stops, its code is
+        # interrupted), wake both threads; True the first time (stop() or the end of the
+        # input, whichever comes first).
         with self._cond:
             first = not self._stopping
             self._queue.clear()
             self._stopping = True
             self._cond.notify_all()
-            if self._running is not None:
-                _stop_flow(self._running)
+            running = self._running
+            if running is not None:
+                running.cancelled = True
+                _stop_flow(running)
+        if running is not None:
+            self._interrupt()
         self._wake()
         self._watcher_wake.set()
         return first
 
     # -- the execution thread ------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while True:
-                request = self._next()
-                if request is None:
-                    break
-                self._execute(request)
-        finally:
-            if self._final is not None:
-                self._final()
 
     def _execute(self, request: Request) -> None:
         reply = None

@@ -3,18 +3,23 @@
 
 Threads (see :mod:`~vllm_bridge.worker.executor` for how they share fd 3):
 
-* the *execution* thread runs requests one at a time (:mod:`~vllm_bridge.worker.dispatch`)
-  and, while idle, reads fd 3 itself;
-* the main thread is the *watcher*: during a long request it reads fd 3, answers
-  ``ping`` (and ``hello``) at once, records ``cancel``\\ s and queues requests;
+* the main thread is the *execution* thread: it runs requests one at a time
+  (:mod:`~vllm_bridge.worker.dispatch`) and, while idle, reads fd 3 itself. It is the main
+  thread because only there can a signal interrupt the running request's code when its
+  caller cancels it (:mod:`~vllm_bridge.worker.interrupt`);
+* the *watcher* thread: during a long request it reads fd 3, answers ``ping`` (and
+  ``hello``) at once, records ``cancel``\\ s (interrupting the running request) and queues
+  requests;
 * whichever thread reads a frame decodes and checks it, answers what needs no execution
   and refuses malformed frames (:meth:`Worker.on_frame`);
 * the *lifeline* thread (:mod:`~vllm_bridge.worker.lifeline`) ends the process when
   its parent is gone.
 
-On EOF of fd 3 the queue is dropped; once the running request (if any) is done, every
-session's contexts are exited and the process exits with status 0. A request still
-running after :data:`EXIT_GRACE_SECONDS` cannot be waited for: the process exits anyway.
+On EOF of fd 3 the queue is dropped and the running request (if any) is interrupted, as a
+cancel would; once it is done, every session's contexts are exited and the process exits
+with status 0. When the main thread has not got that far within
+:data:`EXIT_GRACE_SECONDS` of EOF (a request stuck in C code, or one that swallows the
+interruption), the watcher ends the process anyway.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from typing import Any
 
@@ -53,11 +59,13 @@ from vllm_bridge.protocol.registry import TypeRegistry
 from vllm_bridge.worker.channel import Channel, LogFrameHandler
 from vllm_bridge.worker.dispatch import Dispatcher
 from vllm_bridge.worker.executor import Executor
+from vllm_bridge.worker.interrupt import Interrupter
 from vllm_bridge.worker.lifeline import watch_parent
 from vllm_bridge.worker.sessions import Sessions
 from vllm_bridge.worker.targets import TargetResolver
 
-#: Seconds to wait on EOF for a running request before exiting regardless.
+#: Seconds the main thread has, from EOF, to finish the running request and exit the
+#: sessions' contexts before the watcher exits the process regardless.
 EXIT_GRACE_SECONDS = 2.0
 DEFAULT_MAX_REFS = 10_000
 #: Largest ``--poll-us``: 10 ms of polling after a frame is already a lot of CPU.
@@ -129,12 +137,29 @@ def _import_allowed(modules: tuple[str, ...]) -> dict[str, str]:
     return failed
 
 
+def hello_device() -> str:
+    """The device this worker computes on, for the hello, without initialising CUDA.
+
+    ``"cuda:N"`` when CUDA is usable, else ``"cpu"``, as
+    :func:`vllm_bridge.diag.default_device` says, but when nothing has initialised CUDA yet
+    it does not ask CUDA for its current device: ``torch.cuda.current_device()`` runs
+    torch's lazy CUDA initialisation, work that would delay the handshake for a name.
+    Until code picks another device, CUDA's current device is 0; so the answer is
+    ``"cuda:0"``, and the first request that uses the GPU initialises CUDA.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    if torch.cuda.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cuda:0"
+
+
 def _hello(
     instance: str, modules: tuple[str, ...], import_errors: dict[str, str], max_frame: int
 ) -> list[Any]:
     import torch
-
-    from vllm_bridge.diag import default_device
 
     return [
         "hello",
@@ -143,7 +168,7 @@ def _hello(
             "pid": os.getpid(),
             "python": sys.version.split()[0],
             "torch": torch.__version__,
-            "device": default_device(),
+            "device": hello_device(),
             "instance": instance,
             "stream_window": STREAM_WINDOW,
             "max_frame_bytes": max_frame,
@@ -173,6 +198,7 @@ class Worker:
         self.decoder = Decoder()
         self.channel = Channel(Encoder(self.registry), max_frame=max_frame)
         self.sessions = Sessions(self.instance, max_refs)
+        self.interrupter = Interrupter()
         self.dispatcher = Dispatcher(
             self.sessions,
             TargetResolver(modules),
@@ -180,6 +206,7 @@ class Worker:
             self.channel,
             # The executor is made next, with the dispatcher's entry points.
             lambda request: self.executor.open_flow(request),
+            self.interrupter,
         )
         self.executor = Executor(
             self.dispatcher.handle,
@@ -189,11 +216,14 @@ class Worker:
             FrameReader(poll_s=poll_us / 1e6, max_frame=max_frame),
             # The port is gone: replies and log frames have no reader any more.
             on_eof=self.channel.close,
+            interrupt=self.interrupter.interrupt,
         )
 
     def serve(self) -> int:
-        """Announce, then serve until EOF; returns the exit status."""
+        """Announce, then serve on this thread (the main thread) until EOF; returns the
+        exit status."""
         watch_parent()
+        self.interrupter.install()
         self.channel.send(
             _hello(self.instance, self.modules, self.import_errors, self.max_frame)
         )
@@ -202,10 +232,24 @@ class Worker:
             # While the port is open records go to the Elixir side as log frames; stderr
             # gets them only before the handshake and after EOF.
             handler.addFilter(lambda _record: self.channel.closed)
-        root.addHandler(LogFrameHandler(self.channel))
-        self.executor.start(final=self._close_sessions)
+        root.addHandler(_HeldLogFrameHandler(self.channel, self.interrupter))
+        threading.Thread(target=self._watch, name="vllm-bridge-watch", daemon=True).start()
+        self.executor.run(final=self._close_sessions)
+        return 0
+
+    def _watch(self) -> None:
+        # The watcher thread. Once the input has ended (the executor has dropped the queue
+        # and interrupted the running request), the main thread has EXIT_GRACE_SECONDS to
+        # finish that request and exit the sessions' contexts; then the process exits.
         self.executor.watch()
-        return self._shutdown()
+        if not self.executor.done.wait(EXIT_GRACE_SECONDS):
+            sys.stderr.write(
+                f"vllm_bridge.worker {os.getpid()}: fd 3 closed while request "
+                f"{self.executor.running_id} runs (it did not stop when interrupted); "
+                f"exiting after {EXIT_GRACE_SECONDS} s without waiting for it\n"
+            )
+            sys.stderr.flush()
+            os._exit(0)
 
     def on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
         """Handle one frame on the thread that read it: the request to run, or ``None``
@@ -281,19 +325,19 @@ class Worker:
                 f"of {sessions} sessions\n"
             )
 
-    def _shutdown(self) -> int:
-        self.channel.close()
-        self.executor.stop()
-        self.executor.thread.join(EXIT_GRACE_SECONDS)
-        if self.executor.thread.is_alive():
-            sys.stderr.write(
-                f"vllm_bridge.worker {os.getpid()}: fd 3 closed while request "
-                f"{self.executor.running_id} "
-                "runs; exiting without waiting for it\n"
-            )
-            sys.stderr.flush()
-            os._exit(0)
-        return 0
+
+
+class _HeldLogFrameHandler(LogFrameHandler):
+    """Log frames that an interruption of the running request cannot cut in half: the
+    request's code may log, and a frame left half-written would end the stream."""
+
+    def __init__(self, channel: Channel, interrupter: Interrupter) -> None:
+        super().__init__(channel)
+        self._interrupter = interrupter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._interrupter.held():
+            super().emit(record)
 
 
 def main(argv: list[str] | None = None) -> int:
