@@ -33,7 +33,7 @@ defmodule VllmBridge.Codec.PyKeysTest do
       {Integer.pow(10, 20), 1.0e20, "a float equal to an integer"},
       {Integer.pow(2, 70), Integer.pow(2, 70) * 1.0, "a float equal to an integer"},
       {:a, "a", "an atom arrives as the string of its name"},
-      {:"héllo", "héllo", "an atom arrives as the string of its name"},
+      {:héllo, "héllo", "an atom arrives as the string of its name"},
       {{1, "a"}, {true, :a}, "their elements are equal"},
       {{1, {2.0}}, {1.0, {2}}, "their elements are equal"}
     ]
