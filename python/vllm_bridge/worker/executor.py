@@ -216,10 +216,12 @@ class Executor:
         thread runs ``final``."""
         self._halt()
 
-    def _halt(self) -> bool:
+    def _halt(self, eof: bool = False) -> bool:
         # Drop the queue, cancel the running request (its stream's wait stops, its code is
         # interrupted), wake both threads; True the first time (stop() or the end of the
-        # input, whichever comes first).
+        # input, whichever comes first). At the end of the input, on_eof closes the output
+        # first: the interrupted request answers at once, and a write to a peer that is gone
+        # would end the process before the sessions' contexts are exited.
         with self._cond:
             first = not self._stopping
             self._queue.clear()
@@ -229,6 +231,8 @@ class Executor:
             if running is not None:
                 running.cancelled = True
                 _stop_flow(running)
+        if eof and first:
+            self._on_eof()
         if running is not None:
             self._interrupt()
         self._wake()
@@ -360,12 +364,11 @@ class Executor:
         except FrameError as exc:
             # Ends the worker as EOF does. Logged once the output is closed (on_eof), so
             # that the record goes to stderr rather than to the peer that broke the stream.
-            if self._halt():
-                self._on_eof()
+            self._halt(eof=True)
             _log.error("input stream broken: %s", exc)
             return None
-        if body is None and self._halt():
-            self._on_eof()
+        if body is None:
+            self._halt(eof=True)
         return body
 
     def _wake(self) -> None:
