@@ -58,7 +58,7 @@ defmodule VllmBridge.Worker do
 
   alias VllmBridge.{Error, Request, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.{Framer, Launcher, PythonLog}
+  alias VllmBridge.Worker.{Calls, Framer, Launcher, PythonLog}
 
   @start_timeout 60_000
   @cancel_grace 5_000
@@ -171,11 +171,10 @@ defmodule VllmBridge.Worker do
           pool: pool,
           index: index,
           meta: meta,
-          calls: %{},
+          calls: Calls.new(meta, index),
           # Why the Python process was killed, once this process killed it (cancel_grace).
           killed: nil,
           settled: MapSet.new(),
-          arrivals: 0,
           start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
           cancel_grace: Keyword.get(opts, :cancel_grace, @cancel_grace),
           shutdown_grace: Keyword.get(opts, :shutdown_grace, @shutdown_grace)
@@ -219,7 +218,7 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def handle_call(:hello, _from, state), do: {:reply, state.hello, state}
-  def handle_call(:in_flight, _from, state), do: {:reply, map_size(state.calls), state}
+  def handle_call(:in_flight, _from, state), do: {:reply, Calls.size(state.calls), state}
 
   def handle_call(:close, _from, state) do
     {:stop, :normal, :ok, shut(state, "the worker was closed")}
@@ -244,23 +243,21 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # A call in the table: `{alias, {counted, what}, deadline, status, monitor}`, where
-  # `what` is `{kind, target}` (for messages), and status is :live (a caller waits on
-  # `alias`, monitored by `monitor`), :detached (nobody waits) or {:cancelled, since}
-  # (cancel sent, grace running).
+  # A request from a caller (VllmBridge.Request): written to the port and put in the
+  # table of calls in flight (VllmBridge.Worker.Calls), unless it must be refused.
   def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted, what}, state) do
     cond do
       MapSet.member?(state.settled, id) ->
         # Its caller gave up while this process was starting, and was answered then.
-        if counted, do: release(state)
+        if counted, do: Calls.release(state.calls)
         {:noreply, %{state | settled: MapSet.delete(state.settled, id)}}
 
-      Map.has_key?(state.calls, id) ->
+      Calls.member?(state.calls, id) ->
         if alias,
           do:
             send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
 
-        if counted, do: release(state)
+        if counted, do: Calls.release(state.calls)
         {:noreply, state}
 
       Wire.frame_size(frame) > state.max_frame ->
@@ -269,21 +266,13 @@ defmodule VllmBridge.Worker do
         # a header over its limit and end the stream.
         error = Wire.too_large(Wire.frame_size(frame), state.max_frame, "max_frame_bytes")
         if alias, do: send(alias, {alias, :reply_error, error})
-        if counted, do: release(state)
+        if counted, do: Calls.release(state.calls)
         {:noreply, state}
 
       true ->
         Port.command(state.port, frame)
-
-        entry =
-          cond do
-            caller -> {alias, {counted, what}, deadline, :live, Process.monitor(caller)}
-            alias -> {alias, {counted, what}, deadline, :live, nil}
-            true -> {nil, {counted, what}, deadline, :detached, nil}
-          end
-
-        calls = Map.put(state.calls, id, entry)
-        {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
+        calls = Calls.add(state.calls, id, alias, caller, counted, what, deadline)
+        {:noreply, %{state | calls: calls}}
     end
   end
 
@@ -291,13 +280,8 @@ defmodule VllmBridge.Worker do
 
   # A stream's consumer gives room back (VllmBridge.Stream): passed on while it is live.
   def handle_info({:"$vb_credit", id, n}, state) do
-    case state.calls do
-      %{^id => {_, _, _, :live, _}} ->
-        Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
-
-      _ ->
-        :ok
-    end
+    if Calls.live(state.calls, id),
+      do: Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
 
     {:noreply, state}
   end
@@ -311,11 +295,11 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_info({:"$vb_grace", id}, state) do
-    case state.calls do
-      %{^id => {_, {_, what}, _, {:cancelled, since}, _}} ->
+    case Calls.still_cancelled(state.calls, id) do
+      {what, since} ->
         why =
           "the Python process (os pid #{state.os_pid}) was killed because request #{id}" <>
-            "#{describe(what)} was still running " <>
+            "#{Calls.describe(what)} was still running " <>
             "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled " <>
             "(cancel_grace #{state.cancel_grace} ms: it did not stop when interrupted)"
 
@@ -324,24 +308,30 @@ defmodule VllmBridge.Worker do
         # Every call that loses its worker, and every session lost with it, says why.
         {:noreply, %{state | killed: why}}
 
-      _ ->
+      nil ->
         {:noreply, state}
     end
   end
 
+  # The caller of a call died: cancel the call as if it had timed out.
   def handle_info({:DOWN, mon, :process, _caller, _reason}, state) do
-    {:noreply, abandon(state, mon)}
+    case Calls.abandoned(state.calls, mon) do
+      nil -> {:noreply, state}
+      id -> {:noreply, cancel(state, id)}
+    end
   end
 
   def handle_info(:sweep, state) do
     Process.send_after(self(), :sweep, @sweep_every)
-    {:noreply, sweep(state)}
+    now = System.monotonic_time(:millisecond)
+    {overdue, calls} = Calls.sweep(state.calls, now, @sweep_every)
+    {:noreply, Enum.reduce(overdue, %{state | calls: calls}, &cancel(&2, &1))}
   end
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
     Logger.error(
       "vllm_bridge worker #{label(state)}: the Python process (os pid #{state.os_pid}) " <>
-        "exited with status #{status}; #{map_size(state.calls)} call(s) in flight get " <>
+        "exited with status #{status}; #{Calls.size(state.calls)} call(s) in flight get " <>
         ":worker_exit and the worker restarts"
     )
 
@@ -368,18 +358,18 @@ defmodule VllmBridge.Worker do
   defp route(state, bin) do
     case Wire.peek(bin) do
       {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
-        finish(state, id, :reply, bin)
+        %{state | calls: Calls.finish(state.calls, id, :reply, bin)}
 
       {:chunk, id} when id != nil ->
-        case state.calls do
-          %{^id => {alias, _, _, :live, _}} -> send(alias, {alias, :chunk, bin})
-          _ -> release_dropped(bin)
+        case Calls.live(state.calls, id) do
+          nil -> Calls.drop(bin)
+          alias -> send(alias, {alias, :chunk, bin})
         end
 
         state
 
       {:end, id} when id != nil ->
-        finish(state, id, :end, nil)
+        %{state | calls: Calls.finish(state.calls, id, :end, nil)}
 
       {:log, _} ->
         PythonLog.emit(bin, label(state))
@@ -395,96 +385,25 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # -- calls in flight --------------------------------------------------------------------
-
-  defp finish(state, id, tag, bin) do
-    case Map.pop(state.calls, id) do
-      {{alias, {counted, _}, _, status, mon}, calls} ->
-        # The slot first: a caller that has its reply and calls again at once must find
-        # the worker idle (`:strict_fail_fast` and `:hint` look for a count of 0).
-        if counted, do: release(state)
-        if status == :live, do: send(alias, {alias, tag, bin}), else: release_dropped(bin)
-        # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
-        if mon, do: Process.demonitor(mon)
-        %{state | calls: calls}
-
-      {nil, _} ->
-        state
-    end
-  end
-
-  # A reply or chunk nobody will read (its caller gave up or died): the references in it
-  # were made for it and no process got them, so nobody could ever release them (those of
-  # the default session would outlive every session, those of a session would hold its
-  # objects until it closes); they are released here, each in its session. Decoded only
-  # on this path.
-  defp release_dropped(nil), do: :ok
-
-  defp release_dropped(bin) do
-    with {:ok, value} <- Wire.decode_reply(bin),
-         [_ | _] = refs <- VllmBridge.Ref.collect(value) do
-      Request.cast_release(self(), refs)
-    else
-      _ -> :ok
-    end
-  end
-
-  defp release(%{meta: nil}), do: :ok
-  defp release(%{meta: meta, index: index}), do: Slots.release(meta, index)
-
   # The caller gave up, died, or its call is overdue: cancel it (Python drops it if
   # queued, interrupts it if running), and restart the Python process if the call still
   # runs `cancel_grace` ms from now.
   defp cancel(state, id) do
-    case state.calls do
-      %{^id => {alias, slot, deadline, :live, mon}} ->
+    case Calls.cancel(state.calls, id, System.monotonic_time(:millisecond)) do
+      {:cancelled, calls} ->
         Port.command(state.port, Wire.request("cancel", id, []))
-        if mon, do: Process.demonitor(mon)
         Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
-        now = System.monotonic_time(:millisecond)
-        entry = {alias, slot, deadline, {:cancelled, now}, nil}
-        %{state | calls: Map.put(state.calls, id, entry)}
+        %{state | calls: calls}
 
-      _ ->
+      :not_live ->
         state
     end
-  end
-
-  # The caller of a call died: cancel the call as if it had timed out.
-  defp abandon(state, mon) do
-    case Enum.find(state.calls, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
-      {id, _entry} -> cancel(state, id)
-      nil -> state
-    end
-  end
-
-  # Calls past their deadline that nobody cancelled (their caller forgot them): cancel
-  # them now. And a slot count left over by a caller that died between reserving and
-  # sending is set right when the table has been empty for a whole sweep.
-  defp sweep(state) do
-    now = System.monotonic_time(:millisecond)
-
-    overdue =
-      for {id, {_, _, deadline, :live, _}} <- state.calls,
-          is_integer(deadline) and deadline + @sweep_every < now,
-          do: id
-
-    state = Enum.reduce(overdue, state, &cancel(&2, &1))
-
-    if state.meta && map_size(state.calls) == 0 && state.arrivals == 0 &&
-         Slots.load(state.meta, state.index) != 0 do
-      Slots.put_load(state.meta, state.index, 0)
-    end
-
-    %{state | arrivals: 0}
   end
 
   # Everything in flight gets :worker_exit; the directory forgets this worker; the Python
   # process is closed (and killed if it lingers).
   defp shut(state, message) do
-    for {_id, {alias, _, _, :live, _}} <- state.calls do
-      send(alias, {alias, :worker_exit, message})
-    end
+    calls = Calls.fail_all(state.calls, message)
 
     if state.meta do
       Directory.worker_down(state.pool, state.index, state.instance, message)
@@ -493,13 +412,8 @@ defmodule VllmBridge.Worker do
 
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
     # Down once: terminate/2 runs this again, and must not overwrite the reason recorded.
-    %{state | calls: %{}, port: nil, instance: nil}
+    %{state | calls: calls, port: nil, instance: nil}
   end
-
-  defp describe({kind, target}) when is_binary(kind),
-    do: " (#{kind} #{inspect(target, limit: 5, printable_limit: 80)})"
-
-  defp describe(_), do: ""
 
   defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"
   defp label(%{pool: pool, index: index}), do: "#{inspect(pool)}[#{index}]"

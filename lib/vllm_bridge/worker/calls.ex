@@ -1,0 +1,192 @@
+defmodule VllmBridge.Worker.Calls do
+  @moduledoc false
+  # The table of calls in flight of one worker process (VllmBridge.Worker), and what
+  # happens to a call once it is in it: its reply reaches its caller (`finish/4`), its
+  # caller gives up or dies (`cancel/3`, `abandon/2`), it is overdue (`sweep/2`), or the
+  # worker goes down (`fail_all/2`). The worker process owns the port and writes to it;
+  # this module keeps the table, talks to the callers and gives pool slots back.
+  #
+  # An entry: `id => {alias, {counted, what}, deadline, status, monitor}`, where `counted`
+  # says the call holds a pool slot, `what` is `{kind, target}` or nil (for messages),
+  # and status is :live (a caller waits on `alias`, monitored by `monitor`), :detached
+  # (nobody waits) or {:cancelled, since} (cancel sent, `cancel_grace` running).
+
+  alias VllmBridge.{Request, Wire}
+  alias VllmBridge.Pool.Slots
+
+  defstruct map: %{}, arrivals: 0, slot: nil
+
+  @typedoc """
+  `map` the calls by id; `arrivals` how many were added since the last sweep; `slot`
+  the pool's meta and this worker's index (nil for a worker outside a pool).
+  """
+  @type t :: %__MODULE__{
+          map: %{optional(non_neg_integer()) => tuple()},
+          arrivals: non_neg_integer(),
+          slot: {VllmBridge.Pool.Meta.t(), non_neg_integer()} | nil
+        }
+
+  @doc false
+  @spec new(VllmBridge.Pool.Meta.t() | nil, non_neg_integer()) :: t()
+  def new(nil, _index), do: %__MODULE__{}
+  def new(meta, index), do: %__MODULE__{slot: {meta, index}}
+
+  @doc false
+  @spec size(t()) :: non_neg_integer()
+  def size(%__MODULE__{map: map}), do: map_size(map)
+
+  @doc false
+  @spec member?(t(), non_neg_integer()) :: boolean()
+  def member?(%__MODULE__{map: map}, id), do: Map.has_key?(map, id)
+
+  @doc false
+  # A request just written to the port: its caller (if any) is monitored, so that a
+  # caller that dies has its call cancelled (`abandon/2`).
+  @spec add(t(), non_neg_integer(), reference() | nil, pid() | nil, boolean(), term(), term()) ::
+          t()
+  def add(t, id, alias, caller, counted, what, deadline) do
+    entry =
+      cond do
+        caller -> {alias, {counted, what}, deadline, :live, Process.monitor(caller)}
+        alias -> {alias, {counted, what}, deadline, :live, nil}
+        true -> {nil, {counted, what}, deadline, :detached, nil}
+      end
+
+    %{t | map: Map.put(t.map, id, entry), arrivals: t.arrivals + 1}
+  end
+
+  @doc false
+  # The alias of the caller waiting on call `id`, or nil when nobody waits.
+  @spec live(t(), non_neg_integer()) :: reference() | nil
+  def live(%__MODULE__{map: map}, id) do
+    case map do
+      %{^id => {alias, _, _, :live, _}} -> alias
+      _ -> nil
+    end
+  end
+
+  @doc false
+  # The last frame of call `id` (`tag` :reply or :end): the call leaves the table, its
+  # slot comes back, and its caller gets the frame (or, when nobody waits, the
+  # references in it are released).
+  @spec finish(t(), non_neg_integer(), :reply | :end, binary() | nil) :: t()
+  def finish(t, id, tag, bin) do
+    case Map.pop(t.map, id) do
+      {{alias, {counted, _}, _, status, mon}, map} ->
+        # The slot first: a caller that has its reply and calls again at once must find
+        # the worker idle (`:strict_fail_fast` and `:hint` look for an idle count).
+        if counted, do: release(t)
+        if status == :live, do: send(alias, {alias, tag, bin}), else: drop(bin)
+        # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
+        if mon, do: Process.demonitor(mon)
+        %{t | map: map}
+
+      {nil, _} ->
+        t
+    end
+  end
+
+  @doc false
+  # A reply or chunk nobody will read (its caller gave up or died): the references in it
+  # were made for it and no process got them, so nobody could ever release them (those
+  # of the default session would outlive every session, those of a session would hold
+  # its objects until it closes); they are released here, each in its session. Decoded
+  # only on this path.
+  @spec drop(binary() | nil) :: :ok
+  def drop(nil), do: :ok
+
+  def drop(bin) do
+    with {:ok, value} <- Wire.decode_reply(bin),
+         [_ | _] = refs <- VllmBridge.Ref.collect(value) do
+      Request.cast_release(self(), refs)
+    else
+      _ -> :ok
+    end
+  end
+
+  @doc false
+  # Gives back the pool slot of a request that is not in the table (refused, or dropped).
+  @spec release(t()) :: :ok
+  def release(%__MODULE__{slot: nil}), do: :ok
+  def release(%__MODULE__{slot: {meta, index}}), do: Slots.release(meta, index)
+
+  @doc false
+  # Marks call `id` cancelled at `now` (its caller gave up, died, or it is overdue):
+  # `{:cancelled, t}` when it was live (the worker then sends the cancel to Python and
+  # starts `cancel_grace`), `:not_live` otherwise.
+  @spec cancel(t(), non_neg_integer(), integer()) :: {:cancelled, t()} | :not_live
+  def cancel(t, id, now) do
+    case t.map do
+      %{^id => {alias, slot, deadline, :live, mon}} ->
+        if mon, do: Process.demonitor(mon)
+        entry = {alias, slot, deadline, {:cancelled, now}, nil}
+        {:cancelled, %{t | map: Map.put(t.map, id, entry)}}
+
+      _ ->
+        :not_live
+    end
+  end
+
+  @doc false
+  # The live call whose caller's monitor is `mon` (the caller died), if any.
+  @spec abandoned(t(), reference()) :: non_neg_integer() | nil
+  def abandoned(%__MODULE__{map: map}, mon) do
+    case Enum.find(map, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
+      {id, _entry} -> id
+      nil -> nil
+    end
+  end
+
+  @doc false
+  # Call `id` still in the table after its cancel: `{what, since}`, else nil.
+  @spec still_cancelled(t(), non_neg_integer()) :: {term(), integer()} | nil
+  def still_cancelled(%__MODULE__{map: map}, id) do
+    case map do
+      %{^id => {_, {_, what}, _, {:cancelled, since}, _}} -> {what, since}
+      _ -> nil
+    end
+  end
+
+  @doc false
+  # The periodic sweep: the live calls more than `slack` ms past their deadline at `now`
+  # (their caller forgot them: the worker cancels them), and a slot count left over by a
+  # caller that died between reserving and sending, set right when the table has been
+  # empty for a whole sweep.
+  @spec sweep(t(), integer(), non_neg_integer()) :: {[non_neg_integer()], t()}
+  def sweep(t, now, slack) do
+    overdue =
+      for {id, {_, _, deadline, :live, _}} <- t.map,
+          is_integer(deadline) and deadline + slack < now,
+          do: id
+
+    case t.slot do
+      {meta, index} when map_size(t.map) == 0 and t.arrivals == 0 ->
+        if Slots.load(meta, index) != 0, do: Slots.put_load(meta, index, 0)
+
+      _ ->
+        :ok
+    end
+
+    {overdue, %{t | arrivals: 0}}
+  end
+
+  @doc false
+  # The worker goes down: every caller still waiting gets `:worker_exit` with `message`;
+  # the table is emptied.
+  @spec fail_all(t(), String.t()) :: t()
+  def fail_all(t, message) do
+    for {_id, {alias, _, _, :live, _}} <- t.map do
+      send(alias, {alias, :worker_exit, message})
+    end
+
+    %{t | map: %{}}
+  end
+
+  @doc false
+  # `what` as words for a message: ` (call {"m", "f"})`, or nothing.
+  @spec describe(term()) :: String.t()
+  def describe({kind, target}) when is_binary(kind),
+    do: " (#{kind} #{inspect(target, limit: 5, printable_limit: 80)})"
+
+  def describe(_), do: ""
+end
