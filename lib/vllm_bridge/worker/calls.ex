@@ -14,16 +14,19 @@ defmodule VllmBridge.Worker.Calls do
   alias VllmBridge.{Request, Wire}
   alias VllmBridge.Pool.Slots
 
-  defstruct map: %{}, arrivals: 0, slot: nil
+  defstruct map: %{}, arrivals: 0, slot: nil, seen: nil
 
   @typedoc """
   `map` the calls by id; `arrivals` how many were added since the last sweep; `slot`
-  the pool's meta and this worker's index (nil for a worker outside a pool).
+  the pool's meta and this worker's index (nil for a worker outside a pool); `seen` the
+  slot count the last sweep found above what the table holds, with the table empty and
+  nothing arriving (see `sweep/3`).
   """
   @type t :: %__MODULE__{
           map: %{optional(non_neg_integer()) => tuple()},
           arrivals: non_neg_integer(),
-          slot: {VllmBridge.Pool.Meta.t(), non_neg_integer()} | nil
+          slot: {VllmBridge.Pool.Meta.t(), non_neg_integer()} | nil,
+          seen: integer() | nil
         }
 
   @doc false
@@ -149,9 +152,8 @@ defmodule VllmBridge.Worker.Calls do
 
   @doc false
   # The periodic sweep: the live calls more than `slack` ms past their deadline at `now`
-  # (their caller forgot them: the worker cancels them), and a slot count left over by a
-  # caller that died between reserving and sending, set right when the table has been
-  # empty for a whole sweep.
+  # (their caller forgot them: the worker cancels them), and the pool's slot count of
+  # this worker set right (`correct/1`).
   @spec sweep(t(), integer(), non_neg_integer()) :: {[non_neg_integer()], t()}
   def sweep(t, now, slack) do
     overdue =
@@ -159,15 +161,42 @@ defmodule VllmBridge.Worker.Calls do
           is_integer(deadline) and deadline + slack < now,
           do: id
 
-    case t.slot do
-      {meta, index} when map_size(t.map) == 0 and t.arrivals == 0 ->
-        if Slots.load(meta, index) != 0, do: Slots.put_load(meta, index, 0)
+    {overdue, %{t | seen: correct(t), arrivals: 0}}
+  end
 
-      _ ->
-        :ok
+  # The count is the reservations made (by callers, before they send) less the slots
+  # given back (here, as replies come in), so it is never below the counted calls in the
+  # table: a count below that is wrong (a correction took back a reservation whose request
+  # then came after all), and is set right at once. A count above it may be requests on
+  # their way, or a reservation left by a caller that died before sending: only a count
+  # seen unchanged over a whole sweep, with the table empty and nothing arriving, is
+  # taken for a leftover and reset. Returns the count to remember for the next sweep.
+  defp correct(%__MODULE__{slot: nil}), do: nil
+
+  defp correct(%__MODULE__{slot: {meta, index}} = t) do
+    load = Slots.load(meta, index)
+    held = Enum.count(t.map, fn {_id, {_, {counted, _}, _, _, _}} -> counted end)
+
+    cond do
+      # Not serving (a successor's start, or this worker's end): not this sweep's to fix.
+      load >= div(Slots.down(), 2) ->
+        nil
+
+      load < held ->
+        Slots.correct_load(meta, index, load, held)
+        nil
+
+      load > 0 and held == 0 and t.arrivals == 0 ->
+        if load == t.seen do
+          Slots.correct_load(meta, index, load, 0)
+          nil
+        else
+          load
+        end
+
+      true ->
+        nil
     end
-
-    {overdue, %{t | arrivals: 0}}
   end
 
   @doc false
