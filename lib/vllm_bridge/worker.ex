@@ -20,9 +20,10 @@ defmodule VllmBridge.Worker do
     * **Pipelining.** Several calls may be in flight at once; the Python side runs them one
       at a time, in order. In a pool, how many is bounded by `VllmBridge.Pool.Slots`, which
       this process releases as replies come in.
-    * **Death.** When the Python process exits, every call in flight gets
-      `{:error, %VllmBridge.Error{type: :worker_exit}}` at once and this process stops; its
-      supervisor starts a new one (a new Python process, a new `instance`).
+    * **Death.** When the Python process exits, or the port to it fails (it stopped
+      reading: `:epipe`), every call in flight gets
+      `{:error, %VllmBridge.Error{type: :worker_exit}}` saying so at once and this process
+      stops; its supervisor starts a new one (a new Python process, a new `instance`).
     * **Timeouts.** A caller that times out settles the call through here (`$vb_settle`):
       the cancel goes to Python if the call is still in the table, and `:cancelled` goes
       back to the caller, always, after any reply already passed on (see
@@ -68,7 +69,10 @@ defmodule VllmBridge.Worker do
   @typedoc "What the worker announced in its handshake."
   @type hello :: %{optional(String.t()) => term()}
 
-  @doc "Starts a worker linked to the caller (options above). The handshake runs after."
+  @doc """
+  Starts a worker linked to the caller (options above). The handshake runs after. The
+  worker stops when the caller exits, whatever the reason, and its Python process with it.
+  """
   @spec start_link(keyword()) :: GenServer.on_start()
   def start_link(opts \\ []) do
     GenServer.start_link(__MODULE__, opts, Keyword.take(opts, [:name]))
@@ -150,10 +154,13 @@ defmodule VllmBridge.Worker do
     index = Keyword.get(opts, :index, 0)
     meta = Keyword.get(opts, :meta)
 
+    # The port's failure comes as a message (its callers are then told why), and
+    # shutting down runs terminate/2 (callers told, Python process gone): when a pool's
+    # supervisor stops this process, and when a standalone worker's owner (the process
+    # that started it, linked) exits, whatever its reason.
+    Process.flag(:trap_exit, true)
+
     if meta do
-      # In a pool, shutting down must run terminate/2 (callers told, Python process gone).
-      # A standalone worker dies with its linked owner, and its port closes with it.
-      Process.flag(:trap_exit, true)
       Slots.put_load(meta, index, Slots.down())
       Directory.clear_worker(pool, index)
     end
@@ -164,7 +171,7 @@ defmodule VllmBridge.Worker do
           port: port,
           launch: Keyword.take(opts, [:max_frame_bytes]),
           framer: nil,
-          max_frame: Launcher.max_frame_bytes(opts),
+          max_frame: min(Launcher.max_frame_bytes(opts), Wire.max_body_size()),
           os_pid: Launcher.os_pid(port),
           hello: nil,
           instance: nil,
@@ -245,7 +252,7 @@ defmodule VllmBridge.Worker do
 
   # A request from a caller (VllmBridge.Request): written to the port and put in the
   # table of calls in flight (VllmBridge.Worker.Calls), unless it must be refused.
-  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted, what}, state) do
+  def handle_info({:"$vb_req", id, alias, caller, frame, size, deadline, counted, what}, state) do
     cond do
       MapSet.member?(state.settled, id) ->
         # Its caller gave up while this process was starting, and was answered then.
@@ -260,11 +267,13 @@ defmodule VllmBridge.Worker do
         if counted, do: Calls.release(state.calls)
         {:noreply, state}
 
-      Wire.frame_size(frame) > state.max_frame ->
+      frame == nil or size > state.max_frame ->
         # Checked before a slot is taken on a pool's path (VllmBridge.Route); this catches
         # the others (Worker.call, a session's close, a release) before Python would see
-        # a header over its limit and end the stream.
-        error = Wire.too_large(Wire.frame_size(frame), state.max_frame, "max_frame_bytes")
+        # a header over its limit and end the stream. `size` is the body's real size, as
+        # the caller counted it: the header cannot say more than 4 GiB - 1, and a body
+        # longer than that comes unframed (nil).
+        error = Wire.too_large(size, state.max_frame, "max_frame_bytes")
         if alias, do: send(alias, {alias, :reply_error, error})
         if counted, do: Calls.release(state.calls)
         {:noreply, state}
@@ -340,8 +349,25 @@ defmodule VllmBridge.Worker do
     {:stop, {:shutdown, {:worker_exit, status}}, shut(state, why)}
   end
 
-  def handle_info({:EXIT, port, _reason}, %{port: port} = state) when is_port(port) do
+  # The port closed after its process exited: the exit status comes (or came) first.
+  def handle_info({:EXIT, port, :normal}, %{port: port} = state) when is_port(port) do
     {:noreply, state}
+  end
+
+  # The port failed (`:epipe`: a write the Python process no longer reads, because it
+  # stopped reading or is on its way out): no frame can reach it any more.
+  def handle_info({:EXIT, port, reason}, %{port: port} = state) when is_port(port) do
+    why =
+      "the port to the Python process (os pid #{state.os_pid}) failed " <>
+        "(#{inspect(reason)}): it no longer reads its requests (see its stderr)"
+
+    Logger.error(
+      "vllm_bridge worker #{label(state)}: #{why}; #{Calls.size(state.calls)} call(s) in " <>
+        "flight get :worker_exit and the worker restarts"
+    )
+
+    why = state.killed || why
+    {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
 
   def handle_info(_other, state), do: {:noreply, state}

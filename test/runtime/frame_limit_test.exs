@@ -143,6 +143,31 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       assert Worker.os_pid(w.pid) == w.os_pid
     end
 
+    test "a request of 4 GiB or more is refused before it is framed, and nothing is written",
+         %{w: w, meta: meta} do
+      # 64 references to one 64 MiB binary (0xFF bytes: nothing a reader could take for a
+      # small header): a body of 4 GiB and a few hundred bytes, 64 MiB in memory. Its
+      # length does not fit the 4-byte header: wrapped, it would read as a few hundred.
+      big = :binary.copy(<<0xFF>>, 64 <<< 20)
+      args = [List.duplicate(big, 64)]
+
+      assert {:error, %Error{type: :bad_argument, message: msg}} =
+               Worker.call(w.pid, "vllm_bridge.diag", "echo", args, %{}, 60_000)
+
+      assert [_, size] = Regex.run(~r/frame would be (\d+) bytes/, msg)
+      assert String.to_integer(size) > 1 <<< 32
+      assert msg =~ "over the frame limit of 65536 bytes (max_frame_bytes)"
+
+      # Through the pool: refused before a slot is reserved, as any request over the limit.
+      assert {:error, %Error{type: :bad_argument}} =
+               VllmBridge.call({"vllm_bridge.diag", "echo"}, args, %{}, pool_name: :rt_limit)
+
+      # The same Python process serves on; nothing was left in flight.
+      assert Worker.in_flight(w.pid) == 0 and Slots.load(meta, 0) == 0
+      assert {:ok, 3} = Worker.call(w.pid, "vllm_bridge.diag", "add", [1, 2])
+      assert Worker.os_pid(w.pid) == w.os_pid
+    end
+
     test "a reply over the limit is the worker's error, naming its size and the limit", %{w: w} do
       {:ok, ref} =
         VllmBridge.call({"vllm_bridge.diag", "opaque"}, [:binary.copy("a", 40_000)], %{},

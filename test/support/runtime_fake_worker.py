@@ -12,6 +12,8 @@ handshake or to send a frame header over the limit, so this one does, on purpose
 * ``huge_header`` - a valid hello, then read ``FAKE_WORKER_CALLS`` requests (default 2)
   without answering them, then write a header declaring ``FAKE_WORKER_DECLARE`` bytes
   (default 4 GiB - 1) and a few bytes of "body", and wait for EOF (or to be killed).
+* ``deaf``    - a valid hello, then close fd 3 (a write to the port then fails with
+  ``EPIPE``) and wait to be killed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 
 import msgpack
 
@@ -74,6 +77,11 @@ def main() -> int:
         declared = int(os.environ.get("FAKE_WORKER_DECLARE", str(0xFFFF_FFFF)))
         os.write(4, struct.pack(">I", declared) + b"\x93" * 100)
         _wait_for_eof()
+        return 0
+    if mode == "deaf":
+        _write(msgpack.packb(["hello", _hello()]))
+        os.close(3)
+        time.sleep(120)  # killed long before (Launcher.close, after shutdown_grace)
         return 0
     sys.stderr.write(f"runtime_fake_worker: unknown FAKE_WORKER_MODE {mode!r}\n")
     return 2
