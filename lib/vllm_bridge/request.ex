@@ -245,7 +245,12 @@ defmodule VllmBridge.Request do
   def worker_exit(message), do: {:error, Error.new(:worker_exit, message)}
 
   @doc false
+  # A worker that went down with a request still in its mailbox: its stop reason says why
+  # when it knows (VllmBridge.Worker stops with {:shutdown, {:worker_exit, message}}).
   @spec worker_down(term()) :: {:error, Error.t()}
+  def worker_down({:shutdown, {:worker_exit, message}}) when is_binary(message),
+    do: worker_exit(message)
+
   def worker_down(reason),
     do: worker_exit("the worker process exited (#{inspect(reason, limit: 5)}) during the call")
 end

@@ -246,7 +246,7 @@ defmodule VllmBridge.Worker do
         Logger.error("vllm_bridge worker #{label(state)}: #{message} (it restarts)")
         # Killed first: it must not go on writing into a stream nobody reads.
         Launcher.kill(state.os_pid)
-        {:stop, {:shutdown, {:frame_too_large, len}}, shut(state, message)}
+        {:stop, {:shutdown, {:worker_exit, message}}, shut(state, message)}
     end
   end
 
@@ -346,7 +346,7 @@ defmodule VllmBridge.Worker do
 
     state = %{state | port: nil}
     why = state.killed || "the Python worker exited with status #{status}"
-    {:stop, {:shutdown, {:worker_exit, status}}, shut(state, why)}
+    {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
 
   # The port closed after its process exited: the exit status comes (or came) first.
@@ -426,15 +426,18 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # Everything in flight gets :worker_exit; the directory forgets this worker; the Python
-  # process is closed (and killed if it lingers).
+  # The directory forgets this worker (keeping why) and its slots go down; only then
+  # does everything in flight get :worker_exit, so that a caller that retries at once
+  # finds it gone (its session lost, saying why) instead of reserving on it. The Python
+  # process is closed (and killed if it lingers). Requests still in this mailbox see the
+  # stop reason, `{:shutdown, {:worker_exit, message}}` (VllmBridge.Request.worker_down/1).
   defp shut(state, message) do
-    calls = Calls.fail_all(state.calls, message)
-
     if state.meta do
       Directory.worker_down(state.pool, state.index, state.instance, message)
       Slots.put_load(state.meta, state.index, Slots.down())
     end
+
+    calls = Calls.fail_all(state.calls, message)
 
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
     # Down once: terminate/2 runs this again, and must not overwrite the reason recorded.
