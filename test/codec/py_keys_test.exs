@@ -1,3 +1,11 @@
+defmodule VllmBridge.PyKeysTest.Unregistered do
+  @moduledoc false
+  # Declares its Python class, and is never registered (VllmBridge.Codec.Registry).
+  defstruct [:x]
+  def __python_class__, do: "tests.unregistered.U"
+  def __python_fields__, do: [:x]
+end
+
 defmodule VllmBridge.Codec.PyKeysTest do
   @moduledoc """
   What Python can never take as it was sent is refused by the encoder, naming it: map keys
@@ -63,6 +71,66 @@ defmodule VllmBridge.Codec.PyKeysTest do
       o1 = %Object{class: "m.C", fields: %{"x" => 1, "y" => :a}, field_order: ["x", "y"]}
       o2 = %Object{class: "m.C", fields: %{"x" => true, "y" => "a"}, field_order: ["y", "x"]}
       assert refusal(%{o1 => 1, o2 => 2}) =~ "equal in Python"
+    end
+
+    test "a struct and an Object of its class with equal fields: one dataclass in Python" do
+      bd = %BatchDescriptor{num_tokens: 4, num_reqs: 2}
+
+      fields =
+        for f <- BatchDescriptor.__python_fields__(), into: %{}, do: {"#{f}", Map.get(bd, f)}
+
+      for order <- [[], Map.keys(fields), Enum.reverse(Map.keys(fields))] do
+        object = %Object{
+          class: BatchDescriptor.__python_class__(),
+          fields: fields,
+          field_order: order
+        }
+
+        message = refusal(%{bd => 1, object => 2})
+        assert message =~ "equal in Python (dataclasses of one class with fields equal"
+
+        # Fields Python holds equal (4 and 4.0), as keys of keys too.
+        object = %{object | fields: %{fields | "num_tokens" => 4.0}}
+        assert refusal(%{{:k, bd} => 1, {:k, object} => 2}) =~ "equal in Python"
+      end
+
+      # Another class, or another value: two keys.
+      other = %Object{class: "m.Other", fields: fields}
+      assert {:ok, _} = round_trip(%{bd => 1, other => 2})
+      assert {:ok, _} = round_trip(%{bd => 1, %{bd | num_tokens: 5} => 2})
+    end
+
+    test "structs of a module that declares its class but is not registered" do
+      key = fn x -> %VllmBridge.PyKeysTest.Unregistered{x: x} end
+      assert :error = VllmBridge.Codec.Registry.lookup("tests.unregistered.U")
+      assert refusal(%{key.(1) => :a, key.(true) => :b}) =~ "equal in Python"
+
+      assert refusal(%{
+               key.(1) => :a,
+               %Object{class: "tests.unregistered.U", fields: %{"x" => 1.0}} => :b
+             }) =~ "equal in Python"
+
+      assert {:ok, _} = round_trip(%{key.(1) => :a, key.(2) => :b})
+    end
+  end
+
+  describe "an Object's field names must be strings" do
+    test "any other field name is refused by name, as a key or a value" do
+      for {fields, bad} <- [
+            {%{:a => 1}, ":a"},
+            {%{"a" => 1, :a => 2}, ":a"},
+            {%{1 => 1}, "1"},
+            {%{<<0xFF>> => 1}, "<<255>>"},
+            {%{{"a"} => 1}, ~s({"a"})}
+          ] do
+        object = %Object{class: "m.C", fields: fields}
+
+        for term <- [object, [object], %{object => 1}, %{"k" => object}] do
+          message = refusal(term)
+          assert message =~ "field names must be strings"
+          assert message =~ "got #{bad}"
+        end
+      end
     end
   end
 

@@ -41,8 +41,9 @@ defmodule VllmBridge.Codec.Dataclass do
 
   @doc "The ext 4 payload of a `VllmBridge.Object`, as iodata (fields nest `depth` levels)."
   @spec encode_object(Object.t(), module(), non_neg_integer()) :: iodata()
-  def encode_object(%Object{class: class, fields: fields, field_order: order}, handler, depth)
+  def encode_object(%Object{class: class, fields: fields, field_order: order} = o, handler, depth)
       when is_binary(class) and is_map(fields) and is_list(order) do
+    check_names!(o)
     ordered = order |> Enum.filter(&Map.has_key?(fields, &1)) |> Enum.uniq()
     keys = ordered ++ Enum.sort(Map.keys(fields) -- ordered)
 
@@ -60,6 +61,20 @@ defmodule VllmBridge.Codec.Dataclass do
     raise ArgumentError,
           "cannot encode #{inspect(bad, limit: 5)}: class must be a string, fields a map " <>
             "and field_order a list"
+  end
+
+  # Python takes a dataclass's field names as str only (and would refuse the frame
+  # without saying where): anything else is refused here, by name.
+  defp check_names!(%Object{fields: fields} = o) do
+    case Enum.find(Map.keys(fields), &(not (is_binary(&1) and String.valid?(&1)))) do
+      nil ->
+        :ok
+
+      bad ->
+        raise ArgumentError,
+              "cannot encode #{inspect(o, limit: 5)}: its field names must be strings " <>
+                "(UTF-8), got #{inspect(bad, limit: 5)}"
+    end
   end
 
   @doc "Decodes an ext 4 payload; a malformed one aborts the decode (`Msgpack.fail!/1`)."
