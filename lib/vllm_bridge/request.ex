@@ -42,8 +42,10 @@ defmodule VllmBridge.Request do
   A request before it has an id: `kind`, the encoded fields before the timeout (`pre`,
   usually the session), whether the kind carries a timeout field, the encoded fields
   after it (`post`), the bytes `pre` and `post` take (`size`, counted once), and the
-  `target` it runs, if any (only for messages: the worker names it when the call costs
-  the Python process, see `VllmBridge.Worker`).
+  `target` it runs, if any, or a short description of what it does (only for messages:
+  the worker names it when the call costs the Python process, see `VllmBridge.Worker`;
+  it is copied into the request's message and kept while the request is in flight, so
+  it stays small).
   """
   @type t :: %__MODULE__{
           kind: String.t(),

@@ -270,4 +270,29 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     :ok = Session.close(s)
     wait_until(fn -> refs(w) == base end)
   end
+
+  test "a release in flight is named by how many references it releases, not by them",
+       %{w: w, meta: meta} do
+    refs = for i <- 1..3, do: elem(diag("opaque", [i]), 1)
+    # A call that runs until its caller dies; the release waits behind it.
+    busy = spawn(fn -> diag("sleep", [60], timeout: 120_000) end)
+    wait_until(fn -> running?(w) end)
+
+    assert {:error, %Error{type: :timeout, message: m}} =
+             VllmBridge.release(refs, opts(timeout: 50))
+
+    assert m =~ "release of 3 reference(s): "
+
+    # What the worker process keeps of it meanwhile (and what its message carried).
+    entries = Map.values(:sys.get_state(w).calls.map)
+
+    assert Enum.any?(
+             entries,
+             &match?({_, {_counted, {"release", "of 3 reference(s)"}}, _, _, _}, &1)
+           )
+
+    Process.exit(busy, :kill)
+    wait_until(fn -> worker_idle?(w, meta) end)
+    assert {:error, %Error{type: :bad_argument}} = VllmBridge.get({hd(refs), "value"}, opts())
+  end
 end

@@ -112,6 +112,39 @@ defmodule VllmBridge.Runtime.WorkerDownTest do
     end
   end
 
+  test "a stream that does not stop within cancel_grace: the kill names its target" do
+    start_pool!(@pool,
+      size: 1,
+      cancel_grace: 500,
+      allow: ["vllm_bridge.diag", "rt_stream_support"],
+      worker_env: [
+        {"PYTHONPATH", Enum.join([support_dir() | List.wrap(System.get_env("PYTHONPATH"))], ":")}
+      ]
+    )
+
+    {:ok, session} = Session.open(pool_name: @pool)
+
+    {:ok, s} =
+      VllmBridge.stream({"rt_stream_support", "stubborn"}, [60], %{},
+        session_id: session.id,
+        timeout: 300
+      )
+
+    assert %Error{type: :timeout} = catch_error(Enum.to_list(s))
+
+    # The session's next call loses the worker (queued behind the stream that does not
+    # stop), or finds it lost already: either way it says why, naming the stream.
+    assert {:error, %Error{type: type, message: why}} =
+             VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 1], %{},
+               session_id: session.id,
+               timeout: 60_000
+             )
+
+    assert type in [:worker_exit, :session_lost]
+    assert why =~ "was killed because request"
+    assert why =~ ~s[(stream {"rt_stream_support", "stubborn"}) was still running]
+  end
+
   test "a caller told of the worker's end finds it gone, its slots down and its reason kept" do
     start_pool!(@pool, size: 1)
     [%{pid: w, os_pid: os_pid, instance: instance}] = workers!(@pool)

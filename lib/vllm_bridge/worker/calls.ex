@@ -214,6 +214,9 @@ defmodule VllmBridge.Worker.Calls do
   @doc false
   # `what` as words for a message: ` (call {"m", "f"})`, or nothing.
   @spec describe(term()) :: String.t()
+  def describe({kind, target}) when is_binary(kind) and is_binary(target),
+    do: " (#{kind} #{target})"
+
   def describe({kind, target}) when is_binary(kind),
     do: " (#{kind} #{inspect(target, limit: 5, printable_limit: 80)})"
 
