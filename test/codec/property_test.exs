@@ -142,7 +142,7 @@ defmodule VllmBridge.Codec.PropertyTest do
   end
 
   # Keys that Python holds distinct too (no "a" beside :a, no 1 beside 1.0 or true): the
-  # keys Python would merge are refused by the encoder (see worker_fuzz_test.exs).
+  # keys Python would merge are refused by the encoder (see echo_fuzz_test.exs).
   defp key do
     case :rand.uniform(4) do
       1 -> "s" <> string()

@@ -16,7 +16,9 @@ defmodule VllmBridge.Codec.PyKeysTest do
   use ExUnit.Case, async: true
 
   alias VllmBridge.{Codec, Object, Ref, Tensor, Wire}
-  alias VllmBridge.Codec.Msgpack
+  import Bitwise, only: [<<<: 2]
+
+  alias VllmBridge.Codec.{Ext, Msgpack, PyKeys}
   alias Vllm.ForwardContext.BatchDescriptor
 
   defp refusal(term) do
@@ -190,6 +192,73 @@ defmodule VllmBridge.Codec.PyKeysTest do
       for term <- [%{a: 1, b: 2, nil: 3, true: 4}, %{1 => 1, 2 => 2, -3 => 3}, %{"a" => 1}] do
         assert round_trip(term) == {:ok, term}
       end
+    end
+  end
+
+  describe "the fast paths agree with the general check" do
+    # Ext.check_keys/1 passes all-atom and all-integer keys without PyKeys; the engine does
+    # not call the handler at all when the first key in term order is a binary (binaries
+    # sort last: then every key is one). Each skip must only ever skip maps PyKeys.check!
+    # passes, and encoding must refuse exactly the maps it refuses.
+    @atoms [nil, true, false, :nan, :infinity, :neg_infinity, :a, :b, :"1", nil, true, :é]
+    @others [0, 1, -1, 1.0, -0.0, 2.5, "a", "1", <<0xFF>>, {1}, {true}, {:a, "a"}, [1], %{}]
+
+    defp key(:atom), do: Enum.random(@atoms)
+    defp key(:integer), do: Enum.random([0, 1, -1, 2, 255, -129, 1 <<< 64, -(1 <<< 70)])
+
+    defp key(:binary),
+      do: Enum.random(["", "a", "b", "1", "nil", "true", <<0xFF>>, <<0xFF, 0>>, "é"])
+
+    defp key(:mixed), do: key(Enum.random([:atom, :integer, :binary, :other]))
+    defp key(:other), do: Enum.random(@others)
+
+    defp verdict(pairs) do
+      PyKeys.check!(pairs)
+    rescue
+      e in ArgumentError -> {:refused, Exception.message(e)}
+    end
+
+    test "on seeded random maps of every kind of key" do
+      :rand.seed(:exsss, {5, 6, 7})
+
+      paths =
+        for _ <- 1..4_000, reduce: %{engine: 0, ext: 0, checked: 0, refused: 0} do
+          paths ->
+            kind = Enum.random([:atom, :integer, :binary, :mixed, :mixed])
+            map = Map.new(1..:rand.uniform(6), fn i -> {key(kind), i} end)
+            pairs = :lists.keysort(1, :maps.to_list(map))
+            verdict = verdict(pairs)
+
+            path =
+              cond do
+                match?([{k, _} | _] when is_binary(k), pairs) -> :engine
+                Enum.all?(pairs, &is_atom(elem(&1, 0))) -> :ext
+                Enum.all?(pairs, &is_integer(elem(&1, 0))) -> :ext
+                true -> :checked
+              end
+
+            if path != :checked do
+              assert verdict == :ok, "#{inspect(map)} skipped the check: #{inspect(verdict)}"
+            end
+
+            if path == :engine, do: assert(Enum.all?(pairs, &is_binary(elem(&1, 0))))
+            if path == :ext, do: assert(Ext.check_keys(pairs) == :ok)
+
+            # Encoding refuses exactly what the check refuses, with its words.
+            case verdict do
+              :ok ->
+                assert {:ok, ^map} = round_trip(map)
+                Map.update!(paths, path, &(&1 + 1))
+
+              {:refused, why} ->
+                assert refusal(map) == why
+                paths |> Map.update!(path, &(&1 + 1)) |> Map.update!(:refused, &(&1 + 1))
+            end
+        end
+
+      assert paths.engine > 500 and paths.ext > 1_000 and paths.checked > 1_000 and
+               paths.refused > 300,
+             inspect(paths)
     end
   end
 

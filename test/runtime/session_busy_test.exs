@@ -203,18 +203,31 @@ defmodule VllmBridge.Runtime.SessionBusyTest do
       assert {:ok, _} = Task.await(long, 30_000)
     end
 
-    test "stays home when the session's worker is idle", %{ws: [w0, w1]} do
+    test "stays home when the session's worker is idle, the other worker busy or not",
+         %{ws: [w0, w1], meta: meta, dir: dir} do
       home = w0.os_pid
       s = open!(worker: 0)
+      s1 = open!(worker: 1)
 
-      # The other worker busy or not, an idle home wins.
+      # Both idle: home wins, for either session.
       for _ <- 1..20 do
         assert {:ok, %{"pid" => ^home}} = diag("info", [], session_id: s.id, affinity: :hint)
       end
 
-      s1 = open!(worker: 1)
       away = w1.os_pid
       assert {:ok, %{"pid" => ^away}} = diag("info", [], session_id: s1.id, affinity: :hint)
+
+      # The other worker busy (a long call of its own session): an idle home still wins.
+      gate = gate!(dir)
+      long = long!(gate, s1, w1)
+
+      for _ <- 1..20 do
+        assert {:ok, %{"pid" => ^home}} = diag("info", [], session_id: s.id, affinity: :hint)
+      end
+
+      assert Task.yield(long, 0) == nil and Slots.load(meta, 1) == 1
+      open_gate(gate)
+      assert {:ok, _} = Task.await(long, 30_000)
     end
 
     test "stays home when every worker is as busy (ties go home); a call with a reference stays",

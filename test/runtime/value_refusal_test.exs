@@ -67,7 +67,7 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
     for {value, why} <- @refused do
       assert {:error, %Error{type: :bad_argument, message: message}} = echo(value, timeout: 2_000)
 
-      assert message == "args[0]: " <> message_tail(message)
+      assert "args[0]: " <> _ = message
       assert message =~ why
     end
 
@@ -117,7 +117,4 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
     assert message =~
              ~s(could not decode args[0][1]["outer"][1]["inner"]: the map keys 1 and true)
   end
-
-  defp message_tail("args[0]: " <> rest), do: rest
-  defp message_tail(other), do: other
 end
