@@ -65,6 +65,35 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       wait_until(fn -> match?({:ok, [%{os_pid: p}]} when p != first, Pool.workers(:rt_huge)) end)
     end
 
+    test "replies in the same chunk before it reach their callers; then the worker is killed" do
+      start_pool!(:rt_huge_after,
+        size: 1,
+        worker_module: "runtime_fake_worker",
+        worker_env: fake_env("huge_header", [{"FAKE_WORKER_ANSWER", "1"}])
+      )
+
+      [%{os_pid: first}] = workers!(:rt_huge_after)
+
+      # The fake reads both requests, then writes both replies and the header at once.
+      calls =
+        for i <- 1..2 do
+          Task.async(fn ->
+            VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 1], %{},
+              pool_name: :rt_huge_after,
+              timeout: 60_000
+            )
+          end)
+        end
+
+      for call <- calls, do: assert({:ok, "answered"} = Task.await(call, 90_000))
+
+      wait_until(fn -> not os_alive?(first) end)
+
+      wait_until(fn ->
+        match?({:ok, [%{os_pid: p}]} when p != first, Pool.workers(:rt_huge_after))
+      end)
+    end
+
     test "a worker that announces another limit than it was given is refused at its hello" do
       assert {:error, %Error{type: :protocol, message: msg}} =
                VllmBridge.start_pool(:rt_limit_lie,

@@ -82,6 +82,22 @@ defmodule VllmBridge.Runtime.WorkerTest do
       Worker.close(w)
     end
 
+    test "frames in the hello's chunk, and a header cut right after them, are read in order" do
+      log =
+        capture_log(fn ->
+          {:ok, w} = Worker.start_link(fake("hello_chunk") |> fake_env())
+          assert {:ok, _hello} = Worker.await_ready(w)
+          # Served after both records (the second one's header came cut in two).
+          assert {:ok, "served"} = Worker.call(w, "m", "f", [], %{}, 30_000)
+          assert {:ok, "served"} = Worker.call(w, "m", "f", [], %{}, 30_000)
+          Logger.flush()
+          Worker.close(w)
+        end)
+
+      assert [_, after_first] = String.split(log, "[python fake] first", parts: 2)
+      assert after_first =~ "[python fake] second"
+    end
+
     test "a missing interpreter is a bad argument naming it" do
       assert {:error, %Error{type: :bad_argument, message: msg}} =
                VllmBridge.start_pool(:no_python, python: "/nonexistent/python3")
