@@ -24,27 +24,20 @@ defmodule VllmBridge.Worker do
       reading: `:epipe`), every call in flight gets
       `{:error, %VllmBridge.Error{type: :worker_exit}}` saying so at once and this process
       stops; its supervisor starts a new one (a new Python process, a new `instance`).
-    * **Timeouts.** A caller that times out settles the call through here (`$vb_settle`):
-      the cancel goes to Python if the call is still in the table, and `:cancelled` goes
-      back to the caller, always, after any reply already passed on (see
-      `VllmBridge.Request`). Python drops a queued call, and interrupts a running one
-      where it is (a Python loop at its next bytecode, a blocking call such as a sleep or
-      a lock wait at once; see docs/PROTOCOL.md, "Cancel"): the worker, its sessions and
-      their state stay, and the next call runs at once. Whatever reply still comes is
-      dropped here, and the references in it (made for it, and seen by nobody) are
-      released in their sessions.
-    * **`cancel_grace`.** A cancelled call still in the table `cancel_grace` ms later did
-      not stop when interrupted: it is stuck in C code (a kernel, a C extension's loop:
-      interrupted only once it returns to Python), in an `__enter__` (never
-      interrupted), or it caught the interruption and went on. Then the Python process is
-      killed so that the worker restarts; every call in flight on it gets `:worker_exit`
-      saying so (which request, and `cancel_grace`), and the sessions on it are lost
-      (their next call's `:session_lost` says why too). As with Ctrl-C, an interruption
-      that lands in the interrupted code's own cleanup can leave that code's state
-      half-reset; the worker's own state is never interrupted.
-    * **Callers that die.** Each waiting caller is monitored while its request is in
-      flight. When one dies, its requests are cancelled at once, as on a timeout: a
-      queued call is dropped, a running one interrupted, so their slots come back.
+    * **Timeouts, and callers that die.** A caller that gives up settles its call through
+      here (`VllmBridge.Request.give_up/2`: `:cancelled` comes back after any reply
+      already passed on), and the calls of a caller that dies (each waiting caller is
+      monitored) are cancelled the same way: Python drops a queued call and interrupts a
+      running one where it is (docs/PROTOCOL.md, "Cancel"), so its slot comes back and
+      the worker, its sessions and their state stay. A reply that still comes is dropped
+      here, and the references in it (seen by nobody) are released in their sessions.
+    * **`cancel_grace`.** A cancelled call still running `cancel_grace` ms later did not
+      stop when interrupted: it is stuck in C code (interrupted only once it returns to
+      Python), in an `__enter__` (never interrupted), or it caught the interruption. The
+      Python process is then killed and the worker restarts; every call in flight on it,
+      and every session lost with it, says why (which request, and `cancel_grace`). As
+      with Ctrl-C, an interruption that lands in the interrupted code's own cleanup can
+      leave that code's state half-reset; the worker's own state is never interrupted.
     * **Logs.** `log` frames go to `Logger` with the Python logger's name.
 
   Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
@@ -181,7 +174,6 @@ defmodule VllmBridge.Worker do
           calls: Calls.new(meta, index),
           # Why the Python process was killed, once this process killed it (cancel_grace).
           killed: nil,
-          settled: MapSet.new(),
           start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
           cancel_grace: Keyword.get(opts, :cancel_grace, @cancel_grace),
           shutdown_grace: Keyword.get(opts, :shutdown_grace, @shutdown_grace)
@@ -203,7 +195,7 @@ defmodule VllmBridge.Worker do
           | hello: hello,
             instance: hello["instance"],
             os_pid: hello["pid"],
-            settled: settled,
+            calls: Calls.settled(state.calls, settled),
             framer: framer
         }
 
@@ -242,45 +234,24 @@ defmodule VllmBridge.Worker do
 
       {:too_large, len, frames} ->
         state = Enum.reduce(frames, state, &route(&2, &1))
-        message = Launcher.too_large_message(state.os_pid, len, state.max_frame)
-        Logger.error("vllm_bridge worker #{label(state)}: #{message} (it restarts)")
         # Killed first: it must not go on writing into a stream nobody reads.
         Launcher.kill(state.os_pid)
-        {:stop, {:shutdown, {:worker_exit, message}}, shut(state, message)}
+        down(state, Launcher.too_large_message(state.os_pid, len, state.max_frame))
     end
   end
 
   # A request from a caller (VllmBridge.Request): written to the port and put in the
-  # table of calls in flight (VllmBridge.Worker.Calls), unless it must be refused.
+  # table of calls in flight (VllmBridge.Worker.Calls), unless the table refuses it.
   def handle_info({:"$vb_req", id, alias, caller, frame, size, deadline, counted, what}, state) do
-    cond do
-      MapSet.member?(state.settled, id) ->
-        # Its caller gave up while this process was starting, and was answered then.
-        if counted, do: Calls.release(state.calls)
-        {:noreply, %{state | settled: MapSet.delete(state.settled, id)}}
-
-      Calls.member?(state.calls, id) ->
-        if alias,
-          do:
-            send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
-
-        if counted, do: Calls.release(state.calls)
-        {:noreply, state}
-
-      frame == nil or size > state.max_frame ->
-        # Checked before a slot is taken on a pool's path (VllmBridge.Route); this catches
-        # the others (Worker.call, a session's close, a release) before Python would see
-        # a header over its limit and end the stream. `size` is the body's real size, as
-        # the caller counted it: the header cannot say more than 4 GiB - 1, and a body
-        # longer than that comes unframed (nil).
-        error = Wire.too_large(size, state.max_frame, "max_frame_bytes")
-        if alias, do: send(alias, {alias, :reply_error, error})
-        if counted, do: Calls.release(state.calls)
-        {:noreply, state}
-
-      true ->
+    # (A body too long to be framed, frame nil, is over any limit: `max_frame` is capped
+    # at what a frame's length can say.)
+    case Calls.admit(state.calls, id, alias, counted, size, state.max_frame) do
+      {:ok, calls} ->
         Port.command(state.port, frame)
-        calls = Calls.add(state.calls, id, alias, caller, counted, what, deadline)
+        calls = Calls.add(calls, id, alias, caller, counted, what, deadline)
+        {:noreply, %{state | calls: calls}}
+
+      {:refused, calls} ->
         {:noreply, %{state | calls: calls}}
     end
   end
@@ -304,21 +275,16 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_info({:"$vb_grace", id}, state) do
-    case Calls.still_cancelled(state.calls, id) do
-      {what, since} ->
-        why =
-          "the Python process (os pid #{state.os_pid}) was killed because request #{id}" <>
-            "#{Calls.describe(what)} was still running " <>
-            "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled " <>
-            "(cancel_grace #{state.cancel_grace} ms: it did not stop when interrupted)"
+    case Calls.overstayed(state.calls, id, state.cancel_grace) do
+      nil ->
+        {:noreply, state}
 
+      overstayed ->
+        why = "the Python process (os pid #{state.os_pid}) was killed because #{overstayed}"
         Logger.warning("vllm_bridge worker #{label(state)}: #{why}; the worker restarts")
         Launcher.kill(state.os_pid)
         # Every call that loses its worker, and every session lost with it, says why.
         {:noreply, %{state | killed: why}}
-
-      nil ->
-        {:noreply, state}
     end
   end
 
@@ -338,15 +304,10 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
-    Logger.error(
-      "vllm_bridge worker #{label(state)}: the Python process (os pid #{state.os_pid}) " <>
-        "exited with status #{status}; #{Calls.size(state.calls)} call(s) in flight get " <>
-        ":worker_exit and the worker restarts"
+    down(
+      %{state | port: nil},
+      "the Python worker exited with status #{status} (os pid #{state.os_pid})"
     )
-
-    state = %{state | port: nil}
-    why = state.killed || "the Python worker exited with status #{status}"
-    {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
 
   # The port closed after its process exited: the exit status comes (or came) first.
@@ -357,17 +318,11 @@ defmodule VllmBridge.Worker do
   # The port failed (`:epipe`: a write the Python process no longer reads, because it
   # stopped reading or is on its way out): no frame can reach it any more.
   def handle_info({:EXIT, port, reason}, %{port: port} = state) when is_port(port) do
-    why =
+    down(
+      state,
       "the port to the Python process (os pid #{state.os_pid}) failed " <>
         "(#{inspect(reason)}): it no longer reads its requests (see its stderr)"
-
-    Logger.error(
-      "vllm_bridge worker #{label(state)}: #{why}; #{Calls.size(state.calls)} call(s) in " <>
-        "flight get :worker_exit and the worker restarts"
     )
-
-    why = state.killed || why
-    {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
 
   def handle_info(_other, state), do: {:noreply, state}
@@ -442,6 +397,18 @@ defmodule VllmBridge.Worker do
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
     # Down once: terminate/2 runs this again, and must not overwrite the reason recorded.
     %{state | calls: calls, port: nil, instance: nil}
+  end
+
+  # The worker goes down: logged, every caller told why (the grace kill's reason, when
+  # that is what ended it), and this process stops (its supervisor starts a new one).
+  defp down(state, event) do
+    Logger.error(
+      "vllm_bridge worker #{label(state)}: #{event}; #{Calls.size(state.calls)} call(s) " <>
+        "in flight get :worker_exit and the worker restarts"
+    )
+
+    why = state.killed || event
+    {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
 
   defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"

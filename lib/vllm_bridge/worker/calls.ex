@@ -11,22 +11,24 @@ defmodule VllmBridge.Worker.Calls do
   # and status is :live (a caller waits on `alias`, monitored by `monitor`), :detached
   # (nobody waits) or {:cancelled, since} (cancel sent, `cancel_grace` running).
 
-  alias VllmBridge.{Request, Wire}
+  alias VllmBridge.{Error, Request, Wire}
   alias VllmBridge.Pool.Slots
 
-  defstruct map: %{}, arrivals: 0, slot: nil, seen: nil
+  defstruct map: %{}, arrivals: 0, slot: nil, seen: nil, settled: MapSet.new()
 
   @typedoc """
   `map` the calls by id; `arrivals` how many were added since the last sweep; `slot`
   the pool's meta and this worker's index (nil for a worker outside a pool); `seen` the
   slot count the last sweep found above what the table holds, with the table empty and
-  nothing arriving (see `sweep/3`).
+  nothing arriving (see `sweep/3`); `settled` the ids of requests whose callers gave up
+  while the worker was starting (answered then, see `settled/2`).
   """
   @type t :: %__MODULE__{
           map: %{optional(non_neg_integer()) => tuple()},
           arrivals: non_neg_integer(),
           slot: {VllmBridge.Pool.Meta.t(), non_neg_integer()} | nil,
-          seen: integer() | nil
+          seen: integer() | nil,
+          settled: MapSet.t(non_neg_integer())
         }
 
   @doc false
@@ -41,6 +43,51 @@ defmodule VllmBridge.Worker.Calls do
   @doc false
   @spec member?(t(), non_neg_integer()) :: boolean()
   def member?(%__MODULE__{map: map}, id), do: Map.has_key?(map, id)
+
+  @doc false
+  # The requests whose callers gave up while the worker was starting: they were answered
+  # then (VllmBridge.Worker.Launcher.handshake_settling/3), and are dropped on arrival.
+  @spec settled(t(), MapSet.t(non_neg_integer())) :: t()
+  def settled(t, ids), do: %{t | settled: ids}
+
+  @doc false
+  # Whether a request that just arrived may be written to the port: `{:ok, t}`, or
+  # `{:refused, t}` once its caller has been answered (and its slot given back): its
+  # caller gave up while the worker was starting, its id is in use, or its body (`size`,
+  # as its caller counted it) is over the frame limit `max`. The limit is checked before a slot is taken on a pool's path
+  # (VllmBridge.Route); this catches the others (Worker.call, a session's close, a
+  # release) before Python would see a header over its limit and end the stream.
+  @spec admit(
+          t(),
+          non_neg_integer(),
+          reference() | nil,
+          boolean(),
+          non_neg_integer() | nil,
+          pos_integer()
+        ) ::
+          {:ok, t()} | {:refused, t()}
+  def admit(t, id, alias, counted, size, max) do
+    cond do
+      MapSet.member?(t.settled, id) ->
+        if counted, do: release(t)
+        {:refused, %{t | settled: MapSet.delete(t.settled, id)}}
+
+      Map.has_key?(t.map, id) ->
+        refuse(t, alias, counted, Error.new(:protocol, "request id #{id} is in use"))
+
+      size > max ->
+        refuse(t, alias, counted, Wire.too_large(size, max, "max_frame_bytes"))
+
+      true ->
+        {:ok, t}
+    end
+  end
+
+  defp refuse(t, alias, counted, error) do
+    if alias, do: send(alias, {alias, :reply_error, error})
+    if counted, do: release(t)
+    {:refused, t}
+  end
 
   @doc false
   # A request just written to the port: its caller (if any) is monitored, so that a
@@ -141,12 +188,18 @@ defmodule VllmBridge.Worker.Calls do
   end
 
   @doc false
-  # Call `id` still in the table after its cancel: `{what, since}`, else nil.
-  @spec still_cancelled(t(), non_neg_integer()) :: {term(), integer()} | nil
-  def still_cancelled(%__MODULE__{map: map}, id) do
+  # Call `id`, `grace` ms after its cancel: words that say it is still running (it did
+  # not stop when interrupted), or nil when it is gone.
+  @spec overstayed(t(), non_neg_integer(), non_neg_integer()) :: String.t() | nil
+  def overstayed(%__MODULE__{map: map}, id, grace) do
     case map do
-      %{^id => {_, {_, what}, _, {:cancelled, since}, _}} -> {what, since}
-      _ -> nil
+      %{^id => {_, {_, what}, _, {:cancelled, since}, _}} ->
+        "request #{id}#{describe(what)} was still running " <>
+          "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled " <>
+          "(cancel_grace #{grace} ms: it did not stop when interrupted)"
+
+      _ ->
+        nil
     end
   end
 
