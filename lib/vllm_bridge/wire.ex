@@ -4,16 +4,17 @@ defmodule VllmBridge.Wire do
   reading just the kind and id of a worker frame (`peek/1`, what the worker process needs to
   route it) and decoding a reply into a result (done by the caller).
 
-  Values go through `VllmBridge.Codec.encode/1` and `decode/1` only. The one piece of
-  msgpack written here is the array header of a request (`0x90 + n` for the short arrays
-  of the protocol) so that the parts of a request can be encoded at different times: the
-  arguments in the caller before anything is reserved, the id and the milliseconds left
-  just before the frame is sent. `peek/1` reads the first two elements of a reply by hand
+  Values go through `VllmBridge.Codec.encode/1` and `decode/1` only. The pieces of
+  msgpack written here are the array and map headers of a request and of its arguments
+  (`VllmBridge.Codec.Msgpack`'s header encoders) so that the parts of a request can be
+  encoded at different times: the arguments in the caller before anything is reserved,
+  the id and the milliseconds left just before the frame is sent. `peek/1` reads the first two elements of a reply by hand
   (fixarray, short str, unsigned int or nil) and falls back to the full decoder for any
   other shape.
   """
 
   alias VllmBridge.{Codec, Error, Ref}
+  alias VllmBridge.Codec.Msgpack
 
   # Request bodies up to this size are flattened into one binary.
   @flatten_max 64 * 1024
@@ -73,7 +74,7 @@ defmodule VllmBridge.Wire do
   @spec frame_request(String.t(), non_neg_integer(), [iodata()], non_neg_integer()) ::
           {:ok, iodata(), non_neg_integer()} | {:too_large, non_neg_integer()}
   def frame_request(kind, id, fields, fields_size) when length(fields) <= 13 do
-    head = [0x92 + length(fields), Codec.encode(kind) | Codec.encode(id)]
+    head = [Msgpack.enc_array_header(length(fields) + 2), Codec.encode(kind) | Codec.encode(id)]
     size = IO.iodata_length(head) + fields_size
 
     cond do
@@ -181,7 +182,7 @@ defmodule VllmBridge.Wire do
     if n < 0 do
       bad("args must be a proper list, got #{inspect(args, limit: 5)}")
     else
-      {:ok, [array_header(n) | encode_each(args, 0)]}
+      {:ok, [Msgpack.enc_array_header(n) | encode_each(args, 0)]}
     end
   catch
     {:bad_arg, where, e} -> bad("#{where}: #{Exception.message(e)}")
@@ -201,7 +202,7 @@ defmodule VllmBridge.Wire do
       for {k, v} <- Enum.sort(kw),
           do: [Codec.encode(k) | encode_at(v, fn -> "kwargs[#{inspect(k)}]" end)]
 
-    {:ok, [map_header(map_size(kw)) | pairs]}
+    {:ok, [Msgpack.enc_map_header(map_size(kw)) | pairs]}
   catch
     {:bad_arg, where, e} -> bad("#{where}: #{Exception.message(e)}")
   end
@@ -211,14 +212,6 @@ defmodule VllmBridge.Wire do
   rescue
     e in ArgumentError -> throw({:bad_arg, where.(), e})
   end
-
-  defp array_header(n) when n < 16, do: 0x90 + n
-  defp array_header(n) when n < 0x10000, do: <<0xDC, n::16>>
-  defp array_header(n), do: <<0xDD, n::32>>
-
-  defp map_header(n) when n < 16, do: 0x80 + n
-  defp map_header(n) when n < 0x10000, do: <<0xDE, n::16>>
-  defp map_header(n), do: <<0xDF, n::32>>
 
   defp kwargs(nil), do: {:ok, %{}}
   defp kwargs(kw) when kw == %{} or kw == [], do: {:ok, %{}}

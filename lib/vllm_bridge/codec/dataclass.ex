@@ -14,6 +14,7 @@ defmodule VllmBridge.Codec.Dataclass do
   """
 
   alias VllmBridge.Codec.{Msgpack, Registry}
+  alias VllmBridge.Codec.Msgpack.Decoder
   alias VllmBridge.Object
 
   @doc """
@@ -36,7 +37,7 @@ defmodule VllmBridge.Codec.Dataclass do
       for f <- entry.fields,
           do: [entry.names[f] | Msgpack.encode_nested(Map.fetch!(struct, f), handler, depth)]
 
-    [0x92, entry.wire_class, map_header(length(entry.fields)) | fields]
+    [0x92, entry.wire_class, Msgpack.enc_map_header(length(entry.fields)) | fields]
   end
 
   @doc "The ext 4 payload of a `VllmBridge.Object`, as iodata (fields nest `depth` levels)."
@@ -54,7 +55,7 @@ defmodule VllmBridge.Codec.Dataclass do
             | Msgpack.encode_nested(Map.fetch!(fields, k), handler, depth)
           ]
 
-    [0x92, Msgpack.enc_str(class), map_header(length(keys)) | pairs]
+    [0x92, Msgpack.enc_str(class), Msgpack.enc_map_header(length(keys)) | pairs]
   end
 
   def encode_object(bad, _handler, _depth) do
@@ -77,21 +78,21 @@ defmodule VllmBridge.Codec.Dataclass do
     end
   end
 
-  @doc "Decodes an ext 4 payload; a malformed one aborts the decode (`Msgpack.fail!/1`)."
+  @doc "Decodes an ext 4 payload; a malformed one aborts the decode (`Decoder.fail!/1`)."
   @spec decode(binary(), module(), non_neg_integer()) :: struct()
   def decode(payload, handler, depth) do
     {class, r} =
-      case Msgpack.array_header(payload) do
-        {2, r} -> Msgpack.decode_one(r, handler, depth)
-        {n, _} -> Msgpack.fail!("a dataclass (ext 4) payload is an array of #{n}, not 2")
+      case Decoder.array_header(payload) do
+        {2, r} -> Decoder.decode_one(r, handler, depth)
+        {n, _} -> Decoder.fail!("a dataclass (ext 4) payload is an array of #{n}, not 2")
       end
 
-    unless is_binary(class), do: Msgpack.fail!("a dataclass (ext 4) class name is not a string")
-    {n, r} = Msgpack.map_header(r)
+    unless is_binary(class), do: Decoder.fail!("a dataclass (ext 4) class name is not a string")
+    {n, r} = Decoder.map_header(r)
     pairs = read_pairs(r, n, [], handler, depth)
 
     if map_size(Map.new(pairs)) != n,
-      do: Msgpack.fail!("dataclass #{class} repeats a field")
+      do: Decoder.fail!("dataclass #{class} repeats a field")
 
     case Registry.lookup(class) do
       {:ok, entry} ->
@@ -105,12 +106,12 @@ defmodule VllmBridge.Codec.Dataclass do
   defp read_pairs(<<>>, 0, acc, _handler, _depth), do: :lists.reverse(acc)
 
   defp read_pairs(_r, 0, _acc, _handler, _depth),
-    do: Msgpack.fail!("trailing bytes in a dataclass (ext 4) payload")
+    do: Decoder.fail!("trailing bytes in a dataclass (ext 4) payload")
 
   defp read_pairs(r, n, acc, handler, depth) do
-    {k, r} = Msgpack.decode_one(r, handler, depth)
-    unless is_binary(k), do: Msgpack.fail!("a dataclass (ext 4) field name is not a string")
-    {v, r} = Msgpack.decode_one(r, handler, depth)
+    {k, r} = Decoder.decode_one(r, handler, depth)
+    unless is_binary(k), do: Decoder.fail!("a dataclass (ext 4) field name is not a string")
+    {v, r} = Decoder.decode_one(r, handler, depth)
     read_pairs(r, n - 1, [{k, v} | acc], handler, depth)
   end
 
@@ -121,14 +122,8 @@ defmodule VllmBridge.Codec.Dataclass do
           Map.put(acc, field, value)
 
         _ ->
-          Msgpack.fail!("#{entry.class} has no field #{inspect(name)} (#{inspect(entry.module)})")
+          Decoder.fail!("#{entry.class} has no field #{inspect(name)} (#{inspect(entry.module)})")
       end
     end)
   end
-
-  @doc false
-  @spec map_header(non_neg_integer()) :: iodata()
-  def map_header(n) when n < 16, do: [0x80 + n]
-  def map_header(n) when n < 0x10000, do: <<0xDE, n::16>>
-  def map_header(n), do: <<0xDF, n::32>>
 end
