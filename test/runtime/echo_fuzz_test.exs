@@ -32,6 +32,7 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
   alias VllmBridge.{Bytes, Error, Object, Ref, Request, Tensor, Wire}
   alias VllmBridge.Codec.Msgpack
   alias VllmBridge.Runtime.EchoFuzzTest.Sample
+  alias VllmBridge.TestSupport.{TermGen, Unchecked}
   alias Vllm.ForwardContext.BatchDescriptor
 
   @pool :rt_echo_fuzz
@@ -39,14 +40,6 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
   @max Msgpack.max_depth()
   @descriptor BatchDescriptor.__python_class__()
   @key_refusal ~r/the map keys? .* (are equal in Python|Python cannot hash)/
-
-  defmodule Unchecked do
-    @moduledoc false
-    def encode_other(term, _h, depth),
-      do: VllmBridge.Codec.Ext.encode_other(term, __MODULE__, depth)
-
-    def check_keys(_pairs), do: :ok
-  end
 
   setup_all do
     start_pool!(@pool, size: 1)
@@ -223,37 +216,18 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
 
   # -- the generator ---------------------------------------------------------------------
 
-  defp gen(0, _refs), do: leaf()
-
   defp gen(depth, refs) do
-    case :rand.uniform(20) do
-      n when n <= 8 ->
-        leaf()
-
-      n when n <= 10 ->
-        for _ <- 1..:rand.uniform(5)//1, do: gen(depth - 1, refs)
-
-      11 ->
-        []
-
-      n when n <= 13 ->
-        Map.new(1..:rand.uniform(4), fn _ -> {key(), gen(depth - 1, refs)} end)
-
-      n when n <= 15 ->
-        List.to_tuple(for _ <- 1..(:rand.uniform(4) - 1)//1, do: gen(depth - 1, refs))
-
-      n when n <= 17 ->
-        Map.new(1..:rand.uniform(3), fn _ -> {string(), gen(depth - 1, refs)} end)
-
-      18 ->
-        descriptor()
-
-      19 ->
-        as_object(descriptor())
-
-      20 ->
-        Map.new(1..:rand.uniform(3), fn _ -> {rare_key(refs), gen(depth - 1, refs)} end)
-    end
+    TermGen.nested(depth,
+      leaf: &leaf/0,
+      key: &key/0,
+      extras: [
+        fn _sub -> [] end,
+        fn sub -> Map.new(1..:rand.uniform(3), fn _ -> {string(), sub.()} end) end,
+        fn _sub -> descriptor() end,
+        fn _sub -> as_object(descriptor()) end,
+        fn sub -> Map.new(1..:rand.uniform(3), fn _ -> {rare_key(refs), sub.()} end) end
+      ]
+    )
   end
 
   # A chain of 60 to 70 containers of every kind (the limit is 64).
@@ -293,7 +267,7 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
     case :rand.uniform(40) do
       1 -> Enum.random(@unhashable)
       n when n <= 20 -> Enum.random(@keys)
-      n when n <= 30 -> integer()
+      n when n <= 30 -> TermGen.integer()
       _ -> string()
     end
   end
@@ -333,49 +307,20 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
   defp leaf do
     case :rand.uniform(11) do
       1 -> Enum.random([nil, true, false])
-      2 -> integer()
-      3 -> float()
+      2 -> TermGen.integer()
+      3 -> TermGen.float()
       4 -> Enum.random([:nan, :infinity, :neg_infinity, -0.0, 1.0, 1.0e20])
       5 -> string()
-      6 -> <<0xFF, :rand.bytes(Enum.random([0, 3, 40]))::binary>>
+      6 -> TermGen.bytes([0, 3, 40])
       7 -> %Bytes{data: string()}
       8 -> Enum.random([:ok, :error, :full, :"an atom", :a])
-      9 -> tensor()
+      9 -> TermGen.tensor(2, 2)
       10 -> descriptor()
       11 -> {}
     end
   end
 
-  defp integer do
-    bits = Enum.random([1, 4, 7, 8, 15, 16, 31, 32, 63, 64, 65, 100, 300])
-    n = :rand.uniform(1 <<< bits) - 1
-    if :rand.uniform(2) == 1, do: n, else: -n
-  end
-
-  # Any finite float: random bits with the exponent kept below the NaN/inf one.
-  defp float do
-    <<f::float-64>> =
-      <<:rand.uniform(2) - 1::1, :rand.uniform(0x7FF) - 1::11, :rand.uniform(1 <<< 52) - 1::52>>
-
-    f
-  end
-
-  defp string do
-    len = Enum.random([0, 1, 2, 5, 33])
-
-    for _ <- 1..len//1,
-        into: "",
-        do: <<Enum.random([?a, ?b, ?Z, ?0, 0xE9, 0x2713, 0x1F600])::utf8>>
-  end
-
-  defp tensor do
-    dtype = Enum.random(Tensor.dtypes())
-    shape = for _ <- 1..(:rand.uniform(3) - 1)//1, do: :rand.uniform(3) - 1
-    n = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
-    data = :rand.bytes(n)
-    data = if dtype == :bool, do: for(<<b <- data>>, into: <<>>, do: <<b &&& 1>>), else: data
-    Tensor.new(data, dtype, shape)
-  end
+  defp string, do: TermGen.string([0, 1, 2, 5, 33])
 
   defp descriptor do
     %BatchDescriptor{

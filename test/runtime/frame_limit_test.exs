@@ -40,17 +40,7 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       binary = :erlang.memory(:binary)
 
       # The fake reads both requests, then answers with the header.
-      calls =
-        for i <- 1..2 do
-          Task.async(fn ->
-            VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 1], %{},
-              pool_name: :rt_huge,
-              timeout: 60_000
-            )
-          end)
-        end
-
-      for call <- calls do
+      for call <- two_calls(:rt_huge) do
         assert {:error, %Error{type: :worker_exit, message: msg}} = Task.await(call, 90_000)
         assert msg =~ "declaring 4294967295 bytes, over the limit of 1073741824 bytes"
         assert msg =~ "max_frame_bytes"
@@ -59,10 +49,7 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       # Nothing like the declared length was allocated.
       assert :erlang.memory(:total) - total < 64 <<< 20
       assert :erlang.memory(:binary) - binary < 64 <<< 20
-
-      # The Python process was killed, and a new one serves in its place.
-      wait_until(fn -> not os_alive?(first) end)
-      wait_until(fn -> match?({:ok, [%{os_pid: p}]} when p != first, Pool.workers(:rt_huge)) end)
+      restarted!(:rt_huge, first)
     end
 
     test "replies in the same chunk before it reach their callers; then the worker is killed" do
@@ -75,23 +62,28 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       [%{os_pid: first}] = workers!(:rt_huge_after)
 
       # The fake reads both requests, then writes both replies and the header at once.
-      calls =
-        for i <- 1..2 do
-          Task.async(fn ->
-            VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 1], %{},
-              pool_name: :rt_huge_after,
-              timeout: 60_000
-            )
-          end)
-        end
+      for call <- two_calls(:rt_huge_after),
+          do: assert({:ok, "answered"} = Task.await(call, 90_000))
 
-      for call <- calls, do: assert({:ok, "answered"} = Task.await(call, 90_000))
+      restarted!(:rt_huge_after, first)
+    end
 
+    # Two calls in flight at once on the pool's only worker.
+    defp two_calls(pool) do
+      for i <- 1..2 do
+        Task.async(fn ->
+          VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 1], %{},
+            pool_name: pool,
+            timeout: 60_000
+          )
+        end)
+      end
+    end
+
+    # The Python process `first` was killed, and a new one serves in its place.
+    defp restarted!(pool, first) do
       wait_until(fn -> not os_alive?(first) end)
-
-      wait_until(fn ->
-        match?({:ok, [%{os_pid: p}]} when p != first, Pool.workers(:rt_huge_after))
-      end)
+      wait_until(fn -> match?({:ok, [%{os_pid: p}]} when p != first, Pool.workers(pool)) end)
     end
 
     test "a worker that announces another limit than it was given is refused at its hello" do

@@ -97,11 +97,13 @@ defmodule VllmBridge.Runtime.SlotCountTest do
     end
 
     test "resets a leftover count seen unchanged over two sweeps with nothing in flight" do
-      meta = meta!(2)
-      calls = meta |> Calls.new(0) |> sweep()
-      assert Slots.load(meta, 0) == 2
-      _ = sweep(calls)
-      assert Slots.load(meta, 0) == 0
+      for load <- [1, 2, 16] do
+        meta = meta!(load)
+        calls = meta |> Calls.new(0) |> sweep()
+        assert Slots.load(meta, 0) == load
+        _ = sweep(calls)
+        assert Slots.load(meta, 0) == 0
+      end
     end
 
     test "does not reset a count that changed, or when requests arrived, between sweeps" do

@@ -16,17 +16,9 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
 
   alias VllmBridge.{Error, Request, Runtime, Session, Wire}
   alias VllmBridge.Codec.Msgpack
+  alias VllmBridge.TestSupport.Unchecked
 
   @pool :rt_refusal
-
-  # The protocol's encoder without the map-key check and with msgpack's own depth.
-  defmodule Unchecked do
-    @moduledoc false
-    def encode_other(term, _h, depth),
-      do: VllmBridge.Codec.Ext.encode_other(term, __MODULE__, depth)
-
-    def check_keys(_pairs), do: :ok
-  end
 
   setup_all do
     start_pool!(@pool, size: 1)
