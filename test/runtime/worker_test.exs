@@ -187,6 +187,29 @@ defmodule VllmBridge.Runtime.WorkerTest do
     end
   end
 
+  test "a standalone worker stops with its owner, however the owner ends, and so does its Python process" do
+    for ending <- [:normal, :kill, :shutdown] do
+      me = self()
+
+      owner =
+        spawn(fn ->
+          {:ok, w} = Worker.start_link()
+          send(me, {:started, w, Worker.os_pid(w)})
+
+          receive do
+            :end -> exit(:normal)
+          end
+        end)
+
+      assert_receive {:started, w, os_pid}, 90_000
+      mon = Process.monitor(w)
+      if ending == :normal, do: send(owner, :end), else: Process.exit(owner, ending)
+
+      assert_receive {:DOWN, ^mon, :process, ^w, _}, 30_000
+      wait_until(fn -> not os_alive?(os_pid) end, 30_000, "the Python process gone (#{ending})")
+    end
+  end
+
   # Pool options of a fake as the options of a worker of its own.
   defp fake_env(opts) do
     {env, opts} = Keyword.pop(opts, :worker_env)
