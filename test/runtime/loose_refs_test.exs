@@ -119,11 +119,14 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     bases = {count.(0), count.(1)}
 
     # One reference on each worker: the other one is held busy while the owner calls.
+    # Back to idle before the next hold: hold/1 waits for the pool's load to go up, which
+    # a cancelled hold's slot coming back at that moment would hide.
     on = fn busy, owner ->
       held = hold(o ++ [session_id: busy.id])
       send(owner, :call)
       assert_receive {:called, ^owner, {:ok, %Ref{} = ref}}, 30_000
       unhold(held)
+      await_idle!(pool)
       ref
     end
 
