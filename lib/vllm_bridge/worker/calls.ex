@@ -1,10 +1,12 @@
 defmodule VllmBridge.Worker.Calls do
   @moduledoc false
   # The table of calls in flight of one worker process (VllmBridge.Worker), and what
-  # happens to a call once it is in it: its reply reaches its caller (`finish/4`), its
-  # caller gives up or dies (`cancel/3`, `abandon/2`), it is overdue (`sweep/2`), or the
-  # worker goes down (`fail_all/2`). The worker process owns the port and writes to it;
-  # this module keeps the table, talks to the callers and gives pool slots back.
+  # happens to a request from its arrival: admitted or refused (`admit/6`), its reply
+  # reaching its caller (`finish/4`), its caller giving up or dying (`cancel/3`,
+  # `abandoned/2`), overdue or still running after its cancel (`sweep/3`,
+  # `overstayed/3`), or the worker going down (`fail_all/2`). The worker process owns the
+  # port and writes to it; this module keeps the table, answers the callers, gives pool
+  # slots back and keeps the pool's slot count right (`sweep/3`).
   #
   # An entry: `id => {alias, {counted, what}, deadline, status, monitor}`, where `counted`
   # says the call holds a pool slot, `what` is `{kind, target}` or nil (for messages),
@@ -39,10 +41,6 @@ defmodule VllmBridge.Worker.Calls do
   @doc false
   @spec size(t()) :: non_neg_integer()
   def size(%__MODULE__{map: map}), do: map_size(map)
-
-  @doc false
-  @spec member?(t(), non_neg_integer()) :: boolean()
-  def member?(%__MODULE__{map: map}, id), do: Map.has_key?(map, id)
 
   @doc false
   # The requests whose callers gave up while the worker was starting: they were answered
