@@ -307,7 +307,11 @@ defmodule VllmBridge do
       refs
       |> Enum.group_by(&{&1.instance, &1.session})
       |> Enum.reduce_while({:ok, 0}, fn {_instance_and_session, group}, {:ok, n} ->
-        case run(rt, {"release", group}, hd(group), nil, [Wire.value(group)], false) do
+        # Named by how many it releases: the list itself would be copied into the
+        # request's message and kept in the worker's table while it is in flight.
+        what = "of #{length(group)} reference(s)"
+
+        case run(rt, {"release", what}, hd(group), nil, [Wire.value(group)], false) do
           {:ok, k} when is_integer(k) ->
             LooseRefs.forget(group)
             {:cont, {:ok, n + k}}
@@ -419,5 +423,5 @@ defmodule VllmBridge do
   defp describe({%Ref{} = ref, nil}), do: "reference #{ref.id} (#{ref.type})"
   defp describe({%Ref{} = ref, path}), do: "reference #{ref.id} (#{ref.type}).#{path}"
   defp describe(%Ref{} = ref), do: "of reference #{ref.id} (#{ref.type})"
-  defp describe(refs) when is_list(refs), do: "of #{length(refs)} reference(s)"
+  defp describe(text) when is_binary(text), do: text
 end

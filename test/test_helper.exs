@@ -1,3 +1,5 @@
 Code.require_file("support/runtime_helpers.exs", __DIR__)
+Code.require_file("support/unchecked_codec.exs", __DIR__)
+Code.require_file("support/term_gen.exs", __DIR__)
 Code.require_file("support/stream_context_case.exs", __DIR__)
 ExUnit.start()

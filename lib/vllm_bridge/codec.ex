@@ -33,8 +33,11 @@ defmodule VllmBridge.Codec do
   **Refused, never changed.** Encoding raises an `ArgumentError` naming the value when
   Python could not take it as it is: a map key Python cannot hash (a list, a map, a tuple
   holding one), two map keys Python holds equal (`1` and `true`, `1` and `1.0`, `:a` and
-  `"a"`: a dict would keep one), or a value nested deeper than `max_depth/0` levels
-  (docs/PROTOCOL.md, "Map keys, nesting, keyword arguments").
+  `"a"`, a struct and a `VllmBridge.Object` of its class with equal fields: a dict would
+  keep one), an Object whose field names are not all strings, or a value nested deeper
+  than `max_depth/0` levels (docs/PROTOCOL.md, "Map keys, nesting, keyword arguments").
+  Whether a dataclass is frozen is not known here: a struct key of one that is not (it
+  cannot be hashed) is refused by the worker, under the request's id, not before sending.
 
       iex> VllmBridge.Codec.encode(%{1 => "a", true => "b"})
       ** (ArgumentError) the map keys 1 and true are equal in Python (true == 1 and false == 0), so a dict would keep only one of them: give each its own key

@@ -42,8 +42,10 @@ defmodule VllmBridge.Request do
   A request before it has an id: `kind`, the encoded fields before the timeout (`pre`,
   usually the session), whether the kind carries a timeout field, the encoded fields
   after it (`post`), the bytes `pre` and `post` take (`size`, counted once), and the
-  `target` it runs, if any (only for messages: the worker names it when the call costs
-  the Python process, see `VllmBridge.Worker`).
+  `target` it runs, if any, or a short description of what it does (only for messages:
+  the worker names it when the call costs the Python process, see `VllmBridge.Worker`;
+  it is copied into the request's message and kept while the request is in flight, so
+  it stays small).
   """
   @type t :: %__MODULE__{
           kind: String.t(),
@@ -106,8 +108,8 @@ defmodule VllmBridge.Request do
     id = :erlang.unique_integer([:positive])
     mref = :erlang.monitor(:process, pid, [{:alias, mode}])
     caller = if watch, do: self()
-    frame = frame(req, id, deadline)
-    send(pid, {:"$vb_req", id, mref, caller, frame, deadline, counted, what(req)})
+    {frame, size} = frame(req, id, deadline)
+    send(pid, {:"$vb_req", id, mref, caller, frame, size, deadline, counted, what(req)})
     {pid, id, mref}
   end
 
@@ -115,13 +117,16 @@ defmodule VllmBridge.Request do
   @spec cast(pid(), t(), integer() | :infinity) :: :ok
   def cast(pid, %__MODULE__{} = req, deadline) do
     id = :erlang.unique_integer([:positive])
-    send(pid, {:"$vb_req", id, nil, nil, frame(req, id, deadline), deadline, false, what(req)})
+    {frame, size} = frame(req, id, deadline)
+    send(pid, {:"$vb_req", id, nil, nil, frame, size, deadline, false, what(req)})
     :ok
   end
 
   defp what(%{target: nil}), do: nil
   defp what(%{kind: kind, target: target}), do: {kind, target}
 
+  # The frame and its body's size; no frame (nil) when the body is longer than a frame's
+  # length can say: the worker refuses it by its size, as one over its frame limit.
   defp frame(%{kind: kind, pre: pre, timed: true, post: post, size: size}, id, deadline) do
     ms =
       case Runtime.remaining(deadline) do
@@ -129,11 +134,14 @@ defmodule VllmBridge.Request do
         left -> Wire.value(left)
       end
 
-    Wire.request(kind, id, pre ++ [ms | post], size + IO.iodata_length(ms))
+    framed(Wire.frame_request(kind, id, pre ++ [ms | post], size + IO.iodata_length(ms)))
   end
 
   defp frame(%{kind: kind, pre: pre, post: post, size: size}, id, _deadline),
-    do: Wire.request(kind, id, pre ++ post, size)
+    do: framed(Wire.frame_request(kind, id, pre ++ post, size))
+
+  defp framed({:ok, frame, size}), do: {frame, size}
+  defp framed({:too_large, size}), do: {nil, size}
 
   @doc """
   Waits until `deadline` for the one reply of a request sent with `send_request/6`. Past
@@ -239,7 +247,12 @@ defmodule VllmBridge.Request do
   def worker_exit(message), do: {:error, Error.new(:worker_exit, message)}
 
   @doc false
+  # A worker that went down with a request still in its mailbox: its stop reason says why
+  # when it knows (VllmBridge.Worker stops with {:shutdown, {:worker_exit, message}}).
   @spec worker_down(term()) :: {:error, Error.t()}
+  def worker_down({:shutdown, {:worker_exit, message}}) when is_binary(message),
+    do: worker_exit(message)
+
   def worker_down(reason),
     do: worker_exit("the worker process exited (#{inspect(reason, limit: 5)}) during the call")
 end

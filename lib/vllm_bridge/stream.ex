@@ -36,11 +36,9 @@ defmodule VllmBridge.Stream do
   def new(target, args, kwargs, opts) do
     with {:ok, _checked} <- Runtime.resolve(opts, :stream),
          {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
-      bound = bound_ref(target)
-
       {:ok,
        Stream.resource(
-         fn -> start(bound, args, kwargs, parts, opts) end,
+         fn -> start(target, args, kwargs, parts, opts) end,
          &next/1,
          &stop/1
        )}
@@ -50,10 +48,11 @@ defmodule VllmBridge.Stream do
   defp bound_ref({%VllmBridge.Ref{} = ref, _}), do: ref
   defp bound_ref(_), do: nil
 
-  defp start(bound, args, kwargs, parts, opts) do
+  defp start(target, args, kwargs, parts, opts) do
     with {:ok, rt} <- Runtime.resolve(opts, :stream),
-         {:ok, route} <- Route.resolve(rt, "stream", bound, {args, kwargs}),
-         req = Request.new("stream", [Wire.value(route.session)], true, parts),
+         {:ok, route} <- Route.resolve(rt, "stream", bound_ref(target), {args, kwargs}),
+         # The target, for the worker's messages (a stream that costs it its process).
+         req = Request.new("stream", [Wire.value(route.session)], true, parts, target),
          {:ok, pid, _i} <- Route.checkout(route, req, rt.deadline) do
       handle = Request.send_request(pid, req, rt.deadline, true, :demonitor)
 

@@ -4,19 +4,22 @@ defmodule VllmBridge.Wire do
   reading just the kind and id of a worker frame (`peek/1`, what the worker process needs to
   route it) and decoding a reply into a result (done by the caller).
 
-  Values go through `VllmBridge.Codec.encode/1` and `decode/1` only. The one piece of
-  msgpack written here is the array header of a request (`0x90 + n` for the short arrays
-  of the protocol) so that the parts of a request can be encoded at different times: the
-  arguments in the caller before anything is reserved, the id and the milliseconds left
-  just before the frame is sent. `peek/1` reads the first two elements of a reply by hand
+  Values go through `VllmBridge.Codec.encode/1` and `decode/1` only. The pieces of
+  msgpack written here are the array and map headers of a request and of its arguments
+  (`VllmBridge.Codec.Msgpack`'s header encoders) so that the parts of a request can be
+  encoded at different times: the arguments in the caller before anything is reserved,
+  the id and the milliseconds left just before the frame is sent. `peek/1` reads the first two elements of a reply by hand
   (fixarray, short str, unsigned int or nil) and falls back to the full decoder for any
   other shape.
   """
 
   alias VllmBridge.{Codec, Error, Ref}
+  alias VllmBridge.Codec.Msgpack
 
   # Request bodies up to this size are flattened into one binary.
   @flatten_max 64 * 1024
+  # What a frame's 4-byte length can say.
+  @max_body 0xFFFF_FFFF
 
   @typedoc "What `peek/1` finds: the message kind and its id (nil when none)."
   @type head ::
@@ -37,7 +40,9 @@ defmodule VllmBridge.Wire do
   A frame of up to 64 KiB is one binary (one cheap copy, then a single refc binary moves
   between processes); a larger one stays iodata, `[<<length::32>> | body]`, so that a
   large tensor's data goes to the port as the binary it already is instead of being
-  copied into a new one. `frame_size/1` reads the length back without a walk.
+  copied into a new one. `body_size/1` reads the length back without a walk. Raises
+  `ArgumentError` for a body longer than the header can say (`frame_request/4` does not
+  raise).
   """
   @spec request(String.t(), non_neg_integer(), [iodata()]) :: iodata()
   def request(kind, id, fields), do: request(kind, id, fields, IO.iodata_length(fields))
@@ -48,17 +53,45 @@ defmodule VllmBridge.Wire do
   walked again.
   """
   @spec request(String.t(), non_neg_integer(), [iodata()], non_neg_integer()) :: iodata()
-  def request(kind, id, fields, fields_size) when length(fields) <= 13 do
-    head = [0x92 + length(fields), Codec.encode(kind) | Codec.encode(id)]
+  def request(kind, id, fields, fields_size) do
+    case frame_request(kind, id, fields, fields_size) do
+      {:ok, frame, _size} ->
+        frame
+
+      {:too_large, size} ->
+        raise ArgumentError,
+              "a request body of #{size} bytes cannot be framed: a frame's 4-byte length " <>
+                "says at most #{@max_body} bytes"
+    end
+  end
+
+  @doc """
+  `request/4` for a caller that must not raise: `{:ok, frame, body_size}`, or
+  `{:too_large, body_size}`, with nothing framed, when the body is longer than a 4-byte
+  length can say (#{@max_body} bytes): its length written there would lose its high bits
+  and read as another, smaller one.
+  """
+  @spec frame_request(String.t(), non_neg_integer(), [iodata()], non_neg_integer()) ::
+          {:ok, iodata(), non_neg_integer()} | {:too_large, non_neg_integer()}
+  def frame_request(kind, id, fields, fields_size) when length(fields) <= 13 do
+    head = [Msgpack.enc_array_header(length(fields) + 2), Codec.encode(kind) | Codec.encode(id)]
     size = IO.iodata_length(head) + fields_size
-    frame = [<<size::32>>, head | fields]
-    if size > @flatten_max, do: frame, else: IO.iodata_to_binary(frame)
+
+    cond do
+      size > @max_body -> {:too_large, size}
+      size > @flatten_max -> {:ok, [<<size::32>>, head | fields], size}
+      true -> {:ok, IO.iodata_to_binary([<<size::32>>, head | fields]), size}
+    end
   end
 
   @doc "The body length of a frame made by `request/3,4`, read from its header."
-  @spec frame_size(iodata()) :: non_neg_integer()
-  def frame_size(<<size::32, _::binary>>), do: size
-  def frame_size([<<size::32>> | _]), do: size
+  @spec body_size(iodata()) :: non_neg_integer()
+  def body_size(<<size::32, _::binary>>), do: size
+  def body_size([<<size::32>> | _]), do: size
+
+  @doc "The most bytes a frame's body can take: what its 4-byte length can say."
+  @spec max_body_size() :: pos_integer()
+  def max_body_size, do: @max_body
 
   @doc """
   The most bytes the body of a request of `kind` can take when its encoded fields take
@@ -149,7 +182,7 @@ defmodule VllmBridge.Wire do
     if n < 0 do
       bad("args must be a proper list, got #{inspect(args, limit: 5)}")
     else
-      {:ok, [array_header(n) | encode_each(args, 0)]}
+      {:ok, [Msgpack.enc_array_header(n) | encode_each(args, 0)]}
     end
   catch
     {:bad_arg, where, e} -> bad("#{where}: #{Exception.message(e)}")
@@ -169,7 +202,7 @@ defmodule VllmBridge.Wire do
       for {k, v} <- Enum.sort(kw),
           do: [Codec.encode(k) | encode_at(v, fn -> "kwargs[#{inspect(k)}]" end)]
 
-    {:ok, [map_header(map_size(kw)) | pairs]}
+    {:ok, [Msgpack.enc_map_header(map_size(kw)) | pairs]}
   catch
     {:bad_arg, where, e} -> bad("#{where}: #{Exception.message(e)}")
   end
@@ -179,14 +212,6 @@ defmodule VllmBridge.Wire do
   rescue
     e in ArgumentError -> throw({:bad_arg, where.(), e})
   end
-
-  defp array_header(n) when n < 16, do: 0x90 + n
-  defp array_header(n) when n < 0x10000, do: <<0xDC, n::16>>
-  defp array_header(n), do: <<0xDD, n::32>>
-
-  defp map_header(n) when n < 16, do: 0x80 + n
-  defp map_header(n) when n < 0x10000, do: <<0xDE, n::16>>
-  defp map_header(n), do: <<0xDF, n::32>>
 
   defp kwargs(nil), do: {:ok, %{}}
   defp kwargs(kw) when kw == %{} or kw == [], do: {:ok, %{}}

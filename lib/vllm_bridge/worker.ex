@@ -20,30 +20,24 @@ defmodule VllmBridge.Worker do
     * **Pipelining.** Several calls may be in flight at once; the Python side runs them one
       at a time, in order. In a pool, how many is bounded by `VllmBridge.Pool.Slots`, which
       this process releases as replies come in.
-    * **Death.** When the Python process exits, every call in flight gets
-      `{:error, %VllmBridge.Error{type: :worker_exit}}` at once and this process stops; its
-      supervisor starts a new one (a new Python process, a new `instance`).
-    * **Timeouts.** A caller that times out settles the call through here (`$vb_settle`):
-      the cancel goes to Python if the call is still in the table, and `:cancelled` goes
-      back to the caller, always, after any reply already passed on (see
-      `VllmBridge.Request`). Python drops a queued call, and interrupts a running one
-      where it is (a Python loop at its next bytecode, a blocking call such as a sleep or
-      a lock wait at once; see docs/PROTOCOL.md, "Cancel"): the worker, its sessions and
-      their state stay, and the next call runs at once. Whatever reply still comes is
-      dropped here, and the references in it (made for it, and seen by nobody) are
-      released in their sessions.
-    * **`cancel_grace`.** A cancelled call still in the table `cancel_grace` ms later did
-      not stop when interrupted: it is stuck in C code (a kernel, a C extension's loop:
-      interrupted only once it returns to Python), in an `__enter__` (never
-      interrupted), or it caught the interruption and went on. Then the Python process is
-      killed so that the worker restarts; every call in flight on it gets `:worker_exit`
-      saying so (which request, and `cancel_grace`), and the sessions on it are lost
-      (their next call's `:session_lost` says why too). As with Ctrl-C, an interruption
-      that lands in the interrupted code's own cleanup can leave that code's state
-      half-reset; the worker's own state is never interrupted.
-    * **Callers that die.** Each waiting caller is monitored while its request is in
-      flight. When one dies, its requests are cancelled at once, as on a timeout: a
-      queued call is dropped, a running one interrupted, so their slots come back.
+    * **Death.** When the Python process exits, or the port to it fails (it stopped
+      reading: `:epipe`), every call in flight gets
+      `{:error, %VllmBridge.Error{type: :worker_exit}}` saying so at once and this process
+      stops; its supervisor starts a new one (a new Python process, a new `instance`).
+    * **Timeouts, and callers that die.** A caller that gives up settles its call through
+      here (`VllmBridge.Request.give_up/2`: `:cancelled` comes back after any reply
+      already passed on), and the calls of a caller that dies (each waiting caller is
+      monitored) are cancelled the same way: Python drops a queued call and interrupts a
+      running one where it is (docs/PROTOCOL.md, "Cancel"), so its slot comes back and
+      the worker, its sessions and their state stay. A reply that still comes is dropped
+      here, and the references in it (seen by nobody) are released in their sessions.
+    * **`cancel_grace`.** A cancelled call still running `cancel_grace` ms later did not
+      stop when interrupted: it is stuck in C code (interrupted only once it returns to
+      Python), in an `__enter__` (never interrupted), or it caught the interruption. The
+      Python process is then killed and the worker restarts; every call in flight on it,
+      and every session lost with it, says why (which request, and `cancel_grace`). As
+      with Ctrl-C, an interruption that lands in the interrupted code's own cleanup can
+      leave that code's state half-reset; the worker's own state is never interrupted.
     * **Logs.** `log` frames go to `Logger` with the Python logger's name.
 
   Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
@@ -58,7 +52,7 @@ defmodule VllmBridge.Worker do
 
   alias VllmBridge.{Error, Request, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.{Framer, Launcher, PythonLog}
+  alias VllmBridge.Worker.{Calls, Framer, Launcher, PythonLog}
 
   @start_timeout 60_000
   @cancel_grace 5_000
@@ -68,7 +62,10 @@ defmodule VllmBridge.Worker do
   @typedoc "What the worker announced in its handshake."
   @type hello :: %{optional(String.t()) => term()}
 
-  @doc "Starts a worker linked to the caller (options above). The handshake runs after."
+  @doc """
+  Starts a worker linked to the caller (options above). The handshake runs after. The
+  worker stops when the caller exits, whatever the reason, and its Python process with it.
+  """
   @spec start_link(keyword()) :: GenServer.on_start()
   def start_link(opts \\ []) do
     GenServer.start_link(__MODULE__, opts, Keyword.take(opts, [:name]))
@@ -150,10 +147,13 @@ defmodule VllmBridge.Worker do
     index = Keyword.get(opts, :index, 0)
     meta = Keyword.get(opts, :meta)
 
+    # The port's failure comes as a message (its callers are then told why), and
+    # shutting down runs terminate/2 (callers told, Python process gone): when a pool's
+    # supervisor stops this process, and when a standalone worker's owner (the process
+    # that started it, linked) exits, whatever its reason.
+    Process.flag(:trap_exit, true)
+
     if meta do
-      # In a pool, shutting down must run terminate/2 (callers told, Python process gone).
-      # A standalone worker dies with its linked owner, and its port closes with it.
-      Process.flag(:trap_exit, true)
       Slots.put_load(meta, index, Slots.down())
       Directory.clear_worker(pool, index)
     end
@@ -164,18 +164,16 @@ defmodule VllmBridge.Worker do
           port: port,
           launch: Keyword.take(opts, [:max_frame_bytes]),
           framer: nil,
-          max_frame: Launcher.max_frame_bytes(opts),
+          max_frame: min(Launcher.max_frame_bytes(opts), Wire.max_body_size()),
           os_pid: Launcher.os_pid(port),
           hello: nil,
           instance: nil,
           pool: pool,
           index: index,
           meta: meta,
-          calls: %{},
+          calls: Calls.new(meta, index),
           # Why the Python process was killed, once this process killed it (cancel_grace).
           killed: nil,
-          settled: MapSet.new(),
-          arrivals: 0,
           start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
           cancel_grace: Keyword.get(opts, :cancel_grace, @cancel_grace),
           shutdown_grace: Keyword.get(opts, :shutdown_grace, @shutdown_grace)
@@ -197,7 +195,7 @@ defmodule VllmBridge.Worker do
           | hello: hello,
             instance: hello["instance"],
             os_pid: hello["pid"],
-            settled: settled,
+            calls: Calls.settled(state.calls, settled),
             framer: framer
         }
 
@@ -219,7 +217,7 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def handle_call(:hello, _from, state), do: {:reply, state.hello, state}
-  def handle_call(:in_flight, _from, state), do: {:reply, map_size(state.calls), state}
+  def handle_call(:in_flight, _from, state), do: {:reply, Calls.size(state.calls), state}
 
   def handle_call(:close, _from, state) do
     {:stop, :normal, :ok, shut(state, "the worker was closed")}
@@ -236,54 +234,25 @@ defmodule VllmBridge.Worker do
 
       {:too_large, len, frames} ->
         state = Enum.reduce(frames, state, &route(&2, &1))
-        message = Launcher.too_large_message(state.os_pid, len, state.max_frame)
-        Logger.error("vllm_bridge worker #{label(state)}: #{message} (it restarts)")
         # Killed first: it must not go on writing into a stream nobody reads.
         Launcher.kill(state.os_pid)
-        {:stop, {:shutdown, {:frame_too_large, len}}, shut(state, message)}
+        down(state, Launcher.too_large_message(state.os_pid, len, state.max_frame))
     end
   end
 
-  # A call in the table: `{alias, {counted, what}, deadline, status, monitor}`, where
-  # `what` is `{kind, target}` (for messages), and status is :live (a caller waits on
-  # `alias`, monitored by `monitor`), :detached (nobody waits) or {:cancelled, since}
-  # (cancel sent, grace running).
-  def handle_info({:"$vb_req", id, alias, caller, frame, deadline, counted, what}, state) do
-    cond do
-      MapSet.member?(state.settled, id) ->
-        # Its caller gave up while this process was starting, and was answered then.
-        if counted, do: release(state)
-        {:noreply, %{state | settled: MapSet.delete(state.settled, id)}}
-
-      Map.has_key?(state.calls, id) ->
-        if alias,
-          do:
-            send(alias, {alias, :reply_error, Error.new(:protocol, "request id #{id} is in use")})
-
-        if counted, do: release(state)
-        {:noreply, state}
-
-      Wire.frame_size(frame) > state.max_frame ->
-        # Checked before a slot is taken on a pool's path (VllmBridge.Route); this catches
-        # the others (Worker.call, a session's close, a release) before Python would see
-        # a header over its limit and end the stream.
-        error = Wire.too_large(Wire.frame_size(frame), state.max_frame, "max_frame_bytes")
-        if alias, do: send(alias, {alias, :reply_error, error})
-        if counted, do: release(state)
-        {:noreply, state}
-
-      true ->
+  # A request from a caller (VllmBridge.Request): written to the port and put in the
+  # table of calls in flight (VllmBridge.Worker.Calls), unless the table refuses it.
+  def handle_info({:"$vb_req", id, alias, caller, frame, size, deadline, counted, what}, state) do
+    # (A body too long to be framed, frame nil, is over any limit: `max_frame` is capped
+    # at what a frame's length can say.)
+    case Calls.admit(state.calls, id, alias, counted, size, state.max_frame) do
+      {:ok, calls} ->
         Port.command(state.port, frame)
+        calls = Calls.add(calls, id, alias, caller, counted, what, deadline)
+        {:noreply, %{state | calls: calls}}
 
-        entry =
-          cond do
-            caller -> {alias, {counted, what}, deadline, :live, Process.monitor(caller)}
-            alias -> {alias, {counted, what}, deadline, :live, nil}
-            true -> {nil, {counted, what}, deadline, :detached, nil}
-          end
-
-        calls = Map.put(state.calls, id, entry)
-        {:noreply, %{state | calls: calls, arrivals: state.arrivals + 1}}
+      {:refused, calls} ->
+        {:noreply, %{state | calls: calls}}
     end
   end
 
@@ -291,13 +260,8 @@ defmodule VllmBridge.Worker do
 
   # A stream's consumer gives room back (VllmBridge.Stream): passed on while it is live.
   def handle_info({:"$vb_credit", id, n}, state) do
-    case state.calls do
-      %{^id => {_, _, _, :live, _}} ->
-        Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
-
-      _ ->
-        :ok
-    end
+    if Calls.live(state.calls, id),
+      do: Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
 
     {:noreply, state}
   end
@@ -311,47 +275,54 @@ defmodule VllmBridge.Worker do
   end
 
   def handle_info({:"$vb_grace", id}, state) do
-    case state.calls do
-      %{^id => {_, {_, what}, _, {:cancelled, since}, _}} ->
-        why =
-          "the Python process (os pid #{state.os_pid}) was killed because request #{id}" <>
-            "#{describe(what)} was still running " <>
-            "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled " <>
-            "(cancel_grace #{state.cancel_grace} ms: it did not stop when interrupted)"
+    case Calls.overstayed(state.calls, id, state.cancel_grace) do
+      nil ->
+        {:noreply, state}
 
+      overstayed ->
+        why = "the Python process (os pid #{state.os_pid}) was killed because #{overstayed}"
         Logger.warning("vllm_bridge worker #{label(state)}: #{why}; the worker restarts")
         Launcher.kill(state.os_pid)
         # Every call that loses its worker, and every session lost with it, says why.
         {:noreply, %{state | killed: why}}
-
-      _ ->
-        {:noreply, state}
     end
   end
 
+  # The caller of a call died: cancel the call as if it had timed out.
   def handle_info({:DOWN, mon, :process, _caller, _reason}, state) do
-    {:noreply, abandon(state, mon)}
+    case Calls.abandoned(state.calls, mon) do
+      nil -> {:noreply, state}
+      id -> {:noreply, cancel(state, id)}
+    end
   end
 
   def handle_info(:sweep, state) do
     Process.send_after(self(), :sweep, @sweep_every)
-    {:noreply, sweep(state)}
+    now = System.monotonic_time(:millisecond)
+    {overdue, calls} = Calls.sweep(state.calls, now, @sweep_every)
+    {:noreply, Enum.reduce(overdue, %{state | calls: calls}, &cancel(&2, &1))}
   end
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
-    Logger.error(
-      "vllm_bridge worker #{label(state)}: the Python process (os pid #{state.os_pid}) " <>
-        "exited with status #{status}; #{map_size(state.calls)} call(s) in flight get " <>
-        ":worker_exit and the worker restarts"
+    down(
+      %{state | port: nil},
+      "the Python worker exited with status #{status} (os pid #{state.os_pid})"
     )
-
-    state = %{state | port: nil}
-    why = state.killed || "the Python worker exited with status #{status}"
-    {:stop, {:shutdown, {:worker_exit, status}}, shut(state, why)}
   end
 
-  def handle_info({:EXIT, port, _reason}, %{port: port} = state) when is_port(port) do
+  # The port closed after its process exited: the exit status comes (or came) first.
+  def handle_info({:EXIT, port, :normal}, %{port: port} = state) when is_port(port) do
     {:noreply, state}
+  end
+
+  # The port failed (`:epipe`: a write the Python process no longer reads, because it
+  # stopped reading or is on its way out): no frame can reach it any more.
+  def handle_info({:EXIT, port, reason}, %{port: port} = state) when is_port(port) do
+    down(
+      state,
+      "the port to the Python process (os pid #{state.os_pid}) failed " <>
+        "(#{inspect(reason)}): it no longer reads its requests (see its stderr)"
+    )
   end
 
   def handle_info(_other, state), do: {:noreply, state}
@@ -368,18 +339,18 @@ defmodule VllmBridge.Worker do
   defp route(state, bin) do
     case Wire.peek(bin) do
       {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
-        finish(state, id, :reply, bin)
+        %{state | calls: Calls.finish(state.calls, id, :reply, bin)}
 
       {:chunk, id} when id != nil ->
-        case state.calls do
-          %{^id => {alias, _, _, :live, _}} -> send(alias, {alias, :chunk, bin})
-          _ -> release_dropped(bin)
+        case Calls.live(state.calls, id) do
+          nil -> Calls.drop(bin)
+          alias -> send(alias, {alias, :chunk, bin})
         end
 
         state
 
       {:end, id} when id != nil ->
-        finish(state, id, :end, nil)
+        %{state | calls: Calls.finish(state.calls, id, :end, nil)}
 
       {:log, _} ->
         PythonLog.emit(bin, label(state))
@@ -395,111 +366,50 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # -- calls in flight --------------------------------------------------------------------
-
-  defp finish(state, id, tag, bin) do
-    case Map.pop(state.calls, id) do
-      {{alias, {counted, _}, _, status, mon}, calls} ->
-        # The slot first: a caller that has its reply and calls again at once must find
-        # the worker idle (`:strict_fail_fast` and `:hint` look for a count of 0).
-        if counted, do: release(state)
-        if status == :live, do: send(alias, {alias, tag, bin}), else: release_dropped(bin)
-        # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
-        if mon, do: Process.demonitor(mon)
-        %{state | calls: calls}
-
-      {nil, _} ->
-        state
-    end
-  end
-
-  # A reply or chunk nobody will read (its caller gave up or died): the references in it
-  # were made for it and no process got them, so nobody could ever release them (those of
-  # the default session would outlive every session, those of a session would hold its
-  # objects until it closes); they are released here, each in its session. Decoded only
-  # on this path.
-  defp release_dropped(nil), do: :ok
-
-  defp release_dropped(bin) do
-    with {:ok, value} <- Wire.decode_reply(bin),
-         [_ | _] = refs <- VllmBridge.Ref.collect(value) do
-      Request.cast_release(self(), refs)
-    else
-      _ -> :ok
-    end
-  end
-
-  defp release(%{meta: nil}), do: :ok
-  defp release(%{meta: meta, index: index}), do: Slots.release(meta, index)
-
   # The caller gave up, died, or its call is overdue: cancel it (Python drops it if
   # queued, interrupts it if running), and restart the Python process if the call still
   # runs `cancel_grace` ms from now.
   defp cancel(state, id) do
-    case state.calls do
-      %{^id => {alias, slot, deadline, :live, mon}} ->
+    case Calls.cancel(state.calls, id, System.monotonic_time(:millisecond)) do
+      {:cancelled, calls} ->
         Port.command(state.port, Wire.request("cancel", id, []))
-        if mon, do: Process.demonitor(mon)
         Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
-        now = System.monotonic_time(:millisecond)
-        entry = {alias, slot, deadline, {:cancelled, now}, nil}
-        %{state | calls: Map.put(state.calls, id, entry)}
+        %{state | calls: calls}
 
-      _ ->
+      :not_live ->
         state
     end
   end
 
-  # The caller of a call died: cancel the call as if it had timed out.
-  defp abandon(state, mon) do
-    case Enum.find(state.calls, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
-      {id, _entry} -> cancel(state, id)
-      nil -> state
-    end
-  end
-
-  # Calls past their deadline that nobody cancelled (their caller forgot them): cancel
-  # them now. And a slot count left over by a caller that died between reserving and
-  # sending is set right when the table has been empty for a whole sweep.
-  defp sweep(state) do
-    now = System.monotonic_time(:millisecond)
-
-    overdue =
-      for {id, {_, _, deadline, :live, _}} <- state.calls,
-          is_integer(deadline) and deadline + @sweep_every < now,
-          do: id
-
-    state = Enum.reduce(overdue, state, &cancel(&2, &1))
-
-    if state.meta && map_size(state.calls) == 0 && state.arrivals == 0 &&
-         Slots.load(state.meta, state.index) != 0 do
-      Slots.put_load(state.meta, state.index, 0)
-    end
-
-    %{state | arrivals: 0}
-  end
-
-  # Everything in flight gets :worker_exit; the directory forgets this worker; the Python
-  # process is closed (and killed if it lingers).
+  # The directory forgets this worker (keeping why) and its slots go down; only then
+  # does everything in flight get :worker_exit, so that a caller that retries at once
+  # finds it gone (its session lost, saying why) instead of reserving on it. The Python
+  # process is closed (and killed if it lingers). Requests still in this mailbox see the
+  # stop reason, `{:shutdown, {:worker_exit, message}}` (VllmBridge.Request.worker_down/1).
   defp shut(state, message) do
-    for {_id, {alias, _, _, :live, _}} <- state.calls do
-      send(alias, {alias, :worker_exit, message})
-    end
-
     if state.meta do
       Directory.worker_down(state.pool, state.index, state.instance, message)
       Slots.put_load(state.meta, state.index, Slots.down())
     end
 
+    calls = Calls.fail_all(state.calls, message)
+
     if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
     # Down once: terminate/2 runs this again, and must not overwrite the reason recorded.
-    %{state | calls: %{}, port: nil, instance: nil}
+    %{state | calls: calls, port: nil, instance: nil}
   end
 
-  defp describe({kind, target}) when is_binary(kind),
-    do: " (#{kind} #{inspect(target, limit: 5, printable_limit: 80)})"
+  # The worker goes down: logged, every caller told why (the grace kill's reason, when
+  # that is what ended it), and this process stops (its supervisor starts a new one).
+  defp down(state, event) do
+    Logger.error(
+      "vllm_bridge worker #{label(state)}: #{event}; #{Calls.size(state.calls)} call(s) " <>
+        "in flight get :worker_exit and the worker restarts"
+    )
 
-  defp describe(_), do: ""
+    why = state.killed || event
+    {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
+  end
 
   defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"
   defp label(%{pool: pool, index: index}), do: "#{inspect(pool)}[#{index}]"

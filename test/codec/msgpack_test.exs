@@ -4,6 +4,7 @@ defmodule VllmBridge.Codec.MsgpackTest do
 
   alias VllmBridge.Codec
   alias VllmBridge.Codec.Msgpack
+  alias VllmBridge.Codec.Msgpack.Decoder
 
   defp bin(term), do: IO.iodata_to_binary(Codec.encode(term))
   defp roundtrip(term), do: Codec.decode(bin(term))
@@ -90,12 +91,12 @@ defmodule VllmBridge.Codec.MsgpackTest do
 
   # The keys of a map body in wire order (plain msgpack, string keys, int values).
   defp decoded_key_order(body) do
-    {n, rest} = Msgpack.map_header(body)
+    {n, rest} = Decoder.map_header(body)
 
     {keys, <<>>} =
       Enum.map_reduce(1..n, rest, fn _, r ->
-        {k, r} = Msgpack.decode_one(r, Msgpack, 10)
-        {_v, r} = Msgpack.decode_one(r, Msgpack, 10)
+        {k, r} = Decoder.decode_one(r, Msgpack, 10)
+        {_v, r} = Decoder.decode_one(r, Msgpack, 10)
         {k, r}
       end)
 

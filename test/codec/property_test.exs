@@ -13,8 +13,9 @@ defmodule VllmBridge.Codec.PropertyTest do
   use ExUnit.Case, async: true
 
   import Bitwise
-  alias VllmBridge.{Codec, Object, Ref, Tensor}
+  alias VllmBridge.{Codec, Object, Ref}
   alias VllmBridge.CodecTest.Pair
+  alias VllmBridge.TestSupport.TermGen
 
   @seeds [1, 2, 3, 42, 1234]
 
@@ -117,22 +118,19 @@ defmodule VllmBridge.Codec.PropertyTest do
 
   # -- the generator ---------------------------------------------------------------
 
-  defp gen(0), do: leaf()
-
   defp gen(depth) do
-    case :rand.uniform(10) do
-      n when n <= 5 -> leaf()
-      6 -> for _ <- 1..:rand.uniform(6), do: gen(depth - 1)
-      7 -> Map.new(1..:rand.uniform(5), fn _ -> {key(), gen(depth - 1)} end)
-      8 -> List.to_tuple(for _ <- 0..:rand.uniform(4), do: gen(depth - 1))
-      9 -> %Pair{left: gen(depth - 1), right: gen(depth - 1)}
-      10 -> object(depth)
-    end
+    TermGen.nested(depth,
+      leaf: &leaf/0,
+      key: &key/0,
+      extras: [
+        fn sub -> %Pair{left: sub.(), right: sub.()} end,
+        &object/1
+      ]
+    )
   end
 
-  defp object(depth) do
-    fields =
-      Map.new(1..:rand.uniform(4), fn i -> {"f#{i}_#{:rand.uniform(9)}", gen(depth - 1)} end)
+  defp object(sub) do
+    fields = Map.new(1..:rand.uniform(4), fn i -> {"f#{i}_#{:rand.uniform(9)}", sub.()} end)
 
     %Object{
       class: "tests.property.Unknown",
@@ -142,7 +140,7 @@ defmodule VllmBridge.Codec.PropertyTest do
   end
 
   # Keys that Python holds distinct too (no "a" beside :a, no 1 beside 1.0 or true): the
-  # keys Python would merge are refused by the encoder (see worker_fuzz_test.exs).
+  # keys Python would merge are refused by the encoder (see echo_fuzz_test.exs).
   defp key do
     case :rand.uniform(4) do
       1 -> "s" <> string()
@@ -197,39 +195,18 @@ defmodule VllmBridge.Codec.PropertyTest do
     end
   end
 
-  defp integer do
-    bits = Enum.random([4, 7, 8, 15, 16, 31, 32, 63, 64, 65, 100, 300])
-    n = :rand.uniform(1 <<< bits) - 1
-    if :rand.uniform(2) == 1, do: n, else: -n
-  end
-
-  # any finite float: random bits with the exponent kept below the NaN/inf one
-  defp float do
-    <<f::float-64>> =
-      <<:rand.uniform(2) - 1::1, :rand.uniform(0x7FF) - 1::11, :rand.uniform(1 <<< 52) - 1::52>>
-
-    f
-  end
+  defp integer, do: TermGen.integer()
+  defp float, do: TermGen.float()
 
   defp string do
+    # 70 000 characters now and then: the longest str headers.
     len = Enum.random([0, 1, 5, 31, 32, 200, 70_000])
-    len = if len == 70_000 and :rand.uniform(20) > 1, do: 3, else: len
-    for _ <- 1..len//1, into: "", do: <<Enum.random([?a, ?Z, ?0, 0xE9, 0x2713, 0x1F600])::utf8>>
+    TermGen.string([if(len == 70_000 and :rand.uniform(20) > 1, do: 3, else: len)])
   end
 
-  defp bytes do
-    # an invalid UTF-8 byte first, so that these travel as bin
-    <<0xFF, :rand.bytes(Enum.random([0, 3, 300]))::binary>>
-  end
+  defp bytes, do: TermGen.bytes([0, 3, 300])
 
   defp hex(n), do: Base.encode16(:rand.bytes(div(n, 2)), case: :lower)
 
-  defp tensor do
-    dtype = Enum.random(Tensor.dtypes())
-    shape = for _ <- 1..(:rand.uniform(4) - 1)//1, do: :rand.uniform(4) - 1
-    n = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
-    data = :rand.bytes(n)
-    data = if dtype == :bool, do: for(<<b <- data>>, into: <<>>, do: <<b &&& 1>>), else: data
-    Tensor.new(data, dtype, shape, device: Enum.random(["cpu", "cuda:0"]))
-  end
+  defp tensor, do: TermGen.tensor(3, 3, ["cpu", "cuda:0"])
 end

@@ -1,3 +1,11 @@
+defmodule VllmBridge.PyKeysTest.Unregistered do
+  @moduledoc false
+  # Declares its Python class, and is never registered (VllmBridge.Codec.Registry).
+  defstruct [:x]
+  def __python_class__, do: "tests.unregistered.U"
+  def __python_fields__, do: [:x]
+end
+
 defmodule VllmBridge.Codec.PyKeysTest do
   @moduledoc """
   What Python can never take as it was sent is refused by the encoder, naming it: map keys
@@ -8,7 +16,9 @@ defmodule VllmBridge.Codec.PyKeysTest do
   use ExUnit.Case, async: true
 
   alias VllmBridge.{Codec, Object, Ref, Tensor, Wire}
-  alias VllmBridge.Codec.Msgpack
+  import Bitwise, only: [<<<: 2]
+
+  alias VllmBridge.Codec.{Ext, Msgpack, PyKeys}
   alias Vllm.ForwardContext.BatchDescriptor
 
   defp refusal(term) do
@@ -63,6 +73,66 @@ defmodule VllmBridge.Codec.PyKeysTest do
       o1 = %Object{class: "m.C", fields: %{"x" => 1, "y" => :a}, field_order: ["x", "y"]}
       o2 = %Object{class: "m.C", fields: %{"x" => true, "y" => "a"}, field_order: ["y", "x"]}
       assert refusal(%{o1 => 1, o2 => 2}) =~ "equal in Python"
+    end
+
+    test "a struct and an Object of its class with equal fields: one dataclass in Python" do
+      bd = %BatchDescriptor{num_tokens: 4, num_reqs: 2}
+
+      fields =
+        for f <- BatchDescriptor.__python_fields__(), into: %{}, do: {"#{f}", Map.get(bd, f)}
+
+      for order <- [[], Map.keys(fields), Enum.reverse(Map.keys(fields))] do
+        object = %Object{
+          class: BatchDescriptor.__python_class__(),
+          fields: fields,
+          field_order: order
+        }
+
+        message = refusal(%{bd => 1, object => 2})
+        assert message =~ "equal in Python (dataclasses of one class with fields equal"
+
+        # Fields Python holds equal (4 and 4.0), as keys of keys too.
+        object = %{object | fields: %{fields | "num_tokens" => 4.0}}
+        assert refusal(%{{:k, bd} => 1, {:k, object} => 2}) =~ "equal in Python"
+      end
+
+      # Another class, or another value: two keys.
+      other = %Object{class: "m.Other", fields: fields}
+      assert {:ok, _} = round_trip(%{bd => 1, other => 2})
+      assert {:ok, _} = round_trip(%{bd => 1, %{bd | num_tokens: 5} => 2})
+    end
+
+    test "structs of a module that declares its class but is not registered" do
+      key = fn x -> %VllmBridge.PyKeysTest.Unregistered{x: x} end
+      assert :error = VllmBridge.Codec.Registry.lookup("tests.unregistered.U")
+      assert refusal(%{key.(1) => :a, key.(true) => :b}) =~ "equal in Python"
+
+      assert refusal(%{
+               key.(1) => :a,
+               %Object{class: "tests.unregistered.U", fields: %{"x" => 1.0}} => :b
+             }) =~ "equal in Python"
+
+      assert {:ok, _} = round_trip(%{key.(1) => :a, key.(2) => :b})
+    end
+  end
+
+  describe "an Object's field names must be strings" do
+    test "any other field name is refused by name, as a key or a value" do
+      for {fields, bad} <- [
+            {%{:a => 1}, ":a"},
+            {%{"a" => 1, :a => 2}, ":a"},
+            {%{1 => 1}, "1"},
+            {%{<<0xFF>> => 1}, "<<255>>"},
+            {%{{"a"} => 1}, ~s({"a"})}
+          ] do
+        object = %Object{class: "m.C", fields: fields}
+
+        for term <- [object, [object], %{object => 1}, %{"k" => object}] do
+          message = refusal(term)
+          assert message =~ "field names must be strings"
+          assert message =~ "got #{bad}"
+        end
+      end
     end
   end
 
@@ -122,6 +192,73 @@ defmodule VllmBridge.Codec.PyKeysTest do
       for term <- [%{a: 1, b: 2, nil: 3, true: 4}, %{1 => 1, 2 => 2, -3 => 3}, %{"a" => 1}] do
         assert round_trip(term) == {:ok, term}
       end
+    end
+  end
+
+  describe "the fast paths agree with the general check" do
+    # Ext.check_keys/1 passes all-atom and all-integer keys without PyKeys; the engine does
+    # not call the handler at all when the first key in term order is a binary (binaries
+    # sort last: then every key is one). Each skip must only ever skip maps PyKeys.check!
+    # passes, and encoding must refuse exactly the maps it refuses.
+    @atoms [nil, true, false, :nan, :infinity, :neg_infinity, :a, :b, :"1", nil, true, :é]
+    @others [0, 1, -1, 1.0, -0.0, 2.5, "a", "1", <<0xFF>>, {1}, {true}, {:a, "a"}, [1], %{}]
+
+    defp key(:atom), do: Enum.random(@atoms)
+    defp key(:integer), do: Enum.random([0, 1, -1, 2, 255, -129, 1 <<< 64, -(1 <<< 70)])
+
+    defp key(:binary),
+      do: Enum.random(["", "a", "b", "1", "nil", "true", <<0xFF>>, <<0xFF, 0>>, "é"])
+
+    defp key(:mixed), do: key(Enum.random([:atom, :integer, :binary, :other]))
+    defp key(:other), do: Enum.random(@others)
+
+    defp verdict(pairs) do
+      PyKeys.check!(pairs)
+    rescue
+      e in ArgumentError -> {:refused, Exception.message(e)}
+    end
+
+    test "on seeded random maps of every kind of key" do
+      :rand.seed(:exsss, {5, 6, 7})
+
+      paths =
+        for _ <- 1..4_000, reduce: %{engine: 0, ext: 0, checked: 0, refused: 0} do
+          paths ->
+            kind = Enum.random([:atom, :integer, :binary, :mixed, :mixed])
+            map = Map.new(1..:rand.uniform(6), fn i -> {key(kind), i} end)
+            pairs = :lists.keysort(1, :maps.to_list(map))
+            verdict = verdict(pairs)
+
+            path =
+              cond do
+                match?([{k, _} | _] when is_binary(k), pairs) -> :engine
+                Enum.all?(pairs, &is_atom(elem(&1, 0))) -> :ext
+                Enum.all?(pairs, &is_integer(elem(&1, 0))) -> :ext
+                true -> :checked
+              end
+
+            if path != :checked do
+              assert verdict == :ok, "#{inspect(map)} skipped the check: #{inspect(verdict)}"
+            end
+
+            if path == :engine, do: assert(Enum.all?(pairs, &is_binary(elem(&1, 0))))
+            if path == :ext, do: assert(Ext.check_keys(pairs) == :ok)
+
+            # Encoding refuses exactly what the check refuses, with its words.
+            case verdict do
+              :ok ->
+                assert {:ok, ^map} = round_trip(map)
+                Map.update!(paths, path, &(&1 + 1))
+
+              {:refused, why} ->
+                assert refusal(map) == why
+                paths |> Map.update!(path, &(&1 + 1)) |> Map.update!(:refused, &(&1 + 1))
+            end
+        end
+
+      assert paths.engine > 500 and paths.ext > 1_000 and paths.checked > 1_000 and
+               paths.refused > 300,
+             inspect(paths)
     end
   end
 

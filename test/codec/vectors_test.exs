@@ -7,6 +7,7 @@ defmodule VllmBridge.Codec.VectorsTest do
 
   alias VllmBridge.{Codec, Ref, Tensor}
   alias VllmBridge.Codec.Registry
+  alias VllmBridge.TestSupport.Unchecked
   # The generated struct of the Python dataclass (lib/vllm/, `mix vllm.gen.bindings`).
   alias Vllm.ForwardContext.BatchDescriptor
 
@@ -129,15 +130,6 @@ defmodule VllmBridge.Codec.VectorsTest do
       "refuse_map_tuple_holding_list" =>
         {%{{1, [2]} => 3}, {:refused, "the map key {1, [2]} holds a list ([2])"}}
     }
-  end
-
-  # The protocol's encoder without the map-key check: the bytes an unchecked peer sends.
-  defmodule Unchecked do
-    @moduledoc false
-    def encode_other(term, _h, depth),
-      do: VllmBridge.Codec.Ext.encode_other(term, __MODULE__, depth)
-
-    def check_keys(_pairs), do: :ok
   end
 
   defp vectors do

@@ -13,7 +13,7 @@ defmodule VllmBridge.WireFrameTest do
     frame = Wire.request("call", 5, [Wire.value(nil), Wire.value(1000) | parts])
     assert is_binary(frame)
     assert <<len::32, body::binary>> = frame
-    assert len == byte_size(body) and Wire.frame_size(frame) == len
+    assert len == byte_size(body) and Wire.body_size(frame) == len
 
     assert {:ok, ["call", 5, nil, 1000, ["m", "vllm_bridge.diag", "add"], [1, 2], %{}]} =
              Codec.decode(body)
@@ -27,7 +27,7 @@ defmodule VllmBridge.WireFrameTest do
     refute is_binary(frame)
     assert Enum.any?(leaves(frame), &:erts_debug.same(&1, data))
     assert <<len::32, body::binary>> = IO.iodata_to_binary(frame)
-    assert len == byte_size(body) and Wire.frame_size(frame) == len
+    assert len == byte_size(body) and Wire.body_size(frame) == len
 
     assert {:ok, ["call", 6, nil, nil, _target, [^t], %{}]} = Codec.decode(body)
   end
@@ -45,8 +45,28 @@ defmodule VllmBridge.WireFrameTest do
                IO.iodata_to_binary(frame)
 
       # The bound used before anything is reserved is never below the real size.
-      assert Wire.frame_size(frame) <= VllmBridge.Request.max_size(req)
-      assert Wire.frame_size(frame) + 18 >= VllmBridge.Request.max_size(req)
+      assert Wire.body_size(frame) <= VllmBridge.Request.max_size(req)
+      assert Wire.body_size(frame) + 18 >= VllmBridge.Request.max_size(req)
+    end
+  end
+
+  test "a body longer than the 4-byte length can say is not framed" do
+    # request/4 trusts the size it is given: no 4 GiB need exist to ask.
+    max = 0xFFFF_FFFF
+    head = IO.iodata_length([0x92, Wire.value("call") | Wire.value(9)])
+
+    assert {:ok, frame, ^max} = Wire.frame_request("call", 9, [], max - head)
+    assert Wire.body_size(frame) == max
+    assert {:too_large, size} = Wire.frame_request("call", 9, [], max - head + 1)
+    assert size == max + 1
+
+    for fields_size <- [1 <<< 32, (1 <<< 32) + 100, 1 <<< 40] do
+      assert {:too_large, size} = Wire.frame_request("call", 9, [], fields_size)
+      assert size == fields_size + head
+
+      assert_raise ArgumentError, ~r/#{size} bytes/, fn ->
+        Wire.request("call", 9, [], fields_size)
+      end
     end
   end
 

@@ -40,17 +40,7 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       binary = :erlang.memory(:binary)
 
       # The fake reads both requests, then answers with the header.
-      calls =
-        for i <- 1..2 do
-          Task.async(fn ->
-            VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 1], %{},
-              pool_name: :rt_huge,
-              timeout: 60_000
-            )
-          end)
-        end
-
-      for call <- calls do
+      for call <- two_calls(:rt_huge) do
         assert {:error, %Error{type: :worker_exit, message: msg}} = Task.await(call, 90_000)
         assert msg =~ "declaring 4294967295 bytes, over the limit of 1073741824 bytes"
         assert msg =~ "max_frame_bytes"
@@ -59,10 +49,41 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       # Nothing like the declared length was allocated.
       assert :erlang.memory(:total) - total < 64 <<< 20
       assert :erlang.memory(:binary) - binary < 64 <<< 20
+      restarted!(:rt_huge, first)
+    end
 
-      # The Python process was killed, and a new one serves in its place.
+    test "replies in the same chunk before it reach their callers; then the worker is killed" do
+      start_pool!(:rt_huge_after,
+        size: 1,
+        worker_module: "runtime_fake_worker",
+        worker_env: fake_env("huge_header", [{"FAKE_WORKER_ANSWER", "1"}])
+      )
+
+      [%{os_pid: first}] = workers!(:rt_huge_after)
+
+      # The fake reads both requests, then writes both replies and the header at once.
+      for call <- two_calls(:rt_huge_after),
+          do: assert({:ok, "answered"} = Task.await(call, 90_000))
+
+      restarted!(:rt_huge_after, first)
+    end
+
+    # Two calls in flight at once on the pool's only worker.
+    defp two_calls(pool) do
+      for i <- 1..2 do
+        Task.async(fn ->
+          VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 1], %{},
+            pool_name: pool,
+            timeout: 60_000
+          )
+        end)
+      end
+    end
+
+    # The Python process `first` was killed, and a new one serves in its place.
+    defp restarted!(pool, first) do
       wait_until(fn -> not os_alive?(first) end)
-      wait_until(fn -> match?({:ok, [%{os_pid: p}]} when p != first, Pool.workers(:rt_huge)) end)
+      wait_until(fn -> match?({:ok, [%{os_pid: p}]} when p != first, Pool.workers(pool)) end)
     end
 
     test "a worker that announces another limit than it was given is refused at its hello" do
@@ -139,6 +160,31 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       assert msg =~ "over the frame limit of 65536 bytes (max_frame_bytes)"
       assert Worker.in_flight(w.pid) == 0 and Slots.load(meta, 0) == 0
       assert {:ok, %{"running" => nil}} = Worker.ping(w.pid)
+      assert {:ok, 3} = Worker.call(w.pid, "vllm_bridge.diag", "add", [1, 2])
+      assert Worker.os_pid(w.pid) == w.os_pid
+    end
+
+    test "a request of 4 GiB or more is refused before it is framed, and nothing is written",
+         %{w: w, meta: meta} do
+      # 64 references to one 64 MiB binary (0xFF bytes: nothing a reader could take for a
+      # small header): a body of 4 GiB and a few hundred bytes, 64 MiB in memory. Its
+      # length does not fit the 4-byte header: wrapped, it would read as a few hundred.
+      big = :binary.copy(<<0xFF>>, 64 <<< 20)
+      args = [List.duplicate(big, 64)]
+
+      assert {:error, %Error{type: :bad_argument, message: msg}} =
+               Worker.call(w.pid, "vllm_bridge.diag", "echo", args, %{}, 60_000)
+
+      assert [_, size] = Regex.run(~r/frame would be (\d+) bytes/, msg)
+      assert String.to_integer(size) > 1 <<< 32
+      assert msg =~ "over the frame limit of 65536 bytes (max_frame_bytes)"
+
+      # Through the pool: refused before a slot is reserved, as any request over the limit.
+      assert {:error, %Error{type: :bad_argument}} =
+               VllmBridge.call({"vllm_bridge.diag", "echo"}, args, %{}, pool_name: :rt_limit)
+
+      # The same Python process serves on; nothing was left in flight.
+      assert Worker.in_flight(w.pid) == 0 and Slots.load(meta, 0) == 0
       assert {:ok, 3} = Worker.call(w.pid, "vllm_bridge.diag", "add", [1, 2])
       assert Worker.os_pid(w.pid) == w.os_pid
     end

@@ -119,11 +119,14 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     bases = {count.(0), count.(1)}
 
     # One reference on each worker: the other one is held busy while the owner calls.
+    # Back to idle before the next hold: hold/1 waits for the pool's load to go up, which
+    # a cancelled hold's slot coming back at that moment would hide.
     on = fn busy, owner ->
       held = hold(o ++ [session_id: busy.id])
       send(owner, :call)
       assert_receive {:called, ^owner, {:ok, %Ref{} = ref}}, 30_000
       unhold(held)
+      await_idle!(pool)
       ref
     end
 
@@ -269,5 +272,30 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
     assert refs(w) == base + 1
     :ok = Session.close(s)
     wait_until(fn -> refs(w) == base end)
+  end
+
+  test "a release in flight is named by how many references it releases, not by them",
+       %{w: w, meta: meta} do
+    refs = for i <- 1..3, do: elem(diag("opaque", [i]), 1)
+    # A call that runs until its caller dies; the release waits behind it.
+    busy = spawn(fn -> diag("sleep", [60], timeout: 120_000) end)
+    wait_until(fn -> running?(w) end)
+
+    assert {:error, %Error{type: :timeout, message: m}} =
+             VllmBridge.release(refs, opts(timeout: 50))
+
+    assert m =~ "release of 3 reference(s): "
+
+    # What the worker process keeps of it meanwhile (and what its message carried).
+    entries = Map.values(:sys.get_state(w).calls.map)
+
+    assert Enum.any?(
+             entries,
+             &match?({_, {_counted, {"release", "of 3 reference(s)"}}, _, _, _}, &1)
+           )
+
+    Process.exit(busy, :kill)
+    wait_until(fn -> worker_idle?(w, meta) end)
+    assert {:error, %Error{type: :bad_argument}} = VllmBridge.get({hd(refs), "value"}, opts())
   end
 end

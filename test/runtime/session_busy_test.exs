@@ -145,6 +145,32 @@ defmodule VllmBridge.Runtime.SessionBusyTest do
       assert {:ok, 3} = diag("add", [1, 2], session_id: s.id, affinity: :strict_fail_fast)
     end
 
+    test "a count the sweep left below zero still reads as idle, and the sweep sets it right",
+         %{ws: [w0, _], meta: meta} do
+      s = open!(worker: 0)
+      # A slot reserved and never used (a caller that died before sending): the sweep
+      # gives it back, once it has seen it unchanged with nothing arriving.
+      assert Slots.reserve(meta, 0)
+      wait_until(fn -> Slots.load(meta, 0) == 0 end, 30_000, "the leftover slot given back")
+
+      # Had that caller's request come after all, its reply takes the count below zero.
+      req =
+        VllmBridge.Request.new("call", [VllmBridge.Wire.value(nil)], true, [
+          VllmBridge.Wire.value(["m", "vllm_bridge.diag", "add"]),
+          VllmBridge.Wire.value([1, 1]),
+          VllmBridge.Wire.value(%{})
+        ])
+
+      deadline = System.monotonic_time(:millisecond) + 30_000
+      assert {:ok, 2} = VllmBridge.Request.call(w0.pid, req, deadline, true)
+      assert Slots.load(meta, 0) in [-1, 0]
+
+      # The worker is idle: a fail-fast call runs, and gives its slot back.
+      assert {:ok, 3} = diag("add", [1, 2], session_id: s.id, affinity: :strict_fail_fast)
+      wait_until(fn -> Slots.load(meta, 0) == 0 end, 30_000, "the count set right")
+      assert {:ok, 7} = diag("add", [3, 4], session_id: s.id, affinity: :strict_fail_fast)
+    end
+
     test "says so when the session's worker is restarting", %{meta: meta} do
       s = open!(worker: 1)
       # What a worker that is not serving holds (VllmBridge.Worker sets it while it starts).
@@ -177,18 +203,31 @@ defmodule VllmBridge.Runtime.SessionBusyTest do
       assert {:ok, _} = Task.await(long, 30_000)
     end
 
-    test "stays home when the session's worker is idle", %{ws: [w0, w1]} do
+    test "stays home when the session's worker is idle, the other worker busy or not",
+         %{ws: [w0, w1], meta: meta, dir: dir} do
       home = w0.os_pid
       s = open!(worker: 0)
+      s1 = open!(worker: 1)
 
-      # The other worker busy or not, an idle home wins.
+      # Both idle: home wins, for either session.
       for _ <- 1..20 do
         assert {:ok, %{"pid" => ^home}} = diag("info", [], session_id: s.id, affinity: :hint)
       end
 
-      s1 = open!(worker: 1)
       away = w1.os_pid
       assert {:ok, %{"pid" => ^away}} = diag("info", [], session_id: s1.id, affinity: :hint)
+
+      # The other worker busy (a long call of its own session): an idle home still wins.
+      gate = gate!(dir)
+      long = long!(gate, s1, w1)
+
+      for _ <- 1..20 do
+        assert {:ok, %{"pid" => ^home}} = diag("info", [], session_id: s.id, affinity: :hint)
+      end
+
+      assert Task.yield(long, 0) == nil and Slots.load(meta, 1) == 1
+      open_gate(gate)
+      assert {:ok, _} = Task.await(long, 30_000)
     end
 
     test "stays home when every worker is as busy (ties go home); a call with a reference stays",

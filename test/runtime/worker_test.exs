@@ -15,7 +15,7 @@ defmodule VllmBridge.Runtime.WorkerTest do
   setup_all do
     {:ok, w} = Worker.start_link(cancel_grace: 60_000)
     {:ok, hello} = Worker.await_ready(w)
-    on_exit(fn -> if Process.alive?(w), do: Worker.close(w) end)
+    # It stops, with its Python process, when this process (its owner) exits.
     %{w: w, hello: hello}
   end
 
@@ -82,6 +82,22 @@ defmodule VllmBridge.Runtime.WorkerTest do
       Worker.close(w)
     end
 
+    test "frames in the hello's chunk, and a header cut right after them, are read in order" do
+      log =
+        capture_log(fn ->
+          {:ok, w} = Worker.start_link(fake("hello_chunk") |> fake_env())
+          assert {:ok, _hello} = Worker.await_ready(w)
+          # Served after both records (the second one's header came cut in two).
+          assert {:ok, "served"} = Worker.call(w, "m", "f", [], %{}, 30_000)
+          assert {:ok, "served"} = Worker.call(w, "m", "f", [], %{}, 30_000)
+          Logger.flush()
+          Worker.close(w)
+        end)
+
+      assert [_, after_first] = String.split(log, "[python fake] first", parts: 2)
+      assert after_first =~ "[python fake] second"
+    end
+
     test "a missing interpreter is a bad argument naming it" do
       assert {:error, %Error{type: :bad_argument, message: msg}} =
                VllmBridge.start_pool(:no_python, python: "/nonexistent/python3")
@@ -129,6 +145,75 @@ defmodule VllmBridge.Runtime.WorkerTest do
       assert Task.await(task) == {:ok, 0.5}
       assert {:ok, %{"running" => nil}} = Worker.ping(w)
     end
+  end
+
+  describe "a port that fails (the Python process stops reading)" do
+    # The fake closes its fd 3 after its hello; a write to the port then fails (EPIPE).
+    defp deaf!(os_pid),
+      do: wait_until(fn -> not File.exists?("/proc/#{os_pid}/fd/3") end, 30_000, "fd 3 closed")
+
+    test "a standalone worker tells its caller why, then stops" do
+      Process.flag(:trap_exit, true)
+      {:ok, w} = Worker.start_link(fake("deaf") |> fake_env())
+      {:ok, %{"pid" => os_pid}} = Worker.await_ready(w)
+      deaf!(os_pid)
+
+      # The caller gets its :worker_exit (it is not taken down by the port's failure).
+      assert {:error, %Error{type: :worker_exit, message: msg}} =
+               Worker.call(w, "vllm_bridge.diag", "add", [1, 2], %{}, 30_000)
+
+      assert msg =~ "the port to the Python process (os pid #{os_pid}) failed (:epipe)"
+      assert_receive {:EXIT, ^w, {:shutdown, {:worker_exit, ^msg}}}, 30_000
+      wait_until(fn -> not os_alive?(os_pid) end)
+    end
+
+    test "a pool's worker tells its callers why, and the pool starts it again" do
+      start_pool!(:fake_deaf, fake("deaf"))
+      [%{os_pid: os_pid}] = workers!(:fake_deaf)
+      deaf!(os_pid)
+
+      assert {:error, %Error{type: :worker_exit, message: msg}} =
+               VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{},
+                 pool_name: :fake_deaf,
+                 timeout: 30_000
+               )
+
+      assert msg =~ "failed (:epipe)"
+      wait_until(fn -> not os_alive?(os_pid) end)
+
+      wait_until(fn ->
+        match?({:ok, [%{os_pid: p}]} when p != os_pid, Pool.workers(:fake_deaf))
+      end)
+    end
+  end
+
+  test "a standalone worker stops with its owner, however the owner ends, and so does its Python process" do
+    for ending <- [:normal, :kill, :shutdown] do
+      me = self()
+
+      owner =
+        spawn(fn ->
+          {:ok, w} = Worker.start_link()
+          send(me, {:started, w, Worker.os_pid(w)})
+
+          receive do
+            :end -> exit(:normal)
+          end
+        end)
+
+      assert_receive {:started, w, os_pid}, 90_000
+      mon = Process.monitor(w)
+      if ending == :normal, do: send(owner, :end), else: Process.exit(owner, ending)
+
+      assert_receive {:DOWN, ^mon, :process, ^w, _}, 30_000
+      wait_until(fn -> not os_alive?(os_pid) end, 30_000, "the Python process gone (#{ending})")
+    end
+  end
+
+  # Pool options of a fake as the options of a worker of its own.
+  defp fake_env(opts) do
+    {env, opts} = Keyword.pop(opts, :worker_env)
+    Keyword.put(opts, :env, env)
   end
 
   test "when the Python process dies, every call in flight gets :worker_exit" do

@@ -1,11 +1,13 @@
 """Generators and calls for the runtime tests of the Elixir side (test/runtime/: the
-stream, context-manager and loose-reference tests), beyond what ``vllm_bridge.diag`` has:
-a generator that fails part-way, objects that travel only as references (one of them
-late, whatever its cancel), and a stream that reports its context's diagnostic variable.
+stream, context-manager, loose-reference and worker-down tests), beyond what
+``vllm_bridge.diag`` has: a generator that fails part-way, objects that travel only as
+references (one of them late, whatever its cancel), a stream that reports its context's
+diagnostic variable, and a generator that a cancel does not stop.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,3 +50,16 @@ def vars_seen(n: int) -> Iterator[Any]:
     _check_n(n)
     for _ in range(n):
         yield diag.get_var()
+
+
+def stubborn(seconds: float) -> Iterator[int]:
+    """Yield 0, then wait ``seconds`` catching every interruption, then yield 1. A cancel
+    does not stop it: it stands for a stream stuck in C code past ``cancel_grace``."""
+    yield 0
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        try:
+            time.sleep(left)
+        except CallInterrupted:
+            pass
+    yield 1

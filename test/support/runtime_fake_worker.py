@@ -12,6 +12,13 @@ handshake or to send a frame header over the limit, so this one does, on purpose
 * ``huge_header`` - a valid hello, then read ``FAKE_WORKER_CALLS`` requests (default 2)
   without answering them, then write a header declaring ``FAKE_WORKER_DECLARE`` bytes
   (default 4 GiB - 1) and a few bytes of "body", and wait for EOF (or to be killed).
+  With ``FAKE_WORKER_ANSWER=1`` the requests are answered (``["ok", id, "answered"]``)
+  in the same write as the header, before it.
+* ``hello_chunk`` - one write holding the hello, a log record ("first") and the first
+  two bytes of a second record's header; a moment later the rest of that record
+  ("second"); then answer every request with ``["ok", id, "served"]`` until EOF.
+* ``deaf``    - a valid hello, then close fd 3 (a write to the port then fails with
+  ``EPIPE``) and wait to be killed.
 """
 
 from __future__ import annotations
@@ -19,12 +26,17 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 
 import msgpack
 
 
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
 def _write(body: bytes) -> None:
-    os.write(4, struct.pack(">I", len(body)) + body)
+    os.write(4, _frame(body))
 
 
 def _wait_for_eof() -> None:
@@ -40,6 +52,13 @@ def _read_exact(n: int) -> bytes:
             raise EOFError("fd 3 closed")
         data += chunk
     return data
+
+
+def _request_id() -> int:
+    """Read one request frame; its id (raises ``EOFError`` at EOF)."""
+    (length,) = struct.unpack(">I", _read_exact(4))
+    request = msgpack.unpackb(_read_exact(length), raw=False, strict_map_key=False)
+    return int(request[1])
 
 
 def _hello(**extra: object) -> dict[str, object]:
@@ -65,15 +84,38 @@ def main() -> int:
         return 0
     if mode == "huge_header":
         _write(msgpack.packb(["hello", _hello()]))
+        answer = os.environ.get("FAKE_WORKER_ANSWER") == "1"
+        answers = b""
         try:
             for _ in range(int(os.environ.get("FAKE_WORKER_CALLS", "2"))):
-                (length,) = struct.unpack(">I", _read_exact(4))
-                _read_exact(length)
+                request_id = _request_id()
+                if answer:
+                    answers += _frame(msgpack.packb(["ok", request_id, "answered"]))
         except EOFError:  # stopped before the calls came (the pool stopped)
             return 0
         declared = int(os.environ.get("FAKE_WORKER_DECLARE", str(0xFFFF_FFFF)))
-        os.write(4, struct.pack(">I", declared) + b"\x93" * 100)
+        os.write(4, answers + struct.pack(">I", declared) + b"\x93" * 100)
         _wait_for_eof()
+        return 0
+    if mode == "hello_chunk":
+        second = _frame(msgpack.packb(["log", "warning", "fake", "second"]))
+        os.write(
+            4,
+            _frame(msgpack.packb(["hello", _hello()]))
+            + _frame(msgpack.packb(["log", "warning", "fake", "first"]))
+            + second[:2],
+        )
+        time.sleep(0.2)  # the rest comes in a chunk of its own (not needed to pass)
+        os.write(4, second[2:])
+        try:
+            while True:
+                os.write(4, _frame(msgpack.packb(["ok", _request_id(), "served"])))
+        except EOFError:
+            return 0
+    if mode == "deaf":
+        _write(msgpack.packb(["hello", _hello()]))
+        os.close(3)
+        time.sleep(120)  # killed long before (Launcher.close, after shutdown_grace)
         return 0
     sys.stderr.write(f"runtime_fake_worker: unknown FAKE_WORKER_MODE {mode!r}\n")
     return 2

@@ -14,6 +14,7 @@ defmodule VllmBridge.Codec.Dataclass do
   """
 
   alias VllmBridge.Codec.{Msgpack, Registry}
+  alias VllmBridge.Codec.Msgpack.Decoder
   alias VllmBridge.Object
 
   @doc """
@@ -36,13 +37,14 @@ defmodule VllmBridge.Codec.Dataclass do
       for f <- entry.fields,
           do: [entry.names[f] | Msgpack.encode_nested(Map.fetch!(struct, f), handler, depth)]
 
-    [0x92, entry.wire_class, map_header(length(entry.fields)) | fields]
+    [0x92, entry.wire_class, Msgpack.enc_map_header(length(entry.fields)) | fields]
   end
 
   @doc "The ext 4 payload of a `VllmBridge.Object`, as iodata (fields nest `depth` levels)."
   @spec encode_object(Object.t(), module(), non_neg_integer()) :: iodata()
-  def encode_object(%Object{class: class, fields: fields, field_order: order}, handler, depth)
+  def encode_object(%Object{class: class, fields: fields, field_order: order} = o, handler, depth)
       when is_binary(class) and is_map(fields) and is_list(order) do
+    check_names!(o)
     ordered = order |> Enum.filter(&Map.has_key?(fields, &1)) |> Enum.uniq()
     keys = ordered ++ Enum.sort(Map.keys(fields) -- ordered)
 
@@ -53,7 +55,7 @@ defmodule VllmBridge.Codec.Dataclass do
             | Msgpack.encode_nested(Map.fetch!(fields, k), handler, depth)
           ]
 
-    [0x92, Msgpack.enc_str(class), map_header(length(keys)) | pairs]
+    [0x92, Msgpack.enc_str(class), Msgpack.enc_map_header(length(keys)) | pairs]
   end
 
   def encode_object(bad, _handler, _depth) do
@@ -62,21 +64,35 @@ defmodule VllmBridge.Codec.Dataclass do
             "and field_order a list"
   end
 
-  @doc "Decodes an ext 4 payload; a malformed one aborts the decode (`Msgpack.fail!/1`)."
+  # Python takes a dataclass's field names as str only (and would refuse the frame
+  # without saying where): anything else is refused here, by name.
+  defp check_names!(%Object{fields: fields} = o) do
+    case Enum.find(Map.keys(fields), &(not (is_binary(&1) and String.valid?(&1)))) do
+      nil ->
+        :ok
+
+      bad ->
+        raise ArgumentError,
+              "cannot encode #{inspect(o, limit: 5)}: its field names must be strings " <>
+                "(UTF-8), got #{inspect(bad, limit: 5)}"
+    end
+  end
+
+  @doc "Decodes an ext 4 payload; a malformed one aborts the decode (`Decoder.fail!/1`)."
   @spec decode(binary(), module(), non_neg_integer()) :: struct()
   def decode(payload, handler, depth) do
     {class, r} =
-      case Msgpack.array_header(payload) do
-        {2, r} -> Msgpack.decode_one(r, handler, depth)
-        {n, _} -> Msgpack.fail!("a dataclass (ext 4) payload is an array of #{n}, not 2")
+      case Decoder.array_header(payload) do
+        {2, r} -> Decoder.decode_one(r, handler, depth)
+        {n, _} -> Decoder.fail!("a dataclass (ext 4) payload is an array of #{n}, not 2")
       end
 
-    unless is_binary(class), do: Msgpack.fail!("a dataclass (ext 4) class name is not a string")
-    {n, r} = Msgpack.map_header(r)
+    unless is_binary(class), do: Decoder.fail!("a dataclass (ext 4) class name is not a string")
+    {n, r} = Decoder.map_header(r)
     pairs = read_pairs(r, n, [], handler, depth)
 
     if map_size(Map.new(pairs)) != n,
-      do: Msgpack.fail!("dataclass #{class} repeats a field")
+      do: Decoder.fail!("dataclass #{class} repeats a field")
 
     case Registry.lookup(class) do
       {:ok, entry} ->
@@ -90,12 +106,12 @@ defmodule VllmBridge.Codec.Dataclass do
   defp read_pairs(<<>>, 0, acc, _handler, _depth), do: :lists.reverse(acc)
 
   defp read_pairs(_r, 0, _acc, _handler, _depth),
-    do: Msgpack.fail!("trailing bytes in a dataclass (ext 4) payload")
+    do: Decoder.fail!("trailing bytes in a dataclass (ext 4) payload")
 
   defp read_pairs(r, n, acc, handler, depth) do
-    {k, r} = Msgpack.decode_one(r, handler, depth)
-    unless is_binary(k), do: Msgpack.fail!("a dataclass (ext 4) field name is not a string")
-    {v, r} = Msgpack.decode_one(r, handler, depth)
+    {k, r} = Decoder.decode_one(r, handler, depth)
+    unless is_binary(k), do: Decoder.fail!("a dataclass (ext 4) field name is not a string")
+    {v, r} = Decoder.decode_one(r, handler, depth)
     read_pairs(r, n - 1, [{k, v} | acc], handler, depth)
   end
 
@@ -106,14 +122,8 @@ defmodule VllmBridge.Codec.Dataclass do
           Map.put(acc, field, value)
 
         _ ->
-          Msgpack.fail!("#{entry.class} has no field #{inspect(name)} (#{inspect(entry.module)})")
+          Decoder.fail!("#{entry.class} has no field #{inspect(name)} (#{inspect(entry.module)})")
       end
     end)
   end
-
-  @doc false
-  @spec map_header(non_neg_integer()) :: iodata()
-  def map_header(n) when n < 16, do: [0x80 + n]
-  def map_header(n) when n < 0x10000, do: <<0xDE, n::16>>
-  def map_header(n), do: <<0xDF, n::32>>
 end

@@ -14,6 +14,7 @@ defmodule VllmBridge.Codec.Ext do
   @behaviour VllmBridge.Codec.Msgpack
 
   alias VllmBridge.Codec.{Dataclass, Msgpack, PyKeys, TensorExt}
+  alias VllmBridge.Codec.Msgpack.Decoder
   alias VllmBridge.{Bytes, Object, Ref, Tensor}
 
   @atom 1
@@ -90,9 +91,9 @@ defmodule VllmBridge.Codec.Ext do
   def decode_ext(@atom, name, _depth), do: decode_atom(name)
 
   def decode_ext(@tuple, payload, depth) do
-    case Msgpack.decode_exact(payload, __MODULE__, depth) do
+    case Decoder.decode_exact(payload, __MODULE__, depth) do
       list when is_list(list) -> List.to_tuple(list)
-      _ -> Msgpack.fail!("a tuple (ext 2) payload is not an array")
+      _ -> Decoder.fail!("a tuple (ext 2) payload is not an array")
     end
   end
 
@@ -100,23 +101,23 @@ defmodule VllmBridge.Codec.Ext do
   def decode_ext(@dataclass, payload, depth), do: Dataclass.decode(payload, __MODULE__, depth)
 
   def decode_ext(@enum, payload, depth) do
-    case Msgpack.decode_exact(payload, __MODULE__, depth) do
+    case Decoder.decode_exact(payload, __MODULE__, depth) do
       [class, member] when is_binary(class) and is_binary(member) ->
         existing_atom_or_string(String.downcase(member))
 
       other ->
-        Msgpack.fail!("an enum (ext 5) payload must be [class, member], got #{short(other)}")
+        Decoder.fail!("an enum (ext 5) payload must be [class, member], got #{short(other)}")
     end
   end
 
   def decode_ext(@ref, payload, depth) do
-    case Msgpack.decode_exact(payload, __MODULE__, depth) do
+    case Decoder.decode_exact(payload, __MODULE__, depth) do
       [i, id, s, type]
       when is_binary(i) and is_integer(id) and (is_binary(s) or is_nil(s)) and is_binary(type) ->
         %Ref{instance: i, id: id, session: s, type: type}
 
       other ->
-        Msgpack.fail!(
+        Decoder.fail!(
           "a reference (ext 6) payload must be [instance, id, session, type], got #{short(other)}"
         )
     end
@@ -129,10 +130,10 @@ defmodule VllmBridge.Codec.Ext do
   end
 
   def decode_ext(@bigint, payload, _depth),
-    do: Msgpack.fail!("malformed big integer (ext 7) payload of #{byte_size(payload)} bytes")
+    do: Decoder.fail!("malformed big integer (ext 7) payload of #{byte_size(payload)} bytes")
 
   def decode_ext(type, _payload, _depth),
-    do: Msgpack.fail!("unknown extension type #{type}")
+    do: Decoder.fail!("unknown extension type #{type}")
 
   # Atoms never come into existence from wire data. The lookup comes first (the common
   # case costs one call); only a name without an atom is checked for UTF-8.
@@ -142,7 +143,7 @@ defmodule VllmBridge.Codec.Ext do
     _ in [ArgumentError, SystemLimitError] ->
       if is_binary(:unicode.characters_to_binary(name)),
         do: name,
-        else: Msgpack.fail!("an atom (ext 1) name is not valid UTF-8")
+        else: Decoder.fail!("an atom (ext 1) name is not valid UTF-8")
   end
 
   defp existing_atom_or_string(name) do

@@ -9,9 +9,17 @@ defmodule VllmBridge.Codec.PyKeys do
   # key in Python. true/false are the ints 1/0; a float with an integral value is that
   # integer (1.0 == 1, -0.0 == 0); an atom is the str of its name; a UTF-8 binary is a str
   # and any other binary (or %VllmBridge.Bytes{}) is bytes; a tuple is its elements'
-  # identities. Lists and maps are unhashable, and so is a tuple or struct holding one.
+  # identities; a dataclass value, a struct of a module that declares its Python class
+  # (registered or not: the encoder encodes both) or a %VllmBridge.Object{}, is its class
+  # and its fields' names and identities, sorted by name, so that a struct and an Object
+  # of one class with equal fields are one key, as they are one dataclass in Python.
+  # Lists and maps are unhashable, and so is a tuple or struct holding one.
   # NaN, tensors and refs to objects are hashed by identity in Python: never equal here
   # (Python may still find two references to one object equal; it says so itself).
+  #
+  # What Elixir cannot know, the worker checks on arrival: whether a dataclass is frozen
+  # (one that is not cannot be hashed: a struct key of it is refused there), and the
+  # fields an Object leaves to their defaults.
 
   alias VllmBridge.{Bytes, Object, Ref, Tensor}
   alias VllmBridge.Codec.Registry
@@ -60,15 +68,18 @@ defmodule VllmBridge.Codec.PyKeys do
   defp identity(%Ref{instance: i, id: id}, _top), do: {:ref, i, id}
   defp identity(%Tensor{}, _top), do: {:object, make_ref()}
 
-  defp identity(%Object{class: class, fields: fields}, top),
-    do:
-      {:struct, class, fields |> Enum.sort() |> Enum.map(fn {k, v} -> {k, identity(v, top)} end)}
+  defp identity(%Object{class: class, fields: fields}, top) when is_map(fields),
+    do: dataclass(class, Enum.map(fields, fn {name, v} -> {name, identity(v, top)} end))
 
   defp identity(%module{} = struct, top) do
-    case Registry.lookup(struct_class(module)) do
+    case python_entry(module) do
       {:ok, entry} ->
-        {:struct, entry.class, Enum.map(entry.fields, &identity(Map.fetch!(struct, &1), top))}
+        dataclass(
+          entry.class,
+          Enum.map(entry.fields, &{Atom.to_string(&1), identity(Map.fetch!(struct, &1), top)})
+        )
 
+      # Not a dataclass value (or a malformed Object): the encoder refuses it by name.
       :error ->
         {:object, make_ref()}
     end
@@ -82,8 +93,14 @@ defmodule VllmBridge.Codec.PyKeys do
   # Pids, functions, ...: the encoder refuses them by name when it reaches them.
   defp identity(_other, _top), do: {:object, make_ref()}
 
-  defp struct_class(module) do
-    if function_exported?(module, :__python_class__, 0), do: module.__python_class__(), else: ""
+  # One shape for a struct and an Object: field names are unique, so the sort is by name.
+  defp dataclass(class, fields), do: {:dataclass, class, Enum.sort(fields)}
+
+  # The entry the encoder uses too (VllmBridge.Codec.Dataclass): registered or not.
+  defp python_entry(module) do
+    {:ok, Registry.entry(module)}
+  rescue
+    ArgumentError -> :error
   end
 
   defp unhashable(top, inner, kind) do
@@ -103,5 +120,9 @@ defmodule VllmBridge.Codec.PyKeys do
     do: "an atom arrives as the string of its name"
 
   defp why(a, b) when is_tuple(a) and is_tuple(b), do: "their elements are equal in Python"
+
+  defp why(a, b) when is_struct(a) and is_struct(b),
+    do: "dataclasses of one class with fields equal in Python are equal"
+
   defp why(_a, _b), do: "Python compares them equal"
 end

@@ -11,6 +11,7 @@ defmodule VllmBridge.Codec.TensorExt do
   """
 
   alias VllmBridge.Codec.Msgpack
+  alias VllmBridge.Codec.Msgpack.Decoder
   alias VllmBridge.Tensor
 
   @type_code 3
@@ -39,13 +40,13 @@ defmodule VllmBridge.Codec.TensorExt do
     end
   end
 
-  @doc "Decodes an ext 3 payload; a malformed one aborts the decode (`Msgpack.fail!/1`)."
+  @doc "Decodes an ext 3 payload; a malformed one aborts the decode (`Decoder.fail!/1`)."
   @spec decode(binary()) :: Tensor.t()
   def decode(<<code, ndim, len, dev::binary-size(len), rest::binary>>) do
     dtype =
       case Tensor.from_code(code) do
         {:ok, dtype} -> dtype
-        :error -> Msgpack.fail!("unknown tensor dtype code #{code}")
+        :error -> Decoder.fail!("unknown tensor dtype code #{code}")
       end
 
     shape_bytes = 8 * ndim
@@ -56,7 +57,7 @@ defmodule VllmBridge.Codec.TensorExt do
         expected = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
 
         if byte_size(data) != expected do
-          Msgpack.fail!(
+          Decoder.fail!(
             "tensor data is #{byte_size(data)} bytes but shape #{inspect(shape)} of " <>
               "#{dtype} needs #{expected}"
           )
@@ -66,7 +67,7 @@ defmodule VllmBridge.Codec.TensorExt do
         %Tensor{dtype: dtype, shape: shape, data: data, device: device(dev)}
 
       _ ->
-        Msgpack.fail!(
+        Decoder.fail!(
           "tensor header declares #{ndim} dimensions (#{shape_bytes} bytes) but " <>
             "#{byte_size(rest)} bytes follow"
         )
@@ -74,11 +75,11 @@ defmodule VllmBridge.Codec.TensorExt do
   end
 
   def decode(payload),
-    do: Msgpack.fail!("truncated tensor header (#{byte_size(payload)} bytes)")
+    do: Decoder.fail!("truncated tensor header (#{byte_size(payload)} bytes)")
 
   defp check_bool(data) do
     with {offset, byte} <- Tensor.bad_bool_byte(data),
-         do: Msgpack.fail!("bool tensor data holds the byte #{byte} at offset #{offset}")
+         do: Decoder.fail!("bool tensor data holds the byte #{byte} at offset #{offset}")
   end
 
   defp device(""), do: "cpu"
@@ -86,6 +87,6 @@ defmodule VllmBridge.Codec.TensorExt do
   defp device(name) do
     if is_binary(:unicode.characters_to_binary(name)),
       do: name,
-      else: Msgpack.fail!("tensor device name is not valid UTF-8")
+      else: Decoder.fail!("tensor device name is not valid UTF-8")
   end
 end

@@ -107,14 +107,11 @@ defmodule VllmBridge.Pool.Directory do
   @doc false
   @spec worker_down(term(), non_neg_integer(), String.t() | nil, String.t()) :: :ok
   def worker_down(name, index, instance, why) do
+    # The reason first: a reader that no longer finds the worker finds why it went.
+    if instance, do: :ets.insert(@table, {{:down, name, index}, instance, why})
     # Only the rows of this very process: a successor may already be up.
     :ets.match_delete(@table, {{:worker, name, index}, :_, instance})
-
-    if instance do
-      :ets.delete(@table, {:instance, instance})
-      :ets.insert(@table, {{:down, name, index}, instance, why})
-    end
-
+    if instance, do: :ets.delete(@table, {:instance, instance})
     :ok
   end
 

@@ -11,9 +11,18 @@ defmodule VllmBridge.Pool.Slots do
 
   A reservation is `add_get`; one that overshoots `max_in_flight` is undone at once. A
   reservation that needs the worker idle (`reserve_idle/2`, for `:strict_fail_fast` and
-  the first choice of `:hint`) is a `compare_exchange` from 0 to 1 instead. When
-  callers are waiting, a new caller does not take a freed slot ahead of them: it queues
-  too (`waiting/1`), so the queue is served in order.
+  the first choice of `:hint`) is a `compare_exchange` from the count found to one more,
+  and only from a count of 0 or below. When callers are waiting, a new caller does not
+  take a freed slot ahead of them: it queues too (`waiting/1`), so the queue is served in
+  order.
+
+  A count can be left wrong: a caller that dies between reserving and sending leaves one
+  reservation nobody gives back, and the worker's sweep that sets that right can take back
+  a reservation whose request was merely slow to arrive, which then leaves the count below
+  zero once it is answered. The worker's sweep (`VllmBridge.Worker.Calls`) sets a count
+  below what it holds right at once, and a count above it only when it has seen it
+  unchanged over a whole sweep with nothing in flight and nothing arriving; until then, a
+  count below zero means idle.
   """
 
   import Bitwise, only: [<<<: 2]
@@ -46,17 +55,23 @@ defmodule VllmBridge.Pool.Slots do
   end
 
   @doc """
-  Reserves room on worker `index` only when it has nothing in flight (its count is 0):
-  `:ok`, or `{:busy, count}` with the count found (`down/0` or more while it is not
-  serving). One `compare_exchange`, so two callers never both find it idle.
+  Reserves room on worker `index` only when it has nothing in flight (its count is 0, or
+  below after a correction, see the moduledoc): `:ok`, or `{:busy, count}` with the count
+  found (`down/0` or more while it is not serving). A `compare_exchange` from the count
+  found to one more, retried when another caller changed it first, so two callers never
+  both find it idle.
   """
   @spec reserve_idle(Meta.t(), non_neg_integer()) :: :ok | {:busy, integer()}
-  def reserve_idle(%Meta{slots: slots}, index) do
-    case :atomics.compare_exchange(slots, index + 1, 0, 1) do
+  def reserve_idle(%Meta{slots: slots}, index), do: reserve_idle(slots, index + 1, 0)
+
+  defp reserve_idle(slots, i, count) when count <= 0 do
+    case :atomics.compare_exchange(slots, i, count, count + 1) do
       :ok -> :ok
-      count -> {:busy, count}
+      found -> reserve_idle(slots, i, found)
     end
   end
+
+  defp reserve_idle(_slots, _i, count), do: {:busy, count}
 
   @doc """
   Reserves room for a call that prefers worker `home` (affinity `:hint`): `home` when it
@@ -134,7 +149,14 @@ defmodule VllmBridge.Pool.Slots do
   def load(%Meta{slots: slots}, index), do: :atomics.get(slots, index + 1)
 
   @doc false
-  # The worker's own view: up (count 0), down, or corrected when idle.
+  # The worker's own view: up (count 0) or down.
   @spec put_load(Meta.t(), non_neg_integer(), integer()) :: :ok
   def put_load(%Meta{slots: slots}, index, n), do: :atomics.put(slots, index + 1, n)
+
+  @doc false
+  # The worker's correction of a wrong count: `from` becomes `to` unless a caller changed
+  # it since it was read (then the next sweep looks again).
+  @spec correct_load(Meta.t(), non_neg_integer(), integer(), integer()) :: boolean()
+  def correct_load(%Meta{slots: slots}, index, from, to),
+    do: :atomics.compare_exchange(slots, index + 1, from, to) == :ok
 end

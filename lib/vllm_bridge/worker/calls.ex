@@ -1,0 +1,275 @@
+defmodule VllmBridge.Worker.Calls do
+  @moduledoc false
+  # The table of calls in flight of one worker process (VllmBridge.Worker), and what
+  # happens to a request from its arrival: admitted or refused (`admit/6`), its reply
+  # reaching its caller (`finish/4`), its caller giving up or dying (`cancel/3`,
+  # `abandoned/2`), overdue or still running after its cancel (`sweep/3`,
+  # `overstayed/3`), or the worker going down (`fail_all/2`). The worker process owns the
+  # port and writes to it; this module keeps the table, answers the callers, gives pool
+  # slots back and keeps the pool's slot count right (`sweep/3`).
+  #
+  # An entry: `id => {alias, {counted, what}, deadline, status, monitor}`, where `counted`
+  # says the call holds a pool slot, `what` is `{kind, target}` or nil (for messages),
+  # and status is :live (a caller waits on `alias`, monitored by `monitor`), :detached
+  # (nobody waits) or {:cancelled, since} (cancel sent, `cancel_grace` running).
+
+  alias VllmBridge.{Error, Request, Wire}
+  alias VllmBridge.Pool.Slots
+
+  defstruct map: %{}, arrivals: 0, slot: nil, seen: nil, settled: MapSet.new()
+
+  @typedoc """
+  `map` the calls by id; `arrivals` how many were added since the last sweep; `slot`
+  the pool's meta and this worker's index (nil for a worker outside a pool); `seen` the
+  slot count the last sweep found above what the table holds, with the table empty and
+  nothing arriving (see `sweep/3`); `settled` the ids of requests whose callers gave up
+  while the worker was starting (answered then, see `settled/2`).
+  """
+  @type t :: %__MODULE__{
+          map: %{optional(non_neg_integer()) => tuple()},
+          arrivals: non_neg_integer(),
+          slot: {VllmBridge.Pool.Meta.t(), non_neg_integer()} | nil,
+          seen: integer() | nil,
+          settled: MapSet.t(non_neg_integer())
+        }
+
+  @doc false
+  @spec new(VllmBridge.Pool.Meta.t() | nil, non_neg_integer()) :: t()
+  def new(nil, _index), do: %__MODULE__{}
+  def new(meta, index), do: %__MODULE__{slot: {meta, index}}
+
+  @doc false
+  @spec size(t()) :: non_neg_integer()
+  def size(%__MODULE__{map: map}), do: map_size(map)
+
+  @doc false
+  # The requests whose callers gave up while the worker was starting: they were answered
+  # then (VllmBridge.Worker.Launcher.handshake_settling/3), and are dropped on arrival.
+  @spec settled(t(), MapSet.t(non_neg_integer())) :: t()
+  def settled(t, ids), do: %{t | settled: ids}
+
+  @doc false
+  # Whether a request that just arrived may be written to the port: `{:ok, t}`, or
+  # `{:refused, t}` once its caller has been answered (and its slot given back): its
+  # caller gave up while the worker was starting, its id is in use, or its body (`size`,
+  # as its caller counted it) is over the frame limit `max`. The limit is checked before a slot is taken on a pool's path
+  # (VllmBridge.Route); this catches the others (Worker.call, a session's close, a
+  # release) before Python would see a header over its limit and end the stream.
+  @spec admit(
+          t(),
+          non_neg_integer(),
+          reference() | nil,
+          boolean(),
+          non_neg_integer() | nil,
+          pos_integer()
+        ) ::
+          {:ok, t()} | {:refused, t()}
+  def admit(t, id, alias, counted, size, max) do
+    cond do
+      MapSet.member?(t.settled, id) ->
+        if counted, do: release(t)
+        {:refused, %{t | settled: MapSet.delete(t.settled, id)}}
+
+      Map.has_key?(t.map, id) ->
+        refuse(t, alias, counted, Error.new(:protocol, "request id #{id} is in use"))
+
+      size > max ->
+        refuse(t, alias, counted, Wire.too_large(size, max, "max_frame_bytes"))
+
+      true ->
+        {:ok, t}
+    end
+  end
+
+  defp refuse(t, alias, counted, error) do
+    if alias, do: send(alias, {alias, :reply_error, error})
+    if counted, do: release(t)
+    {:refused, t}
+  end
+
+  @doc false
+  # A request just written to the port: its caller (if any) is monitored, so that a
+  # caller that dies has its call cancelled (`abandon/2`).
+  @spec add(t(), non_neg_integer(), reference() | nil, pid() | nil, boolean(), term(), term()) ::
+          t()
+  def add(t, id, alias, caller, counted, what, deadline) do
+    entry =
+      cond do
+        caller -> {alias, {counted, what}, deadline, :live, Process.monitor(caller)}
+        alias -> {alias, {counted, what}, deadline, :live, nil}
+        true -> {nil, {counted, what}, deadline, :detached, nil}
+      end
+
+    %{t | map: Map.put(t.map, id, entry), arrivals: t.arrivals + 1}
+  end
+
+  @doc false
+  # The alias of the caller waiting on call `id`, or nil when nobody waits.
+  @spec live(t(), non_neg_integer()) :: reference() | nil
+  def live(%__MODULE__{map: map}, id) do
+    case map do
+      %{^id => {alias, _, _, :live, _}} -> alias
+      _ -> nil
+    end
+  end
+
+  @doc false
+  # The last frame of call `id` (`tag` :reply or :end): the call leaves the table, its
+  # slot comes back, and its caller gets the frame (or, when nobody waits, the
+  # references in it are released).
+  @spec finish(t(), non_neg_integer(), :reply | :end, binary() | nil) :: t()
+  def finish(t, id, tag, bin) do
+    case Map.pop(t.map, id) do
+      {{alias, {counted, _}, _, status, mon}, map} ->
+        # The slot first: a caller that has its reply and calls again at once must find
+        # the worker idle (`:strict_fail_fast` and `:hint` look for an idle count).
+        if counted, do: release(t)
+        if status == :live, do: send(alias, {alias, tag, bin}), else: drop(bin)
+        # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
+        if mon, do: Process.demonitor(mon)
+        %{t | map: map}
+
+      {nil, _} ->
+        t
+    end
+  end
+
+  @doc false
+  # A reply or chunk nobody will read (its caller gave up or died): the references in it
+  # were made for it and no process got them, so nobody could ever release them (those
+  # of the default session would outlive every session, those of a session would hold
+  # its objects until it closes); they are released here, each in its session. Decoded
+  # only on this path.
+  @spec drop(binary() | nil) :: :ok
+  def drop(nil), do: :ok
+
+  def drop(bin) do
+    with {:ok, value} <- Wire.decode_reply(bin),
+         [_ | _] = refs <- VllmBridge.Ref.collect(value) do
+      Request.cast_release(self(), refs)
+    else
+      _ -> :ok
+    end
+  end
+
+  @doc false
+  # Gives back the pool slot of a request that is not in the table (refused, or dropped).
+  @spec release(t()) :: :ok
+  def release(%__MODULE__{slot: nil}), do: :ok
+  def release(%__MODULE__{slot: {meta, index}}), do: Slots.release(meta, index)
+
+  @doc false
+  # Marks call `id` cancelled at `now` (its caller gave up, died, or it is overdue):
+  # `{:cancelled, t}` when it was live (the worker then sends the cancel to Python and
+  # starts `cancel_grace`), `:not_live` otherwise.
+  @spec cancel(t(), non_neg_integer(), integer()) :: {:cancelled, t()} | :not_live
+  def cancel(t, id, now) do
+    case t.map do
+      %{^id => {alias, slot, deadline, :live, mon}} ->
+        if mon, do: Process.demonitor(mon)
+        entry = {alias, slot, deadline, {:cancelled, now}, nil}
+        {:cancelled, %{t | map: Map.put(t.map, id, entry)}}
+
+      _ ->
+        :not_live
+    end
+  end
+
+  @doc false
+  # The live call whose caller's monitor is `mon` (the caller died), if any.
+  @spec abandoned(t(), reference()) :: non_neg_integer() | nil
+  def abandoned(%__MODULE__{map: map}, mon) do
+    case Enum.find(map, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
+      {id, _entry} -> id
+      nil -> nil
+    end
+  end
+
+  @doc false
+  # Call `id`, `grace` ms after its cancel: words that say it is still running (it did
+  # not stop when interrupted), or nil when it is gone.
+  @spec overstayed(t(), non_neg_integer(), non_neg_integer()) :: String.t() | nil
+  def overstayed(%__MODULE__{map: map}, id, grace) do
+    case map do
+      %{^id => {_, {_, what}, _, {:cancelled, since}, _}} ->
+        "request #{id}#{describe(what)} was still running " <>
+          "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled " <>
+          "(cancel_grace #{grace} ms: it did not stop when interrupted)"
+
+      _ ->
+        nil
+    end
+  end
+
+  @doc false
+  # The periodic sweep: the live calls more than `slack` ms past their deadline at `now`
+  # (their caller forgot them: the worker cancels them), and the pool's slot count of
+  # this worker set right (`correct/1`).
+  @spec sweep(t(), integer(), non_neg_integer()) :: {[non_neg_integer()], t()}
+  def sweep(t, now, slack) do
+    overdue =
+      for {id, {_, _, deadline, :live, _}} <- t.map,
+          is_integer(deadline) and deadline + slack < now,
+          do: id
+
+    {overdue, %{t | seen: correct(t), arrivals: 0}}
+  end
+
+  # The count is the reservations made (by callers, before they send) less the slots
+  # given back (here, as replies come in), so it is never below the counted calls in the
+  # table: a count below that is wrong (a correction took back a reservation whose request
+  # then came after all), and is set right at once. A count above it may be requests on
+  # their way, or a reservation left by a caller that died before sending: only a count
+  # seen unchanged over a whole sweep, with the table empty and nothing arriving, is
+  # taken for a leftover and reset. Returns the count to remember for the next sweep.
+  defp correct(%__MODULE__{slot: nil}), do: nil
+
+  defp correct(%__MODULE__{slot: {meta, index}} = t) do
+    load = Slots.load(meta, index)
+    held = Enum.count(t.map, fn {_id, {_, {counted, _}, _, _, _}} -> counted end)
+
+    cond do
+      # Not serving (a successor's start, or this worker's end): not this sweep's to fix.
+      load >= div(Slots.down(), 2) ->
+        nil
+
+      load < held ->
+        Slots.correct_load(meta, index, load, held)
+        nil
+
+      load > 0 and held == 0 and t.arrivals == 0 ->
+        if load == t.seen do
+          Slots.correct_load(meta, index, load, 0)
+          nil
+        else
+          load
+        end
+
+      true ->
+        nil
+    end
+  end
+
+  @doc false
+  # The worker goes down: every caller still waiting gets `:worker_exit` with `message`;
+  # the table is emptied.
+  @spec fail_all(t(), String.t()) :: t()
+  def fail_all(t, message) do
+    for {_id, {alias, _, _, :live, _}} <- t.map do
+      send(alias, {alias, :worker_exit, message})
+    end
+
+    %{t | map: %{}}
+  end
+
+  @doc false
+  # `what` as words for a message: ` (call {"m", "f"})`, or nothing.
+  @spec describe(term()) :: String.t()
+  def describe({kind, target}) when is_binary(kind) and is_binary(target),
+    do: " (#{kind} #{target})"
+
+  def describe({kind, target}) when is_binary(kind),
+    do: " (#{kind} #{inspect(target, limit: 5, printable_limit: 80)})"
+
+  def describe(_), do: ""
+end
