@@ -34,6 +34,9 @@ from vllm_bridge.worker.targets import TargetResolver
 
 _log = logging.getLogger("vllm_bridge.worker")
 
+#: Why a callable argument is judged as a call, in the message that refuses one.
+_PASSED = " (nor pass as an argument: the code it is passed to may call it)"
+
 #: An encoded reply, ready for :meth:`Channel.write`.
 Frame = list[Segment]
 
@@ -128,6 +131,11 @@ class Dispatcher:
                 raise BadArgument(
                     f"{where} is a {qualified_name(type(obj))}, not callable (read it with get)"
                 )
+            # What may be called is a positive rule (docs/SECURITY.md): only code defined
+            # in an allow-listed module, or a listed method of a value type.
+            calls = self.resolver.guard.calls
+            if calls.passed.get(id(obj)) is not obj:  # a known function: passes
+                calls.check(obj, where, args, kwargs)
             if args or kwargs:
                 args, kwargs = coerce_arguments(obj, args, kwargs, where)
                 result = own.call(obj, *args, **kwargs)
@@ -142,13 +150,15 @@ class Dispatcher:
     def _arguments(self, req: Invoke, session: Session) -> tuple[list[Any], dict[str, Any]]:
         args, kwargs = req.args, req.kwargs
         if req.special:
-
             guard = self.resolver.guard
 
             def resolve(ref: Ref) -> Any:
                 # Vetted when the reference was made; vetted again as it is used.
                 where = f"argument reference {ref.ref_id} ({ref.type_name})"
-                return guard.check(self.sessions.resolve(session, ref), where)
+                obj = guard.check(self.sessions.resolve(session, ref), where)
+                if callable(obj):  # the code it is passed to may call it
+                    guard.calls.check(obj, where, note=_PASSED)
+                return obj
 
             args = materialize_field(args, "args", self.registry, resolve)
             kwargs = materialize_field(kwargs, "kwargs", self.registry, resolve)
