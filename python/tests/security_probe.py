@@ -144,10 +144,15 @@ class Holder:
         self.array = np.zeros(3)
         self.buffer = io.BytesIO(b"x")
         self.context = contextvars.copy_context()
+        self._private = "mine"
 
     def method(self) -> int:
         """An ordinary method."""
         return self.value
+
+    def _helper(self) -> str:
+        """A private method of this (allow-listed) module's class."""
+        return self._private
 
     @classmethod
     def make(cls) -> Holder:

@@ -31,6 +31,7 @@ from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.worker import guard_tables as tables
 from vllm_bridge.worker.guard_calls import CallRule
 from vllm_bridge.worker.guard_messages import describe
+from vllm_bridge.worker.guard_steps import StepRule
 
 #: A type verdict meaning "judge each object of this type on its own".
 _EACH = object()
@@ -54,10 +55,13 @@ _CONTAINER_TYPES = (dict, list)
 
 class Guard:
     """Decides which objects a caller may reach, hold or hand back, for one allow-list;
-    :attr:`calls` what may be called."""
+    :attr:`steps` which names a path may take and :attr:`calls` what may be called."""
 
     def __init__(self, allowed: frozenset[str]) -> None:
         self.allowed = allowed
+        #: The step rule (:mod:`~vllm_bridge.worker.guard_steps`): private names defined
+        #: outside the allow-list, a handed-out logger's other attributes.
+        self.steps = StepRule(allowed)
         #: The call rule (:mod:`~vllm_bridge.worker.guard_calls`): only code defined in an
         #: allow-listed module, or a listed method of a value type, may be called.
         self.calls = CallRule(allowed)

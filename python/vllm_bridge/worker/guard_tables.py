@@ -9,7 +9,8 @@ Two kinds of table:
 * what the *call* rule allows beside code defined in an allow-listed module
   (:mod:`~vllm_bridge.worker.guard_calls`): the listed methods of value types, the
   builtin containers' constructors, calling a torch module (``CALLABLE_METHODS`` to
-  ``CALLABLE_INSTANCES``).
+  ``CALLABLE_INSTANCES``); and which attributes of a handed-out logger a path may name
+  (``OPEN_ATTRIBUTES``, :mod:`~vllm_bridge.worker.guard_steps`).
 
 docs/SECURITY.md says why each group is here; a new entry needs a test in
 ``python/tests/test_security_*.py``.
@@ -337,3 +338,14 @@ CALLABLE_CLASSES: tuple[tuple[str, str], ...] = tuple(
 #: ``__call__`` is the one the class defines or one defined in an allow-listed module:
 #: calling a torch module runs its ``forward`` with its hooks.
 CALLABLE_INSTANCES: tuple[tuple[str, str], ...] = (("torch.nn", "Module"),)
+
+# -- which attributes a path may name on a handed-out object (guard_steps.py) --------------
+
+#: Plain attributes of an OPEN_CLASSES instance a path may name, beside its listed methods:
+#: every other step on it is refused (a logger's ``filters``, ``handlers``, ``_cache``,
+#: ``parent``, ``manager``, ``root`` hand out what the worker's own logging runs on).
+OPEN_ATTRIBUTES: tuple[str, ...] = ("name", "level", "propagate", "disabled")
+
+#: Why a step is refused (the last words of the message).
+PRIVATE = "a private name ('_...') defined outside the allow-list"
+CLOSED = "an attribute of a handed-out object that no caller may reach"

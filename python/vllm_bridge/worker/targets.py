@@ -9,7 +9,12 @@ Rules (docs/PROTOCOL.md, "Targets"):
   guard (:mod:`~vllm_bridge.worker.guard`): no step may land on a module outside the
   allow-list (``vllm_bridge.diag.os`` is refused although ``diag`` imports ``os``), a
   frame, a code object, an evaluating builtin, the worker's own machinery...
-  (docs/SECURITY.md).
+  (docs/SECURITY.md);
+* before it is read, each name of a path must pass the step rule
+  (:mod:`~vllm_bridge.worker.guard_steps`): no private name that only code outside the
+  allow-list defines (``Level._convert_``), nothing of a logger but its listed methods
+  and plain attributes. (A name taken from an allow-listed module needs no such look:
+  the one-step fast path below.)
 
 Refusals raise :class:`~vllm_bridge.protocol.errors.BadArgument` naming the step.
 """
@@ -25,6 +30,7 @@ from typing import Any
 from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.protocol.messages import ModuleTarget, RefTarget, Target
 from vllm_bridge.worker.guard import Guard
+from vllm_bridge.worker.guard_tables import MISSING
 from vllm_bridge.worker.sessions import Session, Sessions
 
 
@@ -88,6 +94,8 @@ class TargetResolver:
         """Follow the dotted ``path`` from ``obj`` (``where`` names ``obj`` in messages)."""
         if not path:
             raise BadArgument(f"empty attribute path after {where}")
+        steps = self.guard.steps
+        open_names = steps.open
         for part in path.split("."):
             if not part:
                 raise BadArgument(f"attribute path {path!r} after {where} has an empty part")
@@ -96,6 +104,13 @@ class TargetResolver:
                     f"attribute {part!r} of {where} is unreachable: no path part may start "
                     "with '__'"
                 )
+            # The step rule; for a public name on an ordinary object (or a module),
+            # the look that it has nothing to say is inlined.
+            t = type(obj)
+            if t is not types.ModuleType and (
+                part[0] == "_" or open_names.get(t, MISSING) is not None
+            ):
+                steps.check(obj, part, where)
             try:
                 obj = getattr(obj, part)
             except AttributeError:
