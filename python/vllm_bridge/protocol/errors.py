@@ -67,13 +67,30 @@ class CallInterrupted(BaseException):
 def python_type_name(exc: BaseException) -> str:
     """The exception's class as the wire names it: bare for builtins, else module.QualName."""
     cls = type(exc)
-    if cls.__module__ == "builtins" and getattr(builtins, cls.__qualname__, None) is cls:
-        return cls.__qualname__
-    return f"{cls.__module__}.{cls.__qualname__}"
+    module, name = getattr(cls, "__module__", None), getattr(cls, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(name, str):
+        return safe_str(cls)  # a class that misnames itself
+    if module == "builtins" and getattr(builtins, name, None) is cls:
+        return name
+    return f"{module}.{name}"
+
+
+def safe_str(value: object) -> str:
+    """``str(value)``, or a stand-in naming why it failed: an exception's ``__str__`` is
+    the raising code's, and may itself raise (the request must still be answered)."""
+    try:
+        return str(value)
+    except BaseException as exc:  # noqa: BLE001 - whatever its __str__ raises
+        try:
+            why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        except BaseException:  # noqa: BLE001
+            why = type(exc).__name__
+        return f"<exception str() failed: {why}>"
 
 
 def error_map(exc: BaseException, exc_id: int | None = None) -> dict[str, Any]:
-    """The error map of an ``error`` reply for ``exc``.
+    """The error map of an ``error`` reply for ``exc``; never raises (a message or a
+    traceback that cannot be made is replaced by one that says so).
 
     Bridge errors carry their own type and no traceback; anything else is a
     ``python_exception`` with its Python type, the formatted traceback and ``exc_id``.
@@ -81,16 +98,20 @@ def error_map(exc: BaseException, exc_id: int | None = None) -> dict[str, Any]:
     if isinstance(exc, BridgeError) and type(exc).error_type != "python_exception":
         return {
             "type": exc.error_type,
-            "message": str(exc),
+            "message": safe_str(exc),
             "python_type": None,
             "traceback": None,
             "exc_id": None,
         }
+    try:
+        tb = "".join(traceback.format_exception(exc))
+    except BaseException as failed:  # noqa: BLE001 - a traceback is a courtesy
+        tb = f"<traceback could not be formatted: {safe_str(failed)[:200]}>"
     return {
         "type": "python_exception",
-        "message": str(exc),
+        "message": safe_str(exc),
         "python_type": python_type_name(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "traceback": tb,
         "exc_id": exc_id,
     }
 

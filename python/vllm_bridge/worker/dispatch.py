@@ -20,7 +20,13 @@ from msgpack import packb as _packb
 
 from vllm_bridge.protocol.decoder import materialize_field
 from vllm_bridge.protocol.encoder import Segment, segments_length
-from vllm_bridge.protocol.errors import BadArgument, BridgeError, Cancelled, error_map
+from vllm_bridge.protocol.errors import (
+    BadArgument,
+    BridgeError,
+    Cancelled,
+    error_map,
+    simple_error,
+)
 from vllm_bridge.protocol.flow import Flow
 from vllm_bridge.protocol.messages import Abandon, Close, Exit, Invoke, Release, Request
 from vllm_bridge.protocol.registry import TypeRegistry
@@ -91,6 +97,13 @@ class Dispatcher:
     def refuse(self, req: Request, exc: BridgeError) -> Frame:
         """The error reply of a request that is not run (its deadline passed)."""
         return self.channel.encoder.encode(["error", req.id, error_map(exc)])
+
+    def failed(self, req: Request, message: str) -> Frame:
+        """The error reply of a request whose handling failed in the worker itself
+        (:meth:`handle` raised after all): ``python_exception`` with ``message``."""
+        return self.channel.encoder.encode(
+            ["error", req.id, simple_error("python_exception", message)]
+        )
 
     def close_all(self) -> tuple[int, int]:
         """Close every session as ``close`` does; returns (sessions, contexts exited)."""

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from vllm_bridge.protocol.errors import DeadlineExceeded
+from vllm_bridge.protocol.errors import DeadlineExceeded, python_type_name, safe_str
 from vllm_bridge.protocol.flow import STREAM_WINDOW, Flow
 from vllm_bridge.protocol.framing import FrameError, FrameReader
 from vllm_bridge.protocol.messages import Abandon, Request
@@ -68,6 +68,7 @@ class Executor:
         on_eof: Callable[[], None] = lambda: None,
         poll: float = POLL_SECONDS,
         interrupt: Callable[[], None] = lambda: None,
+        failed: Callable[[Request, str], Any] | None = None,
     ) -> None:
         """
         Args:
@@ -85,6 +86,9 @@ class Executor:
             interrupt: Called (without the lock) once the running request has been marked
                 cancelled, to interrupt its code (the worker signals the execution
                 thread: :meth:`vllm_bridge.worker.interrupt.Interrupter.interrupt`).
+            failed: The reply of a request whose ``handle`` (or ``expired``) raised after
+                all, given a message that says so: every request is answered. ``None``:
+                such a request is only logged.
         """
         self._handle = handle
         self._expired = expired
@@ -94,6 +98,7 @@ class Executor:
         self._on_eof = on_eof
         self._poll = poll
         self._interrupt = interrupt
+        self._failed = failed
         self._queue: deque[Request] = deque()
         self._cond = threading.Condition()
         self._running: Request | None = None
@@ -243,6 +248,7 @@ class Executor:
 
     def _execute(self, request: Request) -> None:
         reply = None
+        escaped: BaseException | None = None
         try:
             late = None if request.deadline is None else time.monotonic() - request.deadline
             if late is not None and late >= 0:
@@ -255,13 +261,39 @@ class Executor:
                 )
             else:
                 reply = self._handle(request)
-        except Exception:  # the handler answers its own errors; this is a last guard
-            _log.exception("request %s %s failed outside its handler", request.kind, request.id)
+        except BaseException as exc:  # noqa: BLE001 - the handler answers its own errors;
+            # this is a last guard, and the request is answered all the same.
+            escaped = exc
+            reply = self._last_resort(request, exc)
         finally:
             with self._cond:
                 self._running = None
         if reply is not None:
             self._write(reply)
+        if escaped is not None and not isinstance(escaped, Exception):
+            raise escaped  # KeyboardInterrupt, SystemExit: answered, then let through
+
+    def _last_resort(self, request: Request, exc: BaseException) -> Any:
+        """The error reply of a request whose handler raised (never raises itself)."""
+        what = f"{python_type_name(exc)}: {safe_str(exc)[:2000]}"
+        try:
+            _log.error(
+                "request %s %s failed outside its handler: %s",
+                request.kind, request.id, what, exc_info=exc,
+            )
+        except BaseException:  # noqa: BLE001 - logging must not keep the answer back
+            pass
+        if self._failed is None:
+            return None
+        try:
+            return self._failed(
+                request,
+                f"{request.kind} {request.id} failed inside the worker, outside the code "
+                f"it ran ({what}); the worker goes on",
+            )
+        except BaseException:  # noqa: BLE001
+            _log.exception("the error reply of request %s could not be made", request.id)
+            return None
 
     def _begin(self, request: Request) -> Request:
         # Under the lock. An urgency left by the previous request is not this one's.

@@ -217,6 +217,7 @@ class Worker:
             # The port is gone: replies and log frames have no reader any more.
             on_eof=self.channel.close,
             interrupt=self.interrupter.interrupt,
+            failed=self.dispatcher.failed,
         )
 
     def serve(self) -> int:
