@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 
 from vllm_bridge.protocol import locate
-from vllm_bridge.protocol.errors import BadArgument, ProtocolError
+from vllm_bridge.protocol.errors import BadArgument, ProtocolError, safe_str, short_repr
 from vllm_bridge.protocol.registry import TypeRegistry, coerce_atom
 from vllm_bridge.protocol.splice import Spliced, splice_tensors
 from vllm_bridge.protocol.tensors import decode_tensor
@@ -130,7 +130,7 @@ class _Pass:
         except BadArgument:
             raise
         except Exception as exc:
-            raise BadArgument(f"malformed {what} payload: {exc}") from None
+            raise BadArgument(f"malformed {what} payload: {safe_str(exc):.200}") from None
         finally:
             self.depth -= 1
 
@@ -139,11 +139,11 @@ class _Pass:
             try:
                 return Atom(data.decode())
             except UnicodeDecodeError:
-                raise BadArgument(f"atom name {data!r} is not UTF-8") from None
+                raise BadArgument(f"atom name {short_repr(data)} is not UTF-8") from None
         if code == ExtCode.TUPLE:
             items = self.nested(data, "tuple")
             if type(items) is not list:
-                raise BadArgument(f"tuple payload must be an array, got {items!r:.80}")
+                raise BadArgument(f"tuple payload must be an array, got {short_repr(items)}")
             return tuple(items)
         if code == ExtCode.TENSOR:
             if self.spliced is not None:
@@ -157,14 +157,14 @@ class _Pass:
                 value[1] = dict(value[1])  # field names are str: nothing to find in them
             if not (_is_pair(value, dict) and all(isinstance(k, str) for k in value[1])):
                 raise BadArgument(
-                    f"dataclass payload must be [class_name, {{field: value}}], got {value!r:.80}"
+                    f"dataclass payload must be [class_name, {{field: value}}], got {short_repr(value)}"
                 )
             self.special = True
             return PendingStruct(value[0], value[1])
         if code == ExtCode.ENUM:
             value = self.nested(data, "enum")
             if not _is_pair(value, str):
-                raise BadArgument(f"enum payload must be [class_name, member], got {value!r:.80}")
+                raise BadArgument(f"enum payload must be [class_name, member], got {short_repr(value)}")
             self.special = True
             return PendingEnum(value[0], value[1])
         if code == ExtCode.REF:
@@ -172,18 +172,18 @@ class _Pass:
             if type(value) is not list or len(value) != 4:
                 raise BadArgument(
                     "reference payload must be [instance, ref_id, session, type_name], "
-                    f"got {value!r:.80}"
+                    f"got {short_repr(value)}"
                 )
             try:
                 ref = Ref(value[0], value[1], value[2], value[3])
             except (TypeError, ValueError) as exc:
-                raise BadArgument(f"malformed reference: {exc}") from None
+                raise BadArgument(f"malformed reference: {safe_str(exc):.200}") from None
             self.special = True
             return ref
         if code == ExtCode.BIGINT:
             if len(data) < 1 or data[0] not in (0, 1):
                 raise BadArgument(
-                    f"big integer payload must start with sign byte 0 or 1, got {data!r:.40}"
+                    f"big integer payload must start with sign byte 0 or 1, got {short_repr(data, 40)}"
                 )
             magnitude = int.from_bytes(data[1:], "big")
             return -magnitude if data[0] else magnitude
@@ -270,7 +270,7 @@ def materialize(value: Any, registry: TypeRegistry, resolve_ref: ResolveRef | No
         cls = registry.lookup(value.name)
         member = cls.__members__.get(value.member) if hasattr(cls, "__members__") else None
         if member is None:
-            raise BadArgument(f"{value.name} has no member {value.member!r}")
+            raise BadArgument(f"{value.name:.200} has no member {short_repr(value.member)}")
         return member
     if t is Ref and resolve_ref is not None:
         return resolve_ref(value)
@@ -307,11 +307,11 @@ def _build_struct(
 ) -> Any:
     cls = registry.lookup(value.name)
     if not dataclasses.is_dataclass(cls):
-        raise BadArgument(f"{value.name} is not a dataclass")
+        raise BadArgument(f"{value.name:.200} is not a dataclass")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in value.fields if k not in fields]
     if unknown:
-        raise BadArgument(f"{value.name} has no field {unknown[0]!r}")
+        raise BadArgument(f"{value.name:.200} has no field {short_repr(unknown[0])}")
     enums = registry.enum_fields(cls)
     kwargs = {}
     for name, raw in value.fields.items():
@@ -327,4 +327,6 @@ def _build_struct(
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise BadArgument(f"cannot build {value.name} from its fields: {exc}") from None
+        raise BadArgument(
+            f"cannot build {value.name:.200} from its fields: {safe_str(exc):.500}"
+        ) from None

@@ -7,6 +7,7 @@ exception (raised by the code a call ran) travels as ``python_exception``.
 from __future__ import annotations
 
 import builtins
+import reprlib
 import traceback
 from typing import Any, ClassVar
 
@@ -73,6 +74,33 @@ def python_type_name(exc: BaseException) -> str:
     if module == "builtins" and getattr(builtins, name, None) is cls:
         return name
     return f"{module}.{name}"
+
+
+#: Characters of a value a message shows (values from the wire can be as long as a frame).
+VALUE_LIMIT = 80
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxtuple, _SHORT.maxlist, _SHORT.maxdict = 3, 6, 6, 4
+_SHORT.maxset = _SHORT.maxfrozenset = _SHORT.maxdeque = _SHORT.maxarray = 6
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = VALUE_LIMIT
+
+
+def short_repr(value: object, limit: int = VALUE_LIMIT) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, for messages, without making
+    the whole repr of a long value first (a string or a buffer is cut before it is
+    written; containers show their first items). Never raises."""
+    try:
+        if isinstance(value, (str, bytes, bytearray, memoryview)):
+            head = value[:limit]
+            text = repr(bytes(head) if isinstance(head, memoryview) else head)
+            if len(head) == len(value) and len(text) <= limit + 3:
+                return text
+            unit = "characters" if isinstance(value, str) else "bytes"
+            return f"{text[:limit]}... ({len(value)} {unit})"
+        text = _SHORT.repr(value)
+    except BaseException:  # noqa: BLE001 - a repr is the value's own code
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= limit + 3 else text[:limit] + "..."
 
 
 def safe_str(value: object) -> str:

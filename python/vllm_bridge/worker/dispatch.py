@@ -96,14 +96,12 @@ class Dispatcher:
 
     def refuse(self, req: Request, exc: BridgeError) -> Frame:
         """The error reply of a request that is not run (its deadline passed)."""
-        return self.channel.encoder.encode(["error", req.id, error_map(exc)])
+        return self.channel.encode_error(req.id, error_map(exc))
 
     def failed(self, req: Request, message: str) -> Frame:
         """The error reply of a request whose handling failed in the worker itself
         (:meth:`handle` raised after all): ``python_exception`` with ``message``."""
-        return self.channel.encoder.encode(
-            ["error", req.id, simple_error("python_exception", message)]
-        )
+        return self.channel.encode_error(req.id, simple_error("python_exception", message))
 
     def close_all(self) -> tuple[int, int]:
         """Close every session as ``close`` does; returns (sessions, contexts exited)."""
@@ -375,17 +373,4 @@ class Dispatcher:
             err = error_map(exc)
         else:
             err = error_map(exc, self.sessions.record(session, exc))
-        frame = self.channel.encoder.encode(["error", req.id, err])
-        size = segments_length(frame)
-        if size <= self.channel.max_frame:
-            return frame
-        # An error whose message or traceback alone is over the limit: it is cut, so that
-        # the request still gets its answer (the smallest limit leaves room for this).
-        cut = (
-            f" [cut: the error reply was {size} bytes, over the frame limit of "
-            f"{self.channel.max_frame} bytes (max_frame_bytes)]"
-        )
-        err["message"] = err["message"][:2000] + cut
-        if err["traceback"] is not None:
-            err["traceback"] = err["traceback"][-8000:]
-        return self.channel.encoder.encode(["error", req.id, err])
+        return self.channel.encode_error(req.id, err)

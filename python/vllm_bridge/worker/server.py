@@ -37,7 +37,7 @@ from typing import Any
 from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.protocol.decoder import Decoder
 from vllm_bridge.protocol.encoder import Encoder
-from vllm_bridge.protocol.errors import BadArgument, ProtocolError
+from vllm_bridge.protocol.errors import BadArgument, ProtocolError, safe_str
 from vllm_bridge.protocol.flow import STREAM_WINDOW
 from vllm_bridge.protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -259,7 +259,9 @@ class Worker:
             return self._on_frame(body)
         except Exception as exc:  # a last guard: reading must go on
             _log.exception("frame of %d bytes could not be handled", len(body))
-            self.channel.error(peek_request_id(body), "protocol", f"frame not handled: {exc}")
+            self.channel.error(
+                peek_request_id(body), "protocol", f"frame not handled: {safe_str(exc):.2000}"
+            )
             return None
 
     def _on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
