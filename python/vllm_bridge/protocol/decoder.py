@@ -233,37 +233,16 @@ def materialize(value: Any, registry: TypeRegistry, resolve_ref: ResolveRef | No
             value inside ``value`` (see :func:`materialize_field`).
     """
     t = type(value)
-    if t is list:
-        out = []
-        for i, v in enumerate(value):
-            try:
-                out.append(materialize(v, registry, resolve_ref))
-            except BadArgument as exc:
-                raise _step(exc, f"[{i}]") from None
-        return out
-    if t is dict:
-        built: dict[Any, Any] = {}
-        for k, v in value.items():
-            where = f"[{locate.wire_repr(k)}]"
-            try:
-                key = materialize(k, registry, resolve_ref)
-                if not locate.hashable(key):
-                    raise BadArgument(locate.unhashable_key(key))
-                if key in built:
-                    other = next(o for o in built if o == key)
-                    raise BadArgument(locate.colliding_keys([(other, None), (key, None)]))
-                built[key] = materialize(v, registry, resolve_ref)
-            except BadArgument as exc:
-                raise _step(exc, where) from None
-        return built
-    if t is tuple:
+    if t is list or t is tuple:
         items = []
         for i, v in enumerate(value):
             try:
                 items.append(materialize(v, registry, resolve_ref))
             except BadArgument as exc:
                 raise _step(exc, f"[{i}]") from None
-        return tuple(items)
+        return items if t is list else tuple(items)
+    if t is dict:
+        return _build_dict(value, registry, resolve_ref)
     if t is PendingStruct:
         return _build_struct(value, registry, resolve_ref)
     if t is PendingEnum:
@@ -275,6 +254,38 @@ def materialize(value: Any, registry: TypeRegistry, resolve_ref: ResolveRef | No
     if t is Ref and resolve_ref is not None:
         return resolve_ref(value)
     return value
+
+
+def _build_dict(value: dict[Any, Any], registry: TypeRegistry, resolve_ref: ResolveRef | None) -> Any:
+    """The dict of a decoded map with its keys and values built. Building can make keys
+    collide (two references to one object) or make them unhashable; a built key is an
+    object of the allow-listed code, whose ``__hash__``/``__eq__`` may raise or answer
+    with something that is not a bool: each is a refusal naming the key, never an error
+    of the worker. The key's place is written only when something fails."""
+    built: dict[Any, Any] = {}
+    first: dict[Any, Any] = {}  # each built key, by itself: finds the one a key equals
+    for k, v in value.items():
+        try:
+            key = materialize(k, registry, resolve_ref)
+            try:
+                other = first.get(key, _NONE)
+            except TypeError as exc:
+                if not locate.hashable(key):
+                    raise BadArgument(locate.unhashable_key(key)) from None
+                raise BadArgument(locate.uncomparable_key(key, exc)) from None
+            except Exception as exc:  # noqa: BLE001 - the key's own __hash__ or __eq__
+                raise BadArgument(locate.uncomparable_key(key, exc)) from None
+            if other is not _NONE:
+                raise BadArgument(locate.collision(other, key))
+            first[key] = key
+            built[key] = materialize(v, registry, resolve_ref)
+        except BadArgument as exc:
+            raise _step(exc, f"[{locate.wire_repr(k)}]") from None
+    return built
+
+
+#: No key found (``None`` may be a key).
+_NONE = object()
 
 
 def materialize_field(

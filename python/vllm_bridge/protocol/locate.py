@@ -19,8 +19,8 @@ from typing import Any
 
 import msgpack
 
-from vllm_bridge.protocol.errors import BadArgument, short_repr
-from vllm_bridge.protocol.types import Atom
+from vllm_bridge.protocol.errors import BadArgument, safe_str, short_repr
+from vllm_bridge.protocol.types import Atom, Ref
 
 #: msgpack's own nesting limit for one value (the C unpacker's stack).
 MSGPACK_DEPTH = 1024
@@ -78,6 +78,8 @@ def _repr(v: Any, limit: int, depth: int) -> str:
         return '"' + v[:limit].replace('"', '\\"') + '"'
     if isinstance(v, (bytes, bytearray)):
         return "<<" + ", ".join(str(b) for b in bytes(v[:16])) + (", ...>>" if len(v) > 16 else ">>")
+    if isinstance(v, Ref):  # as messages name references elsewhere
+        return f"reference {v.ref_id} ({v.type_name[:limit]})"
     if isinstance(v, (Pairs, dict, tuple, list)) and depth <= 0:
         return "..."
     if isinstance(v, Pairs):
@@ -135,18 +137,32 @@ def unhashable_key(key: Any) -> str:
 
 
 def colliding_keys(pairs: list[tuple[Any, Any]]) -> str:
-    """Names the first two keys of ``pairs`` that are equal in Python, and why."""
+    """Names the first two keys of ``pairs`` (decoded wire values) that are equal in
+    Python, and why."""
     seen: dict[Any, Any] = {}
     for key, _ in pairs:
         if key in seen:
-            first = seen[key]
-            return (
-                f"the map keys {wire_repr(first)} and {wire_repr(key)} are equal in Python "
-                f"({why_equal(first, key)}), so a dict would keep only one of them: give "
-                "each its own key"
-            )
+            return collision(seen[key], key)
         seen[key] = key
     return "the map repeats a key"
+
+
+def collision(first: Any, key: Any) -> str:
+    """Why ``key`` cannot join a dict that holds ``first``, which it equals."""
+    return (
+        f"the map keys {wire_repr(first)} and {wire_repr(key)} are equal in Python "
+        f"({why_equal(first, key)}), so a dict would keep only one of them: give "
+        "each its own key"
+    )
+
+
+def uncomparable_key(key: Any, exc: BaseException) -> str:
+    """Why ``key`` (a built object) cannot be a dict key: its ``__hash__`` or
+    ``__eq__`` raised ``exc`` (or answered with something that is not a bool)."""
+    return (
+        f"the map key {wire_repr(key)} cannot be a dict key: hashing it or comparing it "
+        f"with another key raised {type(exc).__name__}: {safe_str(exc):.200}"
+    )
 
 
 def why_equal(a: Any, b: Any) -> str:
