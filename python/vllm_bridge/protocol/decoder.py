@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from vllm_bridge.protocol import locate
+from vllm_bridge.protocol import describe, locate
 from vllm_bridge.protocol.errors import BadArgument, ProtocolError, safe_str, short_repr
 from vllm_bridge.protocol.registry import TypeRegistry, coerce_atom
 from vllm_bridge.protocol.splice import Spliced, splice_tensors
@@ -198,10 +198,10 @@ def _checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     try:
         d = dict(pairs)
     except TypeError:
-        bad = next(k for k, _ in pairs if not locate.hashable(k))
-        raise BadArgument(locate.unhashable_key(bad)) from None
+        bad = next(k for k, _ in pairs if not describe.hashable(k))
+        raise BadArgument(describe.unhashable_key(bad)) from None
     if len(d) != len(pairs):
-        raise BadArgument(locate.colliding_keys(pairs))
+        raise BadArgument(describe.colliding_keys(pairs))
     return d
 
 
@@ -270,17 +270,17 @@ def _build_dict(value: dict[Any, Any], registry: TypeRegistry, resolve_ref: Reso
             try:
                 other = first.get(key, _NONE)
             except TypeError as exc:
-                if not locate.hashable(key):
-                    raise BadArgument(locate.unhashable_key(key)) from None
-                raise BadArgument(locate.uncomparable_key(key, exc)) from None
+                if not describe.hashable(key):
+                    raise BadArgument(describe.unhashable_key(key)) from None
+                raise BadArgument(describe.uncomparable_key(key, exc)) from None
             except Exception as exc:  # noqa: BLE001 - the key's own __hash__ or __eq__
-                raise BadArgument(locate.uncomparable_key(key, exc)) from None
+                raise BadArgument(describe.uncomparable_key(key, exc)) from None
             if other is not _NONE:
-                raise BadArgument(locate.collision(other, key))
+                raise BadArgument(describe.collision(other, key))
             first[key] = key
             built[key] = materialize(v, registry, resolve_ref)
         except BadArgument as exc:
-            raise _step(exc, f"[{locate.wire_repr(k)}]") from None
+            raise _step(exc, f"[{describe.wire_repr(k)}]") from None
     return built
 
 

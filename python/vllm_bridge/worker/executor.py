@@ -49,6 +49,10 @@ _log = logging.getLogger("vllm_bridge.worker")
 POLL_SECONDS = 0.002
 #: Seconds between two looks while no request has run for a while (an idle worker).
 IDLE_POLL_SECONDS = 0.05
+#: Seconds of idleness after which the reader's buffer for large frames is dropped
+#: (:meth:`~vllm_bridge.protocol.framing.FrameReader.release`): kept while requests keep
+#: coming (a large read into pages that exist is about twice as fast), not for good.
+IDLE_RELEASE_SECONDS = 1.0
 
 # Who reads fd 3: nobody (the execution thread runs what it read), the execution thread,
 # or the watcher.
@@ -124,6 +128,9 @@ class Executor:
                 if request is None:
                     break
                 self._execute(request)
+                # Not kept while the next frame is awaited: its arguments (a large
+                # tensor, say) would live on until then.
+                del request
         finally:
             try:
                 if final is not None:
@@ -337,15 +344,17 @@ class Executor:
         """Run the watcher on this thread until EOF or :meth:`stop`."""
         seen = -1
         idle = 0
+        active = time.monotonic()  # when a request last ran or started, as seen here
+        released = True
         while True:
             with self._cond:
                 if self._stopping:
                     return
-                take = (
-                    self._role == _NOBODY
-                    and self._running is not None
-                    and (self._started == seen or self._urgent)
+                running = self._running is not None
+                take = running and self._role == _NOBODY and (
+                    self._started == seen or self._urgent
                 )
+                started_since = self._started != seen
                 seen = self._started
                 if take:
                     self._role = _WATCH
@@ -353,14 +362,20 @@ class Executor:
                 if not self._read_as_watcher():
                     return
                 idle = 0
-            else:
-                # Every poll while a request runs; backing off to IDLE_POLL_SECONDS while
-                # none does, so an idle worker wakes about 20 times a second, not 500.
-                idle = 0 if self._running is not None else idle + 1
-                self._watcher_wake.wait(
-                    self._poll if idle < 8 else max(self._poll, IDLE_POLL_SECONDS)
-                )
-                self._watcher_wake.clear()
+                continue
+            # Every poll while a request runs; backing off to IDLE_POLL_SECONDS while
+            # none does, so an idle worker wakes about 20 times a second, not 500.
+            idle = 0 if running else idle + 1
+            now = time.monotonic()
+            if running or started_since:
+                active, released = now, False
+            elif not released and now - active >= IDLE_RELEASE_SECONDS:
+                # Idle a while: the buffer a large frame was read into goes (see
+                # FrameReader.release; the next large frame makes a new one).
+                released = True
+                self._reader.release()
+            self._watcher_wake.wait(self._poll if idle < 8 else max(self._poll, IDLE_POLL_SECONDS))
+            self._watcher_wake.clear()
 
     def _read_as_watcher(self) -> bool:
         """Read frames until the execution thread wants the role back (True) or EOF (False)."""
@@ -376,8 +391,12 @@ class Executor:
                 if body is None:
                     return False
                 request = self._on_frame(body)
+                # Neither may live on in this loop until the next frame arrives: a large
+                # body holds its own buffer, a request its decoded arguments.
+                del body
                 if request is not None:
                     self.submit(request)
+                    del request
             with self._cond:
                 if self._stopping:
                     return False
