@@ -21,3 +21,24 @@ def log_loop(seconds: float, size: int) -> int:
         _log.warning("%d %s", n, message)
         n += 1
     return n
+
+
+def get_loggers(seconds: float) -> int:
+    """Ask logging for loggers without pause for ``seconds`` (each ``getLogger`` takes
+    and releases logging's module lock); the count."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        logging.getLogger(f"cancel_support.{n % 64}")
+        n += 1
+    return n
+
+
+def logging_lock_free() -> bool:
+    """Whether logging's module lock can be taken (within 5 s), as the worker's own log
+    calls must."""
+    lock = logging._lock  # type: ignore[attr-defined]
+    if lock.acquire(timeout=5):
+        lock.release()
+        return True
+    return False

@@ -87,9 +87,10 @@ class Executor:
             reader: The buffered reader of fd 3.
             on_eof: Called once, by the thread that reads EOF (or a broken stream).
             poll: Seconds between two looks of the watcher.
-            interrupt: Called (without the lock) once the running request has been marked
-                cancelled, to interrupt its code (the worker signals the execution
-                thread: :meth:`vllm_bridge.worker.interrupt.Interrupter.interrupt`).
+            interrupt: Called under the lock, while the request marked cancelled is still
+                the running one, to interrupt its code (the worker signals the execution
+                thread: :meth:`vllm_bridge.worker.interrupt.Interrupter.interrupt`); it
+                must not take the lock.
             failed: The reply of a request whose ``handle`` (or ``expired``) raised after
                 all, given a message that says so: every request is answered. ``None``:
                 such a request is only logged.
@@ -214,14 +215,29 @@ class Executor:
                     self._queue.remove(request)
                     return request
             running = self._running
-            hit = running is not None and running.id == request_id
-            if hit:
+            if running is not None and running.id == request_id:
                 running.cancelled = True
                 _stop_flow(running)
-        if hit:
-            # Marked first: the handler raises only for a request marked cancelled.
-            self._interrupt()
+                # Marked first: the handler raises only for a request marked cancelled.
+                # Signalled under the lock, so while the request is still the running
+                # one: the signal reaches the thread before the next request can start,
+                # never inside that one's blocking call (see interrupt.py, "EINTR").
+                self._interrupt()
         return None
+
+    def interrupt_again(self, request: Request, delay: float) -> None:
+        """Signal the execution thread again in ``delay`` seconds if ``request`` is still
+        the running one then, and cancelled (the handler defers an interruption that
+        lands inside :mod:`logging`: see :mod:`vllm_bridge.worker.interrupt`)."""
+
+        def again() -> None:
+            with self._cond:
+                if self._running is request and request.cancelled:
+                    self._interrupt()
+
+        timer = threading.Timer(delay, again)
+        timer.daemon = True
+        timer.start()
 
     def stop(self) -> None:
         """Drop the queue and interrupt the running request (if any); then the execution
@@ -246,7 +262,9 @@ class Executor:
         if eof and first:
             self._on_eof()
         if running is not None:
-            self._interrupt()
+            with self._cond:  # as cancel does: only while it is still the running one
+                if self._running is running:
+                    self._interrupt()
         self._wake()
         self._watcher_wake.set()
         return first

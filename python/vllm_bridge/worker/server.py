@@ -219,6 +219,7 @@ class Worker:
             interrupt=self.interrupter.interrupt,
             failed=self.dispatcher.failed,
         )
+        self.interrupter.again = self.executor.interrupt_again
 
     def serve(self) -> int:
         """Announce, then serve on this thread (the main thread) until EOF; returns the
