@@ -13,27 +13,17 @@ and the worker serves on; ordinary calls keep working.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import WorkerProc
-from security_support import D, FC, P, refused, spawn_probe_worker
+from security_support import D, FC, P, refused, w  # noqa: F401 - the fixture
 
 from vllm_bridge.diag import Level
 from vllm_bridge.protocol import Ref
 from vllm_bridge.worker import guard_tables as t
-
-
-@pytest.fixture(scope="module")
-def w() -> Iterator[WorkerProc]:
-    wp = spawn_probe_worker()
-    try:
-        yield wp
-    finally:
-        wp.stop()
 
 
 def refused_call(attempt: Any, what: str, home: str) -> str:

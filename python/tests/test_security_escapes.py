@@ -11,24 +11,15 @@ refuses it: a path step, a reply, or the dunder name rule.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from conftest import WorkerProc
-from security_support import D, FC, P, refused, spawn_probe_worker
+from security_support import D, FC, P, refused, w  # noqa: F401 - the fixture
 
 from vllm_bridge.worker import guard_tables as t
-
-
-@pytest.fixture(scope="module")
-def w() -> Iterator[WorkerProc]:
-    wp = spawn_probe_worker()
-    try:
-        yield wp
-    finally:
-        wp.stop()
 
 
 def ref_of(w: WorkerProc, module: str, path: str, *args: Any) -> Any:

@@ -12,23 +12,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 from conftest import WorkerProc
-from security_support import D, FC, P, refused, spawn_probe_worker
+from security_support import D, FC, P, refused, w  # noqa: F401 - the fixture
 
 from vllm_bridge.protocol import Ref
 from vllm_bridge.worker import guard_tables as t
-
-
-@pytest.fixture(scope="module")
-def w() -> Iterator[WorkerProc]:
-    wp = spawn_probe_worker()
-    try:
-        yield wp
-    finally:
-        wp.stop()
 
 
 CLOSED = ["filters", "handlers", "_cache", "parent", "manager", "root", "filters.append",

@@ -157,14 +157,17 @@ class _Pass:
                 value[1] = dict(value[1])  # field names are str: nothing to find in them
             if not (_is_pair(value, dict) and all(isinstance(k, str) for k in value[1])):
                 raise BadArgument(
-                    f"dataclass payload must be [class_name, {{field: value}}], got {short_repr(value)}"
+                    "dataclass payload must be [class_name, {field: value}], got "
+                    f"{short_repr(value)}"
                 )
             self.special = True
             return PendingStruct(value[0], value[1])
         if code == ExtCode.ENUM:
             value = self.nested(data, "enum")
             if not _is_pair(value, str):
-                raise BadArgument(f"enum payload must be [class_name, member], got {short_repr(value)}")
+                raise BadArgument(
+                    f"enum payload must be [class_name, member], got {short_repr(value)}"
+                )
             self.special = True
             return PendingEnum(value[0], value[1])
         if code == ExtCode.REF:
@@ -183,7 +186,8 @@ class _Pass:
         if code == ExtCode.BIGINT:
             if len(data) < 1 or data[0] not in (0, 1):
                 raise BadArgument(
-                    f"big integer payload must start with sign byte 0 or 1, got {short_repr(data, 40)}"
+                    "big integer payload must start with sign byte 0 or 1, got "
+                    f"{short_repr(data, 40)}"
                 )
             magnitude = int.from_bytes(data[1:], "big")
             return -magnitude if data[0] else magnitude
@@ -256,7 +260,9 @@ def materialize(value: Any, registry: TypeRegistry, resolve_ref: ResolveRef | No
     return value
 
 
-def _build_dict(value: dict[Any, Any], registry: TypeRegistry, resolve_ref: ResolveRef | None) -> Any:
+def _build_dict(
+    value: dict[Any, Any], registry: TypeRegistry, resolve_ref: ResolveRef | None
+) -> Any:
     """The dict of a decoded map with its keys and values built. Building can make keys
     collide (two references to one object) or make them unhashable; a built key is an
     object of the allow-listed code, whose ``__hash__``/``__eq__`` may raise or answer

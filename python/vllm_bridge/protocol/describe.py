@@ -51,7 +51,8 @@ def _repr(v: Any, limit: int, depth: int) -> str:
     if isinstance(v, str):
         return '"' + v[:limit].replace('"', '\\"') + '"'
     if isinstance(v, (bytes, bytearray)):
-        return "<<" + ", ".join(str(b) for b in bytes(v[:16])) + (", ...>>" if len(v) > 16 else ">>")
+        head = ", ".join(str(b) for b in bytes(v[:16]))
+        return "<<" + head + (", ...>>" if len(v) > 16 else ">>")
     if isinstance(v, Ref):  # as messages name references elsewhere
         return f"reference {v.ref_id} ({v.type_name[:limit]})"
     if isinstance(v, (Pairs, dict, tuple, list)) and depth <= 0:
@@ -63,7 +64,9 @@ def _repr(v: Any, limit: int, depth: int) -> str:
     else:
         items = None
     if items is not None:
-        inner = ", ".join(f"{_repr(k, limit, depth - 1)} => {_repr(x, limit, depth - 1)}" for k, x in items)
+        inner = ", ".join(
+            f"{_repr(k, limit, depth - 1)} => {_repr(x, limit, depth - 1)}" for k, x in items
+        )
         return "%{" + inner + "}"
     if isinstance(v, tuple):
         return "{" + ", ".join(_repr(x, limit, depth - 1) for x in v[:8]) + "}"

@@ -203,7 +203,9 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
             rid,
         )
     if rid is None:
-        raise RequestError(f"{kind} id must be a non-negative integer, got {short_repr(msg[1], 60)}", None)
+        raise RequestError(
+            f"{kind} id must be a non-negative integer, got {short_repr(msg[1], 60)}", None
+        )
     if kind in ("ping", "cancel"):
         return Control(kind, rid)
     if kind == "credit":
@@ -240,7 +242,9 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
     if not isinstance(args, list):
         raise RequestError(f"{kind} args must be an array, got {short_repr(args)}", rid)
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise RequestError(f"{kind} kwargs must be a map with str keys, got {short_repr(kwargs)}", rid)
+        raise RequestError(
+            f"{kind} kwargs must be a map with str keys, got {short_repr(kwargs)}", rid
+        )
     return Invoke(kind, rid, session, deadline, target=target, args=args, kwargs=kwargs)
 
 
@@ -283,7 +287,9 @@ def _deadline(value: Any, kind: str, rid: int, now: float) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise RequestError(
-            f"{kind} timeout must be nil or a number of milliseconds, got {short_repr(value, 60)}", rid
+            f"{kind} timeout must be nil or a number of milliseconds, got "
+            f"{short_repr(value, 60)}",
+            rid,
         )
     return now + value / 1000.0
 

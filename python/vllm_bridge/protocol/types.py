@@ -57,7 +57,9 @@ class Ref:
         if not isinstance(self.instance, str):
             raise TypeError(f"Ref.instance must be a str, got {short_repr(self.instance)}")
         if isinstance(self.ref_id, bool) or not isinstance(self.ref_id, int) or self.ref_id < 0:
-            raise ValueError(f"Ref.ref_id must be a non-negative int, got {short_repr(self.ref_id)}")
+            raise ValueError(
+                f"Ref.ref_id must be a non-negative int, got {short_repr(self.ref_id)}"
+            )
         if self.session is not None and not isinstance(self.session, str):
             raise TypeError(f"Ref.session must be a str or None, got {short_repr(self.session)}")
         if not isinstance(self.type_name, str):

@@ -39,13 +39,12 @@ _MISSING = tables.MISSING
 #: Bound on the verdict caches (dynamic classes made per call must not grow them forever).
 _CACHE_LIMIT = 4096
 
-_METHOD_KINDS = tables.METHOD_KINDS
 #: functools.lru_cache's wrapper: judged by the function it wraps.
 _LRU_WRAPPER = type(functools.lru_cache(maxsize=None)(len))
 #: Types judged object by object: what can be called, and wrappers judged by what they
 #: wrap (a subclass of the last four too, see :meth:`Guard._type_verdict`).
 _EACH_TYPES = frozenset(
-    {types.FunctionType, types.BuiltinFunctionType, types.MethodType, *_METHOD_KINDS}
+    {types.FunctionType, types.BuiltinFunctionType, types.MethodType, *tables.METHOD_KINDS}
 )
 _EACH_BASES = (types.ModuleType, type, staticmethod, functools.partial, _LRU_WRAPPER)
 #: Containers judged one by one too: a module's namespace and the interpreter's
@@ -193,7 +192,7 @@ class Guard:
         elif t is types.BuiltinFunctionType:  # a C function of a module, or unbound
             reason = self._builtin_reason(value)
             lasting = True
-        elif t in _METHOD_KINDS:  # method descriptors and wrappers: str.format, x.__add__
+        elif t in tables.METHOD_KINDS:  # method descriptors and wrappers: str.format, x.__add__
             reason = self._descriptor_reason(value)
             lasting = t is not types.MethodWrapperType
         elif isinstance(value, staticmethod):  # callable itself since Python 3.10

@@ -263,7 +263,10 @@ class CallRule:
             (tables.lookup(module, attr), names, exceptions)
             for module, attr, names, exceptions in tables.CALLABLE_METHODS
         ]
-        listed += [(tables.lookup(module, attr), names, ()) for module, attr, names in tables.OPEN_CLASSES]
+        listed += [
+            (tables.lookup(module, attr), names, ())
+            for module, attr, names in tables.OPEN_CLASSES
+        ]
         listed = [(cls, names, exc) for cls, names, exc in listed if isinstance(cls, type)]
         classes = [tables.lookup(m, a) for m, a in tables.CALLABLE_CLASSES]
         instances = [tables.lookup(m, a) for m, a in tables.CALLABLE_INSTANCES]

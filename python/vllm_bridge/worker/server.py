@@ -330,7 +330,6 @@ class Worker:
             )
 
 
-
 class _HeldLogFrameHandler(LogFrameHandler):
     """Log frames that an interruption of the running request cannot cut in half: the
     request's code may log, and a frame left half-written would end the stream."""
