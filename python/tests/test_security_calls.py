@@ -159,6 +159,8 @@ FOREIGN = [
      "the class collections.defaultdict", "collections"),
     ("a plain function of a module outside the allow-list", P, "DEDENT", ["  x"],
      "the function textwrap.dedent", "textwrap"),
+    ("a function a public module imports from a private one", FC, "check_int", ["n", 1],
+     "the function vllm_bridge._checks.check_int", "vllm_bridge._checks"),
     ("a torch function (torch is not allow-listed)", P, "RELU", [torch.ones(1)],
      "the builtin torch.", "torch"),
     ("a foreign class", P, "ORDERED", [], "the class collections.OrderedDict", "collections"),
