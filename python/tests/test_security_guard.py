@@ -497,6 +497,13 @@ def test_an_enum_is_called_with_one_value_only() -> None:
         with pytest.raises(BadArgument, match="functional API"):
             rule.check(diag.Level, "x", args, kwargs)
     assert id(diag.Level) not in rule.passed  # its verdict depends on the arguments
+    # Behind a partial (an allow-listed module could hold one), counting what it adds.
+    rule.check(functools.partial(diag.Level), "x", [2], {})
+    for fn, args in ((functools.partial(diag.Level, "X"), ["A B"]),
+                     (functools.partial(diag.Level, names="A"), ["X"]),
+                     (staticmethod(functools.partial(diag.Level)), ["X", "A"])):
+        with pytest.raises(BadArgument, match="functional API"):
+            rule.check(fn, "x", args, {})
 
 
 def test_the_call_rule_agrees_with_itself_cold_and_warm() -> None:

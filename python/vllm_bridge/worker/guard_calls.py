@@ -101,17 +101,32 @@ class CallRule:
             home = entry[1] if entry is not None else self.reason(fn)
         else:
             home = self.reason(fn)
-            if home is None and isinstance(fn, enum.EnumMeta) and (len(args) > 1 or kwargs):
-                raise self._functional_enum(fn, where, args, kwargs)
+            if home is None:
+                self._check_enum(fn, where, len(args), kwargs or {})
         if home is not None:
             raise self.refusal(fn, where, home, note)
 
+    def _check_enum(self, fn: Any, where: str, nargs: int, kwargs: Mapping[str, Any]) -> None:
+        """An enum class (also behind a partial or a staticmethod, with the arguments
+        the partial adds) may be called with one value only."""
+        for _ in range(8):  # wrappers of wrappers: a few at most
+            if isinstance(fn, functools.partial):
+                nargs += len(fn.args)
+                kwargs = {**fn.keywords, **kwargs}
+                fn = fn.func
+            elif isinstance(fn, staticmethod):
+                fn = fn.__func__
+            else:
+                break
+        if isinstance(fn, enum.EnumMeta) and (nargs > 1 or kwargs):
+            raise self._functional_enum(fn, where, nargs, kwargs)
+
     def _functional_enum(
-        self, fn: Any, where: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None
+        self, fn: Any, where: str, nargs: int, kwargs: Mapping[str, Any]
     ) -> BadArgument:
         keywords = f" and the keywords {', '.join(sorted(map(str, kwargs)))}" if kwargs else ""
         return BadArgument(
-            f"{where} is the enum class {qualified(fn)}, called with {len(args)} "
+            f"{where} is the enum class {qualified(fn)}, called with {nargs} "
             f"positional arguments{keywords}: that is enum's functional API, which "
             "makes a new class, and no caller may call it; call an enum with one value "
             "to look a member up (see docs/SECURITY.md)"
