@@ -24,6 +24,8 @@ sys.path.insert(0, str(HERE.parent / "python"))
 from vllm_bridge.diag import Opaque  # noqa: E402
 from vllm_bridge.protocol import packb  # noqa: E402
 from vllm_bridge.worker.guard import Guard  # noqa: E402
+from vllm_bridge.worker.guard_calls import CallRule  # noqa: E402
+from vllm_bridge.worker.guard_steps import StepRule  # noqa: E402
 from vllm_bridge.worker.server import Worker, _import_allowed  # noqa: E402
 
 D = "vllm_bridge.diag"
@@ -32,18 +34,32 @@ MODULES = (D, FC)
 
 
 class Open(Guard):
-    """A guard that refuses nothing: the same dispatch code, no checks. Its ``passed``
-    holds the one-step targets' objects, so the resolver's fast path skips ``check`` as
-    it does with the real guard (the floor keeps that one dict lookup)."""
+    """A guard that refuses nothing: the same dispatch code, no checks (no value rule,
+    no step rule, no call rule). Its ``passed`` holds the one-step targets' objects, so
+    the resolver's fast path skips ``check`` as it does with the real guard (the floor
+    keeps that one dict lookup)."""
 
     def __init__(self, allowed: frozenset[str], one_step: list[Any]) -> None:
         super().__init__(allowed)
         self.passed = {id(obj): obj for obj in one_step}
+        self.steps = _OpenSteps(allowed)
+        self.calls = _OpenCalls(allowed)
+        self.calls.passed = dict(self.passed)  # the dispatcher's look, as with the guard
 
     def check(self, value: Any, where: str) -> Any:
         return value
 
     def reason(self, value: Any) -> str | None:
+        return None
+
+
+class _OpenSteps(StepRule):
+    def check(self, obj: Any, name: str, where: str) -> None:
+        return None
+
+
+class _OpenCalls(CallRule):
+    def check(self, fn: Any, where: str, args: Any = (), kwargs: Any = None, note: str = "") -> None:
         return None
 
 

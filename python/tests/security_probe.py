@@ -11,6 +11,7 @@ working.
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import contextvars
 import functools
@@ -23,6 +24,7 @@ import pickle
 import string
 import subprocess
 import sys
+import textwrap
 import types
 import weakref
 from collections.abc import Iterator
@@ -63,6 +65,13 @@ ROOT_HANDLERS = logging.getLogger().handlers  # where the worker's log handler h
 NAMES = ["eval", "exec", "open", "__import__", "getattr", "vars", "globals", "compile"]
 TORCH_LOAD = torch.load
 NP_LOAD = np.load
+
+# -- ordinary values the value guard lets through, which must not be *called* -------------
+
+DEDENT = textwrap.dedent  # a plain function of a module outside the allow-list
+RELU = torch.relu  # torch's, and torch is not allow-listed here
+ORDERED = collections.OrderedDict  # a foreign class
+UFUNC = np.add  # a foreign callable instance (its __call__ is numpy's)
 
 # -- ordinary things that must keep working -------------------------------------------
 
@@ -135,10 +144,15 @@ class Holder:
         self.array = np.zeros(3)
         self.buffer = io.BytesIO(b"x")
         self.context = contextvars.copy_context()
+        self._private = "mine"
 
     def method(self) -> int:
         """An ordinary method."""
         return self.value
+
+    def _helper(self) -> str:
+        """A private method of this (allow-listed) module's class."""
+        return self._private
 
     @classmethod
     def make(cls) -> Holder:
@@ -288,6 +302,27 @@ def bound_logger_method() -> Any:
 def storage() -> Any:
     """A tensor's untyped storage."""
     return torch.zeros(2).untyped_storage()
+
+
+def enum_convert() -> Any:
+    """``Level._convert_`` (bound to an allow-listed enum): it rewrites any module's
+    namespace by name."""
+    return diag.Level._convert_
+
+
+def enum_create() -> Any:
+    """``Level._create_``: makes a new enum class."""
+    return diag.Level._create_
+
+
+def compile_of(model: torch.nn.Module) -> Any:
+    """``model.compile``: torch.compile with the caller's options."""
+    return model.compile
+
+
+def count_modules(module: torch.nn.Module) -> None:
+    """Records that ``module`` was visited (an ordinary callable for ``Module.apply``)."""
+    LOG_LINES.append(type(module).__name__)
 
 
 def getter(name: str) -> Any:

@@ -1,10 +1,12 @@
 """What the security tests share: a worker that also allow-lists :mod:`security_probe`
-(this directory on its PYTHONPATH), and the assertion that a request was refused."""
+(this directory on its PYTHONPATH), as the fixture ``w`` (one per test module: import it
+into the module, ``from security_support import w``), and the assertion that a request
+was refused."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,14 @@ def refused(attempt: Callable[[], Any]) -> str:
     error = err.value.error
     assert error["type"] == "bad_argument", error
     return error["message"]
+
+
+@pytest.fixture(scope="module")
+def w() -> Iterator[WorkerProc]:
+    """A worker allowing :data:`ALLOW`, shared by the tests of one module (they must
+    leave it serving)."""
+    wp = spawn_probe_worker()
+    try:
+        yield wp
+    finally:
+        wp.stop()

@@ -68,30 +68,58 @@ def refused(body: bytes) -> BadArgument:
 
 # -- keys that collide -------------------------------------------------------------------
 
+BOOL = "true == 1 and false == 0"
+FLOAT = "a float equal to an integer is that integer"
+ATOM = "an atom arrives as the string of its name"
+ZERO = "0.0 and -0.0 are equal: the float zero has two signs"
+REPEATED = "the key is repeated"
+
+#: Pairs of keys equal in Python, and the reason the refusal must give, exactly.
 COLLIDING = [
-    (1, True),
-    (0, False),
-    (1, 1.0),
-    (0, -0.0),
-    (True, 1.0),
-    (2**70, float(2**70)),
-    (Atom("a"), "a"),
-    ((1, "a"), (True, Atom("a"))),
-    ((1, (2.0,)), (1.0, (2,))),
+    (1, True, BOOL),
+    (0, False, BOOL),
+    (True, 1.0, BOOL),
+    (1, 1.0, FLOAT),
+    (0, -0.0, FLOAT),
+    (2**70, float(2**70), FLOAT),
+    (0.0, -0.0, ZERO),
+    (Atom("a"), "a", ATOM),
+    ((1, "a"), (True, Atom("a")), f"their elements 1 and true collide: {BOOL}"),
+    ((1, (2.0,)), (1.0, (2,)), f"their elements 1 and 1.0 collide: {FLOAT}"),
+    ((1, (0.0,)), (1, (-0.0,)), f"their elements 0.0 and -0.0 collide: {ZERO}"),
+    (((Atom("b"),),), (("b",),), f"their elements :b and \"b\" collide: {ATOM}"),
+    (1, 1, REPEATED),
+    (2**70, 2**70, REPEATED),
+    (0.5, 0.5, REPEATED),
+    (-0.0, -0.0, REPEATED),
+    ("a", "a", REPEATED),
+    (Atom("a"), Atom("a"), REPEATED),
+    (True, True, REPEATED),
+    (None, None, REPEATED),
+    (b"\xff", b"\xff", REPEATED),
+    ((1, "a"), (1, "a"), REPEATED),
 ]
 
 
-@pytest.mark.parametrize("a,b", COLLIDING, ids=[f"{a!r}-{b!r}" for a, b in COLLIDING])
-def test_keys_equal_in_python_are_refused_by_name_and_place(a, b):
+@pytest.mark.parametrize("a,b,why", COLLIDING, ids=[f"{a!r}-{b!r}" for a, b, _ in COLLIDING])
+def test_keys_equal_in_python_are_refused_by_name_place_and_reason(a, b, why):
     arg = b"\x81" + packb("outer") + b"\x92\x00" + map_bytes([(a, "x"), (b, "y")])
     err = refused(call_body(5, [packb(1), arg]))
     text = str(err)
     assert text.startswith('could not decode args[1]["outer"][1]: the map keys ')
-    assert "equal in Python" in text and "keep only one" in text
+    assert f"are equal in Python ({why}), so a dict would keep only one of them" in text
 
 
-def test_a_repeated_identical_key_is_refused_too():
-    assert "the map keys" in str(refused(call_body(1, [map_bytes([("a", 1), ("a", 2)])])))
+def test_a_key_holding_a_deeply_nested_list_is_named_briefly():
+    """A tuple key holding a list 600 levels deep (under msgpack's 1 024): the refusal
+    names the list, not a nesting limit it did not reach."""
+    payload = b"\x92\x01" + b"\x91" * 600 + b"\x01"
+    key = b"\xc8" + len(payload).to_bytes(2, "big") + b"\x02" + payload
+    text = str(refused(call_body(3, [b"\x81" + key + packb(1)])))
+    assert text.startswith(
+        "could not decode args[0]: the map key {1, [[[[[[[...]]]]]]]} holds a list"
+    )
+    assert "cannot hash" in text and len(text) < 400
 
 
 # -- keys that cannot be hashed ----------------------------------------------------------

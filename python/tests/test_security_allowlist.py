@@ -21,7 +21,15 @@ from typing import Any
 import msgpack
 import pytest
 from conftest import WorkerProc, next_id
-from security_support import ALLOW, D, FC, P, refused, spawn_probe_worker
+from security_support import (  # noqa: F401 - w is the fixture
+    ALLOW,
+    D,
+    FC,
+    P,
+    refused,
+    spawn_probe_worker,
+    w,
+)
 
 from vllm_bridge.protocol import Ref, packb, unpackb
 from vllm_bridge.worker.server import Worker
@@ -74,15 +82,6 @@ def test_a_class_name_never_walks_through_a_module(w: WorkerProc) -> None:
         refused(lambda: w.call(D, "echo", ext(4, [f"{P}.torch.{tail}.Thing", {}])))
         refused(lambda: w.call(D, "echo", ext(5, [f"{P}.torch.{tail}.Kind", "A"])))
     assert [m for m in lazy if w.call(P, "imported", m)] == []
-
-
-@pytest.fixture
-def w() -> Iterator[WorkerProc]:
-    wp = spawn_probe_worker()
-    try:
-        yield wp
-    finally:
-        wp.stop()
 
 
 def test_the_allow_list_cannot_be_widened(w: WorkerProc) -> None:

@@ -11,24 +11,15 @@ refuses it: a path step, a reply, or the dunder name rule.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from conftest import WorkerProc
-from security_support import D, FC, P, refused, spawn_probe_worker
+from security_support import D, FC, P, refused, w  # noqa: F401 - the fixture
 
 from vllm_bridge.worker import guard_tables as t
-
-
-@pytest.fixture(scope="module")
-def w() -> Iterator[WorkerProc]:
-    wp = spawn_probe_worker()
-    try:
-        yield wp
-    finally:
-        wp.stop()
 
 
 def ref_of(w: WorkerProc, module: str, path: str, *args: Any) -> Any:
@@ -113,17 +104,19 @@ ESCAPES = [
            "security_probe.WRITE is the method _io.TextIOWrapper.write", t.OS_ACCESS),
     Escape("a user logger's manager (every logger, the worker's handler)",
            lambda w: w.get(["m", P, "LOGGER.manager.loggerDict"]),
-           "security_probe.LOGGER.manager is a logging.Manager object", t.WORKER),
+           "attribute 'manager' of security_probe.LOGGER is", t.CLOSED),
     Escape("the forward context's logger, up to the root's handlers",
            lambda w: w.get(["m", FC, "logger.root.handlers"]),
-           "vllm_bridge.forward_context.logger.root.handlers is logging.root.handlers",
-           t.WORKER),
+           "attribute 'root' of vllm_bridge.forward_context.logger is", t.CLOSED),
     Escape("a logger's setLevel (the worker forwards warnings through the root)",
            lambda w: w.invoke(["r", w.call(FC, "init_logger", "x"), "root.setLevel"], [50]),
-           ".root.setLevel is the method logging.RootLogger.setLevel", t.WORKER),
+           "attribute 'root' of reference", t.CLOSED),
     Escape("a logger held in a class attribute, its manager",
-           lambda w: w.get(["r", w.call(P, "holder"), "log.manager"]), ").log.manager is",
-           t.WORKER),
+           lambda w: w.get(["r", w.call(P, "holder"), "log.manager"]),
+           "attribute 'manager' of reference", t.CLOSED),
+    Escape("the root logger's handlers, reached through init_logger('')",
+           lambda w: w.get(["r", w.call(FC, "init_logger", ""), "handlers"]),
+           "attribute 'handlers' of reference", t.CLOSED),
     # -- class and instance attributes ----------------------------------------------------
     Escape("a module in a class attribute", lambda w: w.call(P, "Holder.os.system", "true"),
            "security_probe.Holder.os is the module 'os'", t.FOREIGN_MODULE),

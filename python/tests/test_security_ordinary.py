@@ -6,24 +6,14 @@ reference; exceptions and allow-listed modules held by reference; numpy values."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
 from conftest import WorkerProc, same
-from security_support import D, P, spawn_probe_worker
+from security_support import D, P, w  # noqa: F401 - the fixture
 
 from vllm_bridge.diag import Level, Sample
 from vllm_bridge.protocol import Atom, Ref
-
-
-@pytest.fixture(scope="module")
-def w() -> Iterator[WorkerProc]:
-    wp = spawn_probe_worker()
-    try:
-        yield wp
-    finally:
-        wp.stop()
 
 
 def test_a_torch_module_by_reference(w: WorkerProc) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 
+import pytest
 from conftest import FRAME_WAIT, next_id, spawn_worker
 
 D = "vllm_bridge.diag"
@@ -19,10 +20,37 @@ INTERRUPTED = "vllm_bridge.protocol.errors.CallInterrupted"
 LONG_S = 20.0
 
 
-def send(w, kind, path, args, session=None, timeout=60_000) -> int:
+#: Test code the worker runs (this directory on its PYTHONPATH): ``stuck``, ``log_loop``.
+SUPPORT = "cancel_support"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def send(w, kind, path, args, session=None, timeout=60_000, module=D) -> int:
     rid = next_id()
-    w.send([kind, rid, session, timeout, ["m", D, path], args, {}])
+    w.send([kind, rid, session, timeout, ["m", module, path], args, {}])
     return rid
+
+
+def spawn_support_worker(stderr=None):
+    """A worker that also allow-lists :data:`SUPPORT`."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, saved]))
+    try:
+        return spawn_worker(["--allow", D, SUPPORT], stderr=stderr)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture(scope="module")
+def support_worker():
+    w = spawn_support_worker()
+    try:
+        yield w
+    finally:
+        w.stop()
 
 
 def wait_running(w, rid) -> None:
@@ -84,9 +112,9 @@ def test_a_stream_cancelled_inside_a_chunk_stops_and_the_session_streams_again(s
     assert w.stream(["m", D, "count"], [2], session="c-stream") == [0, 1]
 
 
-def test_code_stuck_in_c_is_interrupted_only_when_it_returns(shared_worker):
-    w = shared_worker
-    rid = send(w, "call", "stuck", [1.0], session="c-stuck")
+def test_code_stuck_in_c_is_interrupted_only_when_it_returns(support_worker):
+    w = support_worker
+    rid = send(w, "call", "stuck", [1.0], session="c-stuck", module=SUPPORT)
     wait_running(w, rid)
     w.send(["cancel", rid])
     # The cancel has been read (the watcher reads in order) and the request runs on.
@@ -199,9 +227,9 @@ def test_eof_interrupts_the_running_request_then_exits_the_contexts():
 
 
 def test_eof_while_a_request_is_stuck_exits_after_the_grace():
-    w = spawn_worker(stderr=subprocess.PIPE)
+    w = spawn_support_worker(stderr=subprocess.PIPE)
     try:
-        rid = send(w, "call", "stuck", [LONG_S * 10])
+        rid = send(w, "call", "stuck", [LONG_S * 10], module=SUPPORT)
         wait_running(w, rid)
         w.close()
         assert w.proc.wait(timeout=FRAME_WAIT) == 0
@@ -211,13 +239,11 @@ def test_eof_while_a_request_is_stuck_exits_after_the_grace():
         w.stop()
 
 
-def test_an_interruption_never_cuts_a_log_frame_the_code_is_writing(monkeypatch):
+def test_an_interruption_never_cuts_a_log_frame_the_code_is_writing():
     """The code logs large records without pause while its reader is slow (the pipe
     fills, so frames are written in several steps): cancels land during those writes,
     and every frame still arrives whole."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    w = spawn_worker(["--allow", D, "cancel_support"])
+    w = spawn_support_worker()
     # A cut frame would leave this reader waiting for bytes that never come: the worker
     # is killed after a while, so that the test fails instead of hanging.
     watchdog = threading.Timer(FRAME_WAIT, w.proc.kill)
@@ -225,7 +251,7 @@ def test_an_interruption_never_cuts_a_log_frame_the_code_is_writing(monkeypatch)
     try:
         for round_ in range(8):
             rid = next_id()
-            target = ["m", "cancel_support", "log_loop"]
+            target = ["m", SUPPORT, "log_loop"]
             w.send(["call", rid, None, 60_000, target, [LONG_S, 256 * 1024], {}])
             wait_running(w, rid)
             time.sleep(0.05)  # let the pipe fill: the worker is blocked in a write

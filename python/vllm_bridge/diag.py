@@ -6,8 +6,9 @@ managers, timeouts) can be exercised without the forward-context system:
 * values: :func:`echo`, :func:`add`, :func:`to_device`, :class:`Level` (an enum), :class:`Sample` (a
   dataclass), :func:`level_name` (takes a ``Level``, so an atom is coerced to it);
 * time: :func:`sleep` (a stand-in for a long forward pass), :func:`count` (a generator),
-  :func:`spin` (a long loop in pure Python), :func:`stuck` (a long call in C code, which
-  a cancel cannot interrupt until it returns);
+  :func:`spin` (a long loop in pure Python; a call stuck in C code, which a cancel cannot
+  interrupt, is python/tests/cancel_support.py's ``stuck``: it blocks the worker's
+  interrupt signal, which no caller of a public module may do);
 * failures: :func:`fail` raises; :func:`opaque` returns an object that can only travel
   as a reference; :func:`log` logs a message;
 * per-session state: :func:`set_var` / :func:`get_var` use a ``ContextVar``;
@@ -131,26 +132,6 @@ def _spin_until(end: float) -> int:
     while time.monotonic() < end:
         turns += 1
     return turns
-
-
-def stuck(seconds: float) -> float:
-    """Sleep ``seconds`` as code stuck in C would: the worker's interrupt signal is
-    blocked on this thread meanwhile (``signal.pthread_sigmask``; the mask is restored
-    after), so a cancel cannot interrupt it before it returns; then it is interrupted at
-    once. Returns ``seconds``. A stand-in for a call that a cancel does not stop within
-    ``cancel_grace``.
-    """
-    import signal
-
-    from vllm_bridge.worker.interrupt import INTERRUPT_SIGNAL
-
-    _check_seconds("seconds", seconds)
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {INTERRUPT_SIGNAL})
-    try:
-        time.sleep(seconds)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    return seconds
 
 
 _LOG_LEVELS = {

@@ -36,11 +36,6 @@ from vllm_bridge._checks import (
     check_optional_int,
     is_count_tensor,
 )
-from vllm_bridge.batchsize import (
-    configure_batchsize_tracking,
-    get_batchsize_stats,
-    reset_batchsize_stats,
-)
 from vllm_bridge.config import ParallelConfig, VllmConfig
 from vllm_bridge.cudagraph import RUNTIME_MODES, CUDAGraphMode, cudagraph_mode_from
 from vllm_bridge.dp import coordinate_batch_across_dp
@@ -75,6 +70,31 @@ _TRACKING_ATTRS = (
     "forward_start_time",
     "last_logging_time",
 )
+
+
+# The batch-size functions of the forward-context API are defined here, not re-exported
+# from vllm_bridge.batchsize: a caller may call only code defined in an allow-listed module
+# (docs/SECURITY.md), and vllm_bridge.batchsize is not one.
+
+
+def configure_batchsize_tracking(interval_s: float) -> None:
+    """Turn tracking on (``interval_s >= 0``, seconds between log lines) or off (< 0)."""
+    _batchsize.configure_batchsize_tracking(interval_s)
+
+
+def reset_batchsize_stats() -> None:
+    """Forget every recorded forward time and the time of the last log line."""
+    _batchsize.reset_batchsize_stats()
+
+
+def get_batchsize_stats(min_count: int = 2) -> list[tuple[int | None, int, float]]:
+    """The recorded stats: ``(batchsize, count, median_time_ms)`` sorted by count, descending.
+
+    Args:
+        min_count: Leave out batch sizes recorded fewer times than this (the log leaves out
+            sizes seen once).
+    """
+    return _batchsize.get_batchsize_stats(min_count)
 
 
 def init_logger(name: str) -> logging.Logger:

@@ -3,7 +3,8 @@ defmodule VllmBridge.Runtime.CancelTest do
   Cancel in place: a call that times out (or whose caller dies) is interrupted inside
   Python; the worker, its sessions and their state stay, and the next call answers
   normally, without waiting out `cancel_grace`. Only a call that does not stop within
-  `cancel_grace` (stuck in C code: `vllm_bridge.diag.stuck` blocks the interrupt signal)
+  `cancel_grace` (stuck in C code: `cancel_support.stuck`, python/tests, blocks the
+  interrupt signal)
   costs the Python process, and every call and session that loses it says why.
   """
   use ExUnit.Case, async: false
@@ -22,7 +23,21 @@ defmodule VllmBridge.Runtime.CancelTest do
   @interrupted "vllm_bridge.protocol.errors.CallInterrupted"
 
   setup_all do
-    start_pool!(@pool, size: 1, max_in_flight: 4, cancel_grace: @grace)
+    start_pool!(@pool,
+      size: 1,
+      max_in_flight: 4,
+      cancel_grace: @grace,
+      allow: ["vllm_bridge.diag", "cancel_support"],
+      # python/tests (cancel_support) first, whatever PYTHONPATH already holds after.
+      worker_env: [
+        {"PYTHONPATH",
+         Enum.join(
+           [Path.expand("../../python/tests", __DIR__) | List.wrap(System.get_env("PYTHONPATH"))],
+           ":"
+         )}
+      ]
+    )
+
     :ok
   end
 
@@ -141,7 +156,12 @@ defmodule VllmBridge.Runtime.CancelTest do
     stuck =
       Task.async(fn ->
         send(me, :stuck_sent)
-        diag("stuck", [60], session_id: s.id, timeout: 300)
+
+        VllmBridge.call({"cancel_support", "stuck"}, [60], %{},
+          pool_name: @pool,
+          session_id: s.id,
+          timeout: 300
+        )
       end)
 
     assert_receive :stuck_sent
@@ -154,7 +174,7 @@ defmodule VllmBridge.Runtime.CancelTest do
     assert {:error, %Error{type: :worker_exit, message: why}} = Task.await(behind, 30_000)
 
     assert why =~ "was killed because request"
-    assert why =~ ~s(call {"vllm_bridge.diag", "stuck"})
+    assert why =~ ~s(call {"cancel_support", "stuck"})
     assert why =~ "after it was cancelled (cancel_grace #{@grace} ms"
 
     # A new process; the session that lived on the old one is lost, and says why.

@@ -17,7 +17,22 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
   @pool :rt_q
 
   setup_all do
-    start_pool!(@pool, size: 1, max_in_flight: 2, queue_size: 2, cancel_grace: 1_500)
+    start_pool!(@pool,
+      size: 1,
+      max_in_flight: 2,
+      queue_size: 2,
+      cancel_grace: 1_500,
+      allow: ["vllm_bridge.diag", "cancel_support"],
+      # python/tests (cancel_support) first, whatever PYTHONPATH already holds after.
+      worker_env: [
+        {"PYTHONPATH",
+         Enum.join(
+           [Path.expand("../../python/tests", __DIR__) | List.wrap(System.get_env("PYTHONPATH"))],
+           ":"
+         )}
+      ]
+    )
+
     :ok
   end
 
@@ -73,7 +88,7 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
     stuck =
       Task.async(fn ->
         send(parent, :stuck_sent)
-        call("stuck", [60], timeout: 200)
+        VllmBridge.call({"cancel_support", "stuck"}, [60], %{}, pool_name: @pool, timeout: 200)
       end)
 
     assert_receive :stuck_sent

@@ -321,7 +321,7 @@ defmodule Vllm.ForwardContext.Module do
 
   `nil`
 
-  Binds `vllm_bridge.forward_context.configure_batchsize_tracking` (defined in `vllm_bridge.batchsize`). Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
+  Binds `vllm_bridge.forward_context.configure_batchsize_tracking`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
   @spec configure_batchsize_tracking(float()) :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def configure_batchsize_tracking(interval_s),
@@ -993,7 +993,7 @@ defmodule Vllm.ForwardContext.Module do
 
   `[{integer() | nil, integer(), float()}]`
 
-  Binds `vllm_bridge.forward_context.get_batchsize_stats` (defined in `vllm_bridge.batchsize`). Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
+  Binds `vllm_bridge.forward_context.get_batchsize_stats`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
   @spec get_batchsize_stats() ::
           {:ok, [{integer() | nil, integer(), float()}]} | {:error, VllmBridge.Error.t()}
@@ -1230,7 +1230,7 @@ defmodule Vllm.ForwardContext.Module do
 
   `nil`
 
-  Binds `vllm_bridge.forward_context.reset_batchsize_stats` (defined in `vllm_bridge.batchsize`). Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
+  Binds `vllm_bridge.forward_context.reset_batchsize_stats`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
   @spec reset_batchsize_stats() :: {:ok, nil} | {:error, VllmBridge.Error.t()}
   def reset_batchsize_stats(), do: VllmBridge.Bindings.call(@binding_reset_batchsize_stats, [])

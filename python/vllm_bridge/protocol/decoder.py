@@ -27,8 +27,8 @@ from typing import Any
 
 import msgpack
 
-from vllm_bridge.protocol import locate
-from vllm_bridge.protocol.errors import BadArgument, ProtocolError
+from vllm_bridge.protocol import describe, locate
+from vllm_bridge.protocol.errors import BadArgument, ProtocolError, safe_str, short_repr
 from vllm_bridge.protocol.registry import TypeRegistry, coerce_atom
 from vllm_bridge.protocol.splice import Spliced, splice_tensors
 from vllm_bridge.protocol.tensors import decode_tensor
@@ -130,7 +130,7 @@ class _Pass:
         except BadArgument:
             raise
         except Exception as exc:
-            raise BadArgument(f"malformed {what} payload: {exc}") from None
+            raise BadArgument(f"malformed {what} payload: {safe_str(exc):.200}") from None
         finally:
             self.depth -= 1
 
@@ -139,11 +139,11 @@ class _Pass:
             try:
                 return Atom(data.decode())
             except UnicodeDecodeError:
-                raise BadArgument(f"atom name {data!r} is not UTF-8") from None
+                raise BadArgument(f"atom name {short_repr(data)} is not UTF-8") from None
         if code == ExtCode.TUPLE:
             items = self.nested(data, "tuple")
             if type(items) is not list:
-                raise BadArgument(f"tuple payload must be an array, got {items!r:.80}")
+                raise BadArgument(f"tuple payload must be an array, got {short_repr(items)}")
             return tuple(items)
         if code == ExtCode.TENSOR:
             if self.spliced is not None:
@@ -157,14 +157,17 @@ class _Pass:
                 value[1] = dict(value[1])  # field names are str: nothing to find in them
             if not (_is_pair(value, dict) and all(isinstance(k, str) for k in value[1])):
                 raise BadArgument(
-                    f"dataclass payload must be [class_name, {{field: value}}], got {value!r:.80}"
+                    "dataclass payload must be [class_name, {field: value}], got "
+                    f"{short_repr(value)}"
                 )
             self.special = True
             return PendingStruct(value[0], value[1])
         if code == ExtCode.ENUM:
             value = self.nested(data, "enum")
             if not _is_pair(value, str):
-                raise BadArgument(f"enum payload must be [class_name, member], got {value!r:.80}")
+                raise BadArgument(
+                    f"enum payload must be [class_name, member], got {short_repr(value)}"
+                )
             self.special = True
             return PendingEnum(value[0], value[1])
         if code == ExtCode.REF:
@@ -172,18 +175,19 @@ class _Pass:
             if type(value) is not list or len(value) != 4:
                 raise BadArgument(
                     "reference payload must be [instance, ref_id, session, type_name], "
-                    f"got {value!r:.80}"
+                    f"got {short_repr(value)}"
                 )
             try:
                 ref = Ref(value[0], value[1], value[2], value[3])
             except (TypeError, ValueError) as exc:
-                raise BadArgument(f"malformed reference: {exc}") from None
+                raise BadArgument(f"malformed reference: {safe_str(exc):.200}") from None
             self.special = True
             return ref
         if code == ExtCode.BIGINT:
             if len(data) < 1 or data[0] not in (0, 1):
                 raise BadArgument(
-                    f"big integer payload must start with sign byte 0 or 1, got {data!r:.40}"
+                    "big integer payload must start with sign byte 0 or 1, got "
+                    f"{short_repr(data, 40)}"
                 )
             magnitude = int.from_bytes(data[1:], "big")
             return -magnitude if data[0] else magnitude
@@ -198,10 +202,10 @@ def _checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     try:
         d = dict(pairs)
     except TypeError:
-        bad = next(k for k, _ in pairs if not locate.hashable(k))
-        raise BadArgument(locate.unhashable_key(bad)) from None
+        bad = next(k for k, _ in pairs if not describe.hashable(k))
+        raise BadArgument(describe.unhashable_key(bad)) from None
     if len(d) != len(pairs):
-        raise BadArgument(locate.colliding_keys(pairs))
+        raise BadArgument(describe.colliding_keys(pairs))
     return d
 
 
@@ -233,48 +237,61 @@ def materialize(value: Any, registry: TypeRegistry, resolve_ref: ResolveRef | No
             value inside ``value`` (see :func:`materialize_field`).
     """
     t = type(value)
-    if t is list:
-        out = []
-        for i, v in enumerate(value):
-            try:
-                out.append(materialize(v, registry, resolve_ref))
-            except BadArgument as exc:
-                raise _step(exc, f"[{i}]") from None
-        return out
-    if t is dict:
-        built: dict[Any, Any] = {}
-        for k, v in value.items():
-            where = f"[{locate.wire_repr(k)}]"
-            try:
-                key = materialize(k, registry, resolve_ref)
-                if not locate.hashable(key):
-                    raise BadArgument(locate.unhashable_key(key))
-                if key in built:
-                    other = next(o for o in built if o == key)
-                    raise BadArgument(locate.colliding_keys([(other, None), (key, None)]))
-                built[key] = materialize(v, registry, resolve_ref)
-            except BadArgument as exc:
-                raise _step(exc, where) from None
-        return built
-    if t is tuple:
+    if t is list or t is tuple:
         items = []
         for i, v in enumerate(value):
             try:
                 items.append(materialize(v, registry, resolve_ref))
             except BadArgument as exc:
                 raise _step(exc, f"[{i}]") from None
-        return tuple(items)
+        return items if t is list else tuple(items)
+    if t is dict:
+        return _build_dict(value, registry, resolve_ref)
     if t is PendingStruct:
         return _build_struct(value, registry, resolve_ref)
     if t is PendingEnum:
         cls = registry.lookup(value.name)
         member = cls.__members__.get(value.member) if hasattr(cls, "__members__") else None
         if member is None:
-            raise BadArgument(f"{value.name} has no member {value.member!r}")
+            raise BadArgument(f"{value.name:.200} has no member {short_repr(value.member)}")
         return member
     if t is Ref and resolve_ref is not None:
         return resolve_ref(value)
     return value
+
+
+def _build_dict(
+    value: dict[Any, Any], registry: TypeRegistry, resolve_ref: ResolveRef | None
+) -> Any:
+    """The dict of a decoded map with its keys and values built. Building can make keys
+    collide (two references to one object) or make them unhashable; a built key is an
+    object of the allow-listed code, whose ``__hash__``/``__eq__`` may raise or answer
+    with something that is not a bool: each is a refusal naming the key, never an error
+    of the worker. The key's place is written only when something fails."""
+    built: dict[Any, Any] = {}
+    first: dict[Any, Any] = {}  # each built key, by itself: finds the one a key equals
+    for k, v in value.items():
+        try:
+            key = materialize(k, registry, resolve_ref)
+            try:
+                other = first.get(key, _NONE)
+            except TypeError as exc:
+                if not describe.hashable(key):
+                    raise BadArgument(describe.unhashable_key(key)) from None
+                raise BadArgument(describe.uncomparable_key(key, exc)) from None
+            except Exception as exc:  # noqa: BLE001 - the key's own __hash__ or __eq__
+                raise BadArgument(describe.uncomparable_key(key, exc)) from None
+            if other is not _NONE:
+                raise BadArgument(describe.collision(other, key))
+            first[key] = key
+            built[key] = materialize(v, registry, resolve_ref)
+        except BadArgument as exc:
+            raise _step(exc, f"[{describe.wire_repr(k)}]") from None
+    return built
+
+
+#: No key found (``None`` may be a key).
+_NONE = object()
 
 
 def materialize_field(
@@ -307,11 +324,11 @@ def _build_struct(
 ) -> Any:
     cls = registry.lookup(value.name)
     if not dataclasses.is_dataclass(cls):
-        raise BadArgument(f"{value.name} is not a dataclass")
+        raise BadArgument(f"{value.name:.200} is not a dataclass")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in value.fields if k not in fields]
     if unknown:
-        raise BadArgument(f"{value.name} has no field {unknown[0]!r}")
+        raise BadArgument(f"{value.name:.200} has no field {short_repr(unknown[0])}")
     enums = registry.enum_fields(cls)
     kwargs = {}
     for name, raw in value.fields.items():
@@ -327,4 +344,6 @@ def _build_struct(
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise BadArgument(f"cannot build {value.name} from its fields: {exc}") from None
+        raise BadArgument(
+            f"cannot build {value.name:.200} from its fields: {safe_str(exc):.500}"
+        ) from None

@@ -148,7 +148,9 @@ class FrameReader:
       with the bytes that actually arrive, not with what the header declares. One such
       buffer of up to ``reuse_max`` bytes is kept from frame to frame (its pages already
       exist, which makes a 64 MiB read about twice as fast here) and the body comes back
-      as a ``memoryview`` of it, valid **only until the next** :meth:`read_frame`:
+      as a ``memoryview`` of it, valid **only until the next** :meth:`read_frame`
+      (:meth:`release` drops it: the worker does once it has been idle for
+      ``IDLE_RELEASE_SECONDS``, so that one large frame does not keep its memory for good):
       whoever decodes a frame must copy out what it keeps (the decoder does: msgpack
       builds new objects and large tensors are copied out, see
       :mod:`~vllm_bridge.protocol.splice`).
@@ -244,14 +246,24 @@ class FrameReader:
             self._pos = 0
         return body
 
+    def release(self) -> bool:
+        """Drop the buffer kept for large frames (its memory goes back to the system once
+        no body read into it is alive any more); the next large frame makes a new one.
+        Safe from another thread than the reader's (the worker's watcher calls it once the
+        worker has been idle a while): a read under way holds the buffer itself. Returns
+        whether one was kept."""
+        kept, self._large = self._large, None
+        return kept is not None
+
     def _read_large(self, length: int) -> memoryview:
         if length > self.reuse_max:
             target = _anonymous_map(length)
         else:
-            if self._large is None or len(self._large) < length:
-                # A new one (views of the old may live on; it goes with the last of them).
-                self._large = _anonymous_map(length)
+            # Read once: release() may drop the attribute meanwhile (from another thread).
             target = self._large
+            if target is None or len(target) < length:
+                # A new one (views of the old may live on; it goes with the last of them).
+                target = self._large = _anonymous_map(length)
         view = memoryview(target)[:length]
         # What is buffered already goes first, the rest is read straight into place.
         unread = len(self._buf) - self._pos

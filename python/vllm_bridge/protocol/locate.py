@@ -6,9 +6,8 @@ without a position (``unhashable type: 'list'``, ``StackError``). On that path o
 decodes each piece with a lenient pass that keeps maps as lists of pairs, so that it can
 name the argument and the path inside it: ``args[0][:a][2]``.
 
-The helpers that describe a bad map key (:func:`unhashable_key`, :func:`colliding_keys`)
-are shared with the decoder, so both paths say the same thing. Values are written as the
-Elixir caller wrote them (``:a``, ``"a"``, ``{1, 2}``, ``%{}``), since that is who reads it.
+What it says about a bad map key comes from :mod:`~vllm_bridge.protocol.describe`, which
+the decoder uses too, so both paths say the same thing.
 """
 
 from __future__ import annotations
@@ -18,8 +17,10 @@ from typing import Any
 
 import msgpack
 
+from vllm_bridge.protocol.describe import colliding_keys, hashable, unhashable_key, wire_repr
 from vllm_bridge.protocol.errors import BadArgument
-from vllm_bridge.protocol.types import Atom
+from vllm_bridge.protocol.tensors import check_tensor_payload
+from vllm_bridge.protocol.types import ExtCode
 
 #: msgpack's own nesting limit for one value (the C unpacker's stack).
 MSGPACK_DEPTH = 1024
@@ -38,107 +39,6 @@ _FIELDS = {
 }
 
 Found = tuple[str, "str | None"]
-
-
-def hashable(value: Any) -> bool:
-    """Whether ``value`` can be a dict key."""
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def wire_repr(value: Any, limit: int = 60) -> str:
-    """``value`` as the Elixir side writes it, cut to about ``limit`` characters."""
-    text = _repr(value, limit)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _repr(v: Any, limit: int) -> str:
-    from vllm_bridge.protocol.decoder import Pairs  # decoder imports this module
-
-    if v is None:
-        return "nil"
-    if v is True or v is False:
-        return "true" if v else "false"
-    if isinstance(v, Atom):
-        return ":" + str(v)
-    if isinstance(v, str):
-        return '"' + v.replace('"', '\\"') + '"'
-    if isinstance(v, (bytes, bytearray)):
-        return "<<" + ", ".join(str(b) for b in bytes(v[:16])) + (", ...>>" if len(v) > 16 else ">>")
-    if isinstance(v, Pairs):
-        return "%{" + ", ".join(f"{_repr(k, limit)} => {_repr(x, limit)}" for k, x in v[:8]) + "}"
-    if isinstance(v, dict):
-        items = list(v.items())[:8]
-        return "%{" + ", ".join(f"{_repr(k, limit)} => {_repr(x, limit)}" for k, x in items) + "}"
-    if isinstance(v, tuple):
-        return "{" + ", ".join(_repr(x, limit) for x in v[:8]) + "}"
-    if isinstance(v, list):
-        return "[" + ", ".join(_repr(x, limit) for x in v[:8]) + "]"
-    return repr(v)[: limit * 2]
-
-
-def _kind(value: Any) -> str:
-    """``is a list``, or for a tuple ``holds a map (%{})``: what makes it unhashable."""
-    from vllm_bridge.protocol.decoder import Pairs
-
-    if isinstance(value, (Pairs, dict)):
-        return "is a map"
-    if isinstance(value, list):
-        return "is a list"
-    inner = _unhashable_part(value)
-    if inner is not None and inner is not value:
-        return f"holds {_kind(inner)[3:]} ({wire_repr(inner, 20)})"
-    return f"is a {type(value).__qualname__}, which is not hashable"
-
-
-def _unhashable_part(value: Any) -> Any:
-    if isinstance(value, (list, dict)):
-        return value
-    if isinstance(value, tuple):
-        for item in value:
-            found = _unhashable_part(item)
-            if found is not None:
-                return found
-    return None
-
-
-def unhashable_key(key: Any) -> str:
-    """Why ``key`` cannot be a dict key."""
-    return (
-        f"the map key {wire_repr(key)} {_kind(key)}: Python cannot hash it, so it "
-        "cannot be a dict key (a tuple of plain values can be)"
-    )
-
-
-def colliding_keys(pairs: list[tuple[Any, Any]]) -> str:
-    """Names the first two keys of ``pairs`` that are equal in Python."""
-    seen: dict[Any, Any] = {}
-    for key, _ in pairs:
-        if key in seen:
-            first = seen[key]
-            return (
-                f"the map keys {wire_repr(first)} and {wire_repr(key)} are equal in Python "
-                f"({_why_equal(first, key)}), so a dict would keep only one of them: give "
-                "each its own key"
-            )
-        seen[key] = key
-    return "the map repeats a key"
-
-
-def _why_equal(a: Any, b: Any) -> str:
-    kinds = {type(a), type(b)}
-    if bool in kinds:
-        return "true == 1 and false == 0"
-    if kinds <= {int, float}:
-        return "a float equal to an integer is that integer"
-    if Atom in kinds or kinds <= {str, Atom}:
-        return "an atom arrives as the string of its name"
-    if tuple in kinds:
-        return "their elements are equal in Python"
-    return "Python compares them equal"
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -168,26 +68,28 @@ def locate(
     ``lenient()`` makes a decoding pass whose ``unpack`` keeps maps as
     :class:`~vllm_bridge.protocol.decoder.Pairs` and raises for anything else it cannot
     decode.
+
+    The body is read where it lies (a frame can be a GiB): the walk reads headers only,
+    and decodes each argument on its own, except those that cannot hold a bad value
+    (binaries, numbers, a sound tensor), which it only checks in place.
     """
-    data = bytes(body)
-    u = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
-    u.feed(data)
+    cur = _Cursor(memoryview(body).cast("B") if isinstance(body, memoryview) else memoryview(body))
     try:
-        n = u.read_array_header()
-        kind = u.unpack()
-        u.skip()  # the id
+        n = cur.array_header()
+        kind = cur.small_value()
+        cur.skip()  # the id
     except Exception:  # noqa: BLE001 - not a request: nothing to locate
         return None
     names = _FIELDS.get(kind, ()) if isinstance(kind, str) else ()
     for i in range(n - 2):
         name = names[i] if i < len(names) else f"field {i + 2}"
         try:
-            if name == "args" and _is_array(data, u.tell()):
-                found = _each_element(u, data, name, lenient)
-            elif name == "kwargs" and _is_map(data, u.tell()):
-                found = _each_value(u, data, name, lenient)
+            if name == "args" and cur.at_array():
+                found = _each_element(cur, name, lenient)
+            elif name == "kwargs" and cur.at_map():
+                found = _each_value(cur, name, lenient)
             else:
-                found = _one(u, data, name, lenient)
+                found = _one(cur, name, lenient)
         except _Unreadable:
             return (name, None)
         if found is not None:
@@ -199,44 +101,135 @@ class _Unreadable(Exception):
     """The body's structure itself is broken at this field: nothing further to locate."""
 
 
-def _is_array(data: bytes, pos: int) -> bool:
-    return pos < len(data) and (0x90 <= data[pos] <= 0x9F or data[pos] in (0xDC, 0xDD))
+#: Type bytes of values of a fixed size after the type byte (floats, ints, fixext).
+_FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4,
+          0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}  # fmt: skip
+#: Type bytes followed by a length (of this many bytes), then that many bytes (bin, str),
+#: or a type code and that many bytes (ext).
+_SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
+_EXT = {0xC7: 1, 0xC8: 2, 0xC9: 4}
+#: Arrays and maps with a counted length: (bytes of the count, items per count).
+_COUNTED = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
-def _is_map(data: bytes, pos: int) -> bool:
-    return pos < len(data) and (0x80 <= data[pos] <= 0x8F or data[pos] in (0xDE, 0xDF))
+class _Cursor:
+    """Reads msgpack in place: headers, and where each value ends, without decoding it
+    (msgpack's Unpacker would first copy the whole body into a buffer of its own)."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+
+    def _byte(self, pos: int) -> int:
+        if pos >= len(self.data):
+            raise _Unreadable()
+        return self.data[pos]
+
+    def _uint(self, pos: int, size: int) -> int:
+        if pos + size > len(self.data):
+            raise _Unreadable()
+        return int.from_bytes(self.data[pos : pos + size], "big")
+
+    def head(self, pos: int) -> tuple[int, int]:
+        """``(items, end)`` of the value at ``pos``: the values an array or map holds
+        (a map's keys and values both count), and where its own bytes end (for a
+        container, where its first item starts)."""
+        b = self._byte(pos)
+        if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+            return 0, pos + 1
+        if b <= 0x8F:
+            return 2 * (b & 0x0F), pos + 1
+        if b <= 0x9F:
+            return b & 0x0F, pos + 1
+        if b <= 0xBF:
+            return 0, pos + 1 + (b & 0x1F)
+        if b in _FIXED:
+            return 0, pos + 1 + _FIXED[b]
+        if b in _SIZED:
+            size = _SIZED[b]
+            return 0, pos + 1 + size + self._uint(pos + 1, size)
+        if b in _EXT:
+            size = _EXT[b]
+            return 0, pos + 2 + size + self._uint(pos + 1, size)
+        if b in _COUNTED:
+            size, per = _COUNTED[b]
+            return per * self._uint(pos + 1, size), pos + 1 + size
+        raise _Unreadable()  # 0xC1, never used
+
+    def skip(self) -> int:
+        """Step over the value at the cursor (however deep, without recursion); returns
+        where it started."""
+        start = pos = self.pos
+        pending = 1
+        while pending:
+            items, pos = self.head(pos)
+            pending += items - 1
+        if pos > len(self.data):
+            raise _Unreadable()
+        self.pos = pos
+        return start
+
+    def raw(self) -> memoryview:
+        """The bytes of the value at the cursor, stepped over."""
+        start = self.skip()
+        return self.data[start : self.pos]
+
+    def small_value(self) -> Any:
+        """Decode the (small) value at the cursor: a kind, an id, a keyword's name."""
+        return msgpack.unpackb(self.raw(), raw=False, strict_map_key=False)
+
+    def array_header(self) -> int:
+        if not self.at_array():
+            raise _Unreadable()
+        items, self.pos = self.head(self.pos)
+        return items
+
+    def map_header(self) -> int:
+        if not self.at_map():
+            raise _Unreadable()
+        items, self.pos = self.head(self.pos)
+        return items // 2
+
+    def at_array(self) -> bool:
+        b = self.data[self.pos] if self.pos < len(self.data) else -1
+        return 0x90 <= b <= 0x9F or b in (0xDC, 0xDD)
+
+    def at_map(self) -> bool:
+        b = self.data[self.pos] if self.pos < len(self.data) else -1
+        return 0x80 <= b <= 0x8F or b in (0xDE, 0xDF)
 
 
-def _each_element(u: msgpack.Unpacker, data: bytes, name: str, lenient: Callable[[], Any]) -> Found | None:
-    for i in range(u.read_array_header()):
-        found = _one(u, data, f"{name}[{i}]", lenient)
+def _each_element(cur: _Cursor, name: str, lenient: Callable[[], Any]) -> Found | None:
+    for i in range(cur.array_header()):
+        found = _one(cur, f"{name}[{i}]", lenient)
         if found is not None:
             return found
     return None
 
 
-def _each_value(u: msgpack.Unpacker, data: bytes, name: str, lenient: Callable[[], Any]) -> Found | None:
-    for _ in range(u.read_map_header()):
+def _each_value(cur: _Cursor, name: str, lenient: Callable[[], Any]) -> Found | None:
+    for _ in range(cur.map_header()):
         try:
-            key = u.unpack()  # a keyword argument's name: a short str
+            key = cur.small_value()  # a keyword argument's name: a short str
+        except _Unreadable:
+            raise
         except Exception as exc:  # noqa: BLE001
             return (f"a key of {name}", describe_failure(exc))
-        found = _one(u, data, f"{name}[{wire_repr(key)}]", lenient)
+        found = _one(cur, f"{name}[{wire_repr(key)}]", lenient)
         if found is not None:
             return found
     return None
 
 
-def _one(u: msgpack.Unpacker, data: bytes, path: str, lenient: Callable[[], Any]) -> Found | None:
-    """Skip the next value (no objects built), then decode its bytes on their own."""
-    start = u.tell()
+def _one(cur: _Cursor, path: str, lenient: Callable[[], Any]) -> Found | None:
+    """Step over the next value (nothing decoded), then decode its bytes on their own,
+    unless they cannot hold what fails (see :func:`_holds_nothing`)."""
+    raw = cur.raw()
     try:
-        u.skip()
-    except msgpack.exceptions.StackError as exc:
-        return (path, describe_failure(exc))
-    except Exception as exc:  # noqa: BLE001 - truncated or malformed structure
-        raise _Unreadable() from exc
-    raw = data[start : u.tell()]
+        if _holds_nothing(raw):
+            return None
+    except BadArgument as exc:  # a tensor's
+        return (path, str(exc))
     try:
         value = lenient().unpack(raw)
     except Exception as exc:  # noqa: BLE001 - a bad extension value, too deep, ...
@@ -245,6 +238,25 @@ def _one(u: msgpack.Unpacker, data: bytes, path: str, lenient: Callable[[], Any]
         return _first_bad_map(value, path)
     except RecursionError:
         return (path, describe_failure(msgpack.exceptions.StackError()))
+
+
+def _holds_nothing(raw: memoryview) -> bool:
+    """Whether a value cannot fail to decode, so need not be decoded to be looked at: a
+    binary, a number, nil or a boolean, or a tensor that decodes (checked in place, raising
+    :class:`BadArgument` as decoding would). A str is decoded (its UTF-8 may
+    be bad), and so is anything that may hold a map."""
+    b = raw[0]
+    if b in (0xC4, 0xC5, 0xC6, 0xC0, 0xC2, 0xC3) or b <= 0x7F or b >= 0xE0:
+        return True
+    if b in _FIXED and not 0xD4 <= b <= 0xD8:
+        return True
+    if b in _EXT or 0xD4 <= b <= 0xD8:
+        size = _EXT.get(b, 0)
+        code = raw[1 + size]
+        if code == ExtCode.TENSOR:
+            check_tensor_payload(raw[2 + size :])
+            return True
+    return False
 
 
 def _first_bad_map(value: Any, path: str) -> Found | None:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_bridge.protocol.errors import ProtocolError
+from vllm_bridge.protocol.errors import ProtocolError, short_repr
 from vllm_bridge.protocol.types import Ref
 
 
@@ -193,27 +193,29 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
             return fast
     rid = request_id_of(msg)
     if not isinstance(msg, list) or not msg:
-        raise RequestError(f"a message must be a non-empty array, got {msg!r:.100}", None)
+        raise RequestError(f"a message must be a non-empty array, got {short_repr(msg)}", None)
     kind = msg[0]
     if not isinstance(kind, str) or kind not in _ARITY:
-        raise RequestError(f"unknown message kind {kind!r:.60}", rid)
+        raise RequestError(f"unknown message kind {short_repr(kind, 60)}", rid)
     if len(msg) != _ARITY[kind]:
         raise RequestError(
             f"a {kind} message has {_ARITY[kind] - 1} fields after the kind, got {len(msg) - 1}",
             rid,
         )
     if rid is None:
-        raise RequestError(f"{kind} id must be a non-negative integer, got {msg[1]!r:.60}", None)
+        raise RequestError(
+            f"{kind} id must be a non-negative integer, got {short_repr(msg[1], 60)}", None
+        )
     if kind in ("ping", "cancel"):
         return Control(kind, rid)
     if kind == "credit":
         n = msg[2]
         if not (_is_id(n) and n > 0):
-            raise RequestError(f"credit n must be a positive integer, got {n!r:.60}", rid)
+            raise RequestError(f"credit n must be a positive integer, got {short_repr(n, 60)}", rid)
         return Control(kind, rid, {"n": n})
     if kind == "hello":
         if not isinstance(msg[2], dict):
-            raise RequestError(f"hello info must be a map, got {msg[2]!r:.60}", rid)
+            raise RequestError(f"hello info must be a map, got {short_repr(msg[2], 60)}", rid)
         return Control(kind, rid, msg[2])
     session = _session(msg[2], kind, rid)
     if kind == "close":
@@ -222,25 +224,27 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
         refs = msg[3]
         if not isinstance(refs, list) or not all(isinstance(r, Ref) for r in refs):
             raise RequestError(
-                f"release refs must be an array of references, got {refs!r:.100}", rid
+                f"release refs must be an array of references, got {short_repr(refs)}", rid
             )
         return Release(kind, rid, session, None, refs=refs)
     deadline = _deadline(msg[3], kind, rid, time.monotonic() if now is None else now)
     if kind == "exit":
         handle, exc = msg[4], msg[5]
         if not isinstance(handle, Ref):
-            raise RequestError(f"exit handle must be a reference, got {handle!r:.100}", rid)
+            raise RequestError(f"exit handle must be a reference, got {short_repr(handle)}", rid)
         if exc is not None and not isinstance(exc, dict):
-            raise RequestError(f"exit exc must be nil or an error map, got {exc!r:.100}", rid)
+            raise RequestError(f"exit exc must be nil or an error map, got {short_repr(exc)}", rid)
         return Exit(kind, rid, session, deadline, handle=handle, exc=exc)
     target = _target(msg[4], kind, rid)
     if kind == "get":
         return Invoke(kind, rid, session, deadline, target=target)
     args, kwargs = msg[5], msg[6]
     if not isinstance(args, list):
-        raise RequestError(f"{kind} args must be an array, got {args!r:.100}", rid)
+        raise RequestError(f"{kind} args must be an array, got {short_repr(args)}", rid)
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise RequestError(f"{kind} kwargs must be a map with str keys, got {kwargs!r:.100}", rid)
+        raise RequestError(
+            f"{kind} kwargs must be a map with str keys, got {short_repr(kwargs)}", rid
+        )
     return Invoke(kind, rid, session, deadline, target=target, args=args, kwargs=kwargs)
 
 
@@ -275,7 +279,7 @@ def _session(value: Any, kind: str, rid: int) -> str | None:
         return None
     if isinstance(value, str):
         return str(value)  # an atom arrives as a str subclass; sessions are plain str
-    raise RequestError(f"{kind} session must be a str or nil, got {value!r:.60}", rid)
+    raise RequestError(f"{kind} session must be a str or nil, got {short_repr(value, 60)}", rid)
 
 
 def _deadline(value: Any, kind: str, rid: int, now: float) -> float | None:
@@ -283,7 +287,9 @@ def _deadline(value: Any, kind: str, rid: int, now: float) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise RequestError(
-            f"{kind} timeout must be nil or a number of milliseconds, got {value!r:.60}", rid
+            f"{kind} timeout must be nil or a number of milliseconds, got "
+            f"{short_repr(value, 60)}",
+            rid,
         )
     return now + value / 1000.0
 
@@ -297,6 +303,6 @@ def _target(value: Any, kind: str, rid: int) -> Target:
             return RefTarget(first, None if path is None else str(path))
     raise RequestError(
         f'{kind} target must be ["m", module, path] or ["r", ref, path_or_nil], '
-        f"got {value!r:.100}",
+        f"got {short_repr(value)}",
         rid,
     )

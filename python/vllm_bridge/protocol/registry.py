@@ -17,7 +17,7 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-from vllm_bridge.protocol.errors import BadArgument
+from vllm_bridge.protocol.errors import BadArgument, short_repr
 from vllm_bridge.protocol.types import Atom, qualified_name
 
 
@@ -69,7 +69,8 @@ class TypeRegistry:
             if isinstance(candidate, type) and self.name_of(candidate) == name:
                 return candidate
         raise BadArgument(
-            f"unknown class {name!r}: not a dataclass or enum defined in an allow-listed module"
+            f"unknown class {short_repr(name)}: not a dataclass or enum defined in an allow-listed "
+            "module"
         )
 
     def enum_fields(self, cls: type) -> dict[str, type[enum.Enum]]:
@@ -151,6 +152,6 @@ def coerce_atom(value: Any, enum_cls: type[enum.Enum], where: str) -> Any:
     if member is None:
         names = ", ".join(enum_cls.__members__)
         raise BadArgument(
-            f"{where}: :{value} is not a member of {qualified_name(enum_cls)} ({names})"
+            f"{where}: :{value:.80} is not a member of {qualified_name(enum_cls)} ({names:.400})"
         )
     return member

@@ -115,6 +115,18 @@ def _parse_header(payload: bytes | memoryview) -> tuple[torch.dtype, list[int], 
     return dtype, shape, offset, nbytes
 
 
+def check_tensor_payload(payload: bytes | memoryview) -> None:
+    """Nothing when :func:`decode_tensor` would take an ext 3 payload: what it checks,
+    without building the tensor (the data is read where it lies).
+
+    Raises:
+        BadArgument: as :func:`decode_tensor` would.
+    """
+    dtype, shape, offset, nbytes = _parse_header(payload)
+    if dtype == torch.bool and nbytes:
+        _finish(_frombuffer(payload, nbytes, offset), dtype, shape)
+
+
 def _finish(raw: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     if dtype == torch.bool and bool((raw > 1).any()):
         raise BadArgument("bool tensor data holds a byte other than 0 or 1")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from vllm_bridge.protocol.errors import short_repr
+
 
 class ExtCode(enum.IntEnum):
     """msgpack extension type codes of protocol version 1."""
@@ -53,13 +55,15 @@ class Ref:
 
     def __post_init__(self) -> None:
         if not isinstance(self.instance, str):
-            raise TypeError(f"Ref.instance must be a str, got {self.instance!r}")
+            raise TypeError(f"Ref.instance must be a str, got {short_repr(self.instance)}")
         if isinstance(self.ref_id, bool) or not isinstance(self.ref_id, int) or self.ref_id < 0:
-            raise ValueError(f"Ref.ref_id must be a non-negative int, got {self.ref_id!r}")
+            raise ValueError(
+                f"Ref.ref_id must be a non-negative int, got {short_repr(self.ref_id)}"
+            )
         if self.session is not None and not isinstance(self.session, str):
-            raise TypeError(f"Ref.session must be a str or None, got {self.session!r}")
+            raise TypeError(f"Ref.session must be a str or None, got {short_repr(self.session)}")
         if not isinstance(self.type_name, str):
-            raise TypeError(f"Ref.type_name must be a str, got {self.type_name!r}")
+            raise TypeError(f"Ref.type_name must be a str, got {short_repr(self.type_name)}")
 
 
 def qualified_name(cls: type) -> str:

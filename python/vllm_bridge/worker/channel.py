@@ -14,11 +14,12 @@ import sys
 import threading
 from typing import Any
 
-from vllm_bridge.protocol.encoder import Encoder, MakeRef, Segment
+from vllm_bridge.protocol.encoder import Encoder, MakeRef, Segment, segments_length
 from vllm_bridge.protocol.errors import simple_error
 from vllm_bridge.protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     WRITE_FD,
+    FrameTooLarge,
     check_max_frame,
     write_segments,
 )
@@ -73,8 +74,25 @@ class Channel:
         return getattr(self._local, "writing", False)
 
     def error(self, request_id: int | None, error_type: str, message: str) -> None:
-        """Send an ``error`` reply with no Python exception behind it."""
-        self.send(["error", request_id, simple_error(error_type, message)])
+        """Send an ``error`` reply with no Python exception behind it (cut to fit)."""
+        self.write(self.encode_error(request_id, simple_error(error_type, message)))
+
+    def encode_error(self, request_id: int | None, err: dict[str, Any]) -> list[Segment]:
+        """``["error", request_id, err]`` encoded; an error whose message or traceback
+        alone is over the frame limit is cut (``err`` too), so that the request still
+        gets its answer (the smallest limit leaves room for the cut one)."""
+        frame = self.encoder.encode(["error", request_id, err])
+        size = segments_length(frame)
+        if size <= self.max_frame:
+            return frame
+        cut = (
+            f" [cut: the error reply was {size} bytes, over the frame limit of "
+            f"{self.max_frame} bytes (max_frame_bytes)]"
+        )
+        err["message"] = err["message"][:2000] + cut
+        if err.get("traceback") is not None:
+            err["traceback"] = err["traceback"][-8000:]
+        return self.encoder.encode(["error", request_id, err])
 
 
 def _peer_gone() -> None:
@@ -94,8 +112,13 @@ def level_name(levelno: int) -> str:
     return "debug"
 
 
+#: Characters of a logger's name a cut log frame keeps.
+_NAME_LIMIT = 200
+
+
 class LogFrameHandler(logging.Handler):
-    """Sends each record as ``["log", level, logger_name, message]``."""
+    """Sends each record as ``["log", level, logger_name, message]``; a record too large
+    for one frame is cut to fit, and says so."""
 
     def __init__(self, channel: Channel, level: int = logging.WARNING) -> None:
         super().__init__(level)
@@ -108,6 +131,17 @@ class LogFrameHandler(logging.Handler):
             message = record.getMessage()
             if record.exc_info:
                 message += "\n" + logging.Formatter().formatException(record.exc_info)
-            self.channel.send(["log", level_name(record.levelno), record.name, message])
+            level = level_name(record.levelno)
+            try:
+                self.channel.send(["log", level, record.name, message])
+            except FrameTooLarge as exc:
+                name = str(record.name)[:_NAME_LIMIT]
+                # A character is at most 4 bytes of UTF-8: this many always fit.
+                keep = max(0, (self.channel.max_frame - len(name) * 4 - 512) // 4)
+                note = (
+                    f" [cut: the log record was {exc.length} bytes, over the frame limit "
+                    f"of {self.channel.max_frame} bytes (max_frame_bytes)]"
+                )
+                self.channel.send(["log", level, name, message[:keep] + note])
         except Exception:
             self.handleError(record)

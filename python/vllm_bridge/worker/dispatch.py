@@ -20,7 +20,13 @@ from msgpack import packb as _packb
 
 from vllm_bridge.protocol.decoder import materialize_field
 from vllm_bridge.protocol.encoder import Segment, segments_length
-from vllm_bridge.protocol.errors import BadArgument, BridgeError, Cancelled, error_map
+from vllm_bridge.protocol.errors import (
+    BadArgument,
+    BridgeError,
+    Cancelled,
+    error_map,
+    simple_error,
+)
 from vllm_bridge.protocol.flow import Flow
 from vllm_bridge.protocol.messages import Abandon, Close, Exit, Invoke, Release, Request
 from vllm_bridge.protocol.registry import TypeRegistry
@@ -33,6 +39,9 @@ from vllm_bridge.worker.sessions import CONTEXT_TYPE, EnteredContext, Session, S
 from vllm_bridge.worker.targets import TargetResolver
 
 _log = logging.getLogger("vllm_bridge.worker")
+
+#: Why a callable argument is judged as a call, in the message that refuses one.
+_PASSED = " (nor pass as an argument: the code it is passed to may call it)"
 
 #: An encoded reply, ready for :meth:`Channel.write`.
 Frame = list[Segment]
@@ -87,7 +96,12 @@ class Dispatcher:
 
     def refuse(self, req: Request, exc: BridgeError) -> Frame:
         """The error reply of a request that is not run (its deadline passed)."""
-        return self.channel.encoder.encode(["error", req.id, error_map(exc)])
+        return self.channel.encode_error(req.id, error_map(exc))
+
+    def failed(self, req: Request, message: str) -> Frame:
+        """The error reply of a request whose handling failed in the worker itself
+        (:meth:`handle` raised after all): ``python_exception`` with ``message``."""
+        return self.channel.encode_error(req.id, simple_error("python_exception", message))
 
     def close_all(self) -> tuple[int, int]:
         """Close every session as ``close`` does; returns (sessions, contexts exited)."""
@@ -128,6 +142,11 @@ class Dispatcher:
                 raise BadArgument(
                     f"{where} is a {qualified_name(type(obj))}, not callable (read it with get)"
                 )
+            # What may be called is a positive rule (docs/SECURITY.md): only code defined
+            # in an allow-listed module, or a listed method of a value type.
+            calls = self.resolver.guard.calls
+            if calls.passed.get(id(obj)) is not obj:  # a known function: passes
+                calls.check(obj, where, args, kwargs)
             if args or kwargs:
                 args, kwargs = coerce_arguments(obj, args, kwargs, where)
                 result = own.call(obj, *args, **kwargs)
@@ -142,13 +161,15 @@ class Dispatcher:
     def _arguments(self, req: Invoke, session: Session) -> tuple[list[Any], dict[str, Any]]:
         args, kwargs = req.args, req.kwargs
         if req.special:
-
             guard = self.resolver.guard
 
             def resolve(ref: Ref) -> Any:
                 # Vetted when the reference was made; vetted again as it is used.
                 where = f"argument reference {ref.ref_id} ({ref.type_name})"
-                return guard.check(self.sessions.resolve(session, ref), where)
+                obj = guard.check(self.sessions.resolve(session, ref), where)
+                if callable(obj):  # the code it is passed to may call it
+                    guard.calls.check(obj, where, note=_PASSED)
+                return obj
 
             args = materialize_field(args, "args", self.registry, resolve)
             kwargs = materialize_field(kwargs, "kwargs", self.registry, resolve)
@@ -352,17 +373,4 @@ class Dispatcher:
             err = error_map(exc)
         else:
             err = error_map(exc, self.sessions.record(session, exc))
-        frame = self.channel.encoder.encode(["error", req.id, err])
-        size = segments_length(frame)
-        if size <= self.channel.max_frame:
-            return frame
-        # An error whose message or traceback alone is over the limit: it is cut, so that
-        # the request still gets its answer (the smallest limit leaves room for this).
-        cut = (
-            f" [cut: the error reply was {size} bytes, over the frame limit of "
-            f"{self.channel.max_frame} bytes (max_frame_bytes)]"
-        )
-        err["message"] = err["message"][:2000] + cut
-        if err["traceback"] is not None:
-            err["traceback"] = err["traceback"][-8000:]
-        return self.channel.encoder.encode(["error", req.id, err])
+        return self.channel.encode_error(req.id, err)

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from vllm_bridge.protocol.errors import DeadlineExceeded
+from vllm_bridge.protocol.errors import DeadlineExceeded, python_type_name, safe_str
 from vllm_bridge.protocol.flow import STREAM_WINDOW, Flow
 from vllm_bridge.protocol.framing import FrameError, FrameReader
 from vllm_bridge.protocol.messages import Abandon, Request
@@ -49,6 +49,10 @@ _log = logging.getLogger("vllm_bridge.worker")
 POLL_SECONDS = 0.002
 #: Seconds between two looks while no request has run for a while (an idle worker).
 IDLE_POLL_SECONDS = 0.05
+#: Seconds of idleness after which the reader's buffer for large frames is dropped
+#: (:meth:`~vllm_bridge.protocol.framing.FrameReader.release`): kept while requests keep
+#: coming (a large read into pages that exist is about twice as fast), not for good.
+IDLE_RELEASE_SECONDS = 1.0
 
 # Who reads fd 3: nobody (the execution thread runs what it read), the execution thread,
 # or the watcher.
@@ -68,6 +72,7 @@ class Executor:
         on_eof: Callable[[], None] = lambda: None,
         poll: float = POLL_SECONDS,
         interrupt: Callable[[], None] = lambda: None,
+        failed: Callable[[Request, str], Any] | None = None,
     ) -> None:
         """
         Args:
@@ -82,9 +87,13 @@ class Executor:
             reader: The buffered reader of fd 3.
             on_eof: Called once, by the thread that reads EOF (or a broken stream).
             poll: Seconds between two looks of the watcher.
-            interrupt: Called (without the lock) once the running request has been marked
-                cancelled, to interrupt its code (the worker signals the execution
-                thread: :meth:`vllm_bridge.worker.interrupt.Interrupter.interrupt`).
+            interrupt: Called under the lock, while the request marked cancelled is still
+                the running one, to interrupt its code (the worker signals the execution
+                thread: :meth:`vllm_bridge.worker.interrupt.Interrupter.interrupt`); it
+                must not take the lock.
+            failed: The reply of a request whose ``handle`` (or ``expired``) raised after
+                all, given a message that says so: every request is answered. ``None``:
+                such a request is only logged.
         """
         self._handle = handle
         self._expired = expired
@@ -94,6 +103,7 @@ class Executor:
         self._on_eof = on_eof
         self._poll = poll
         self._interrupt = interrupt
+        self._failed = failed
         self._queue: deque[Request] = deque()
         self._cond = threading.Condition()
         self._running: Request | None = None
@@ -119,6 +129,9 @@ class Executor:
                 if request is None:
                     break
                 self._execute(request)
+                # Not kept while the next frame is awaited: its arguments (a large
+                # tensor, say) would live on until then.
+                del request
         finally:
             try:
                 if final is not None:
@@ -202,14 +215,29 @@ class Executor:
                     self._queue.remove(request)
                     return request
             running = self._running
-            hit = running is not None and running.id == request_id
-            if hit:
+            if running is not None and running.id == request_id:
                 running.cancelled = True
                 _stop_flow(running)
-        if hit:
-            # Marked first: the handler raises only for a request marked cancelled.
-            self._interrupt()
+                # Marked first: the handler raises only for a request marked cancelled.
+                # Signalled under the lock, so while the request is still the running
+                # one: the signal reaches the thread before the next request can start,
+                # never inside that one's blocking call (see interrupt.py, "EINTR").
+                self._interrupt()
         return None
+
+    def interrupt_again(self, request: Request, delay: float) -> None:
+        """Signal the execution thread again in ``delay`` seconds if ``request`` is still
+        the running one then, and cancelled (the handler defers an interruption that
+        lands inside :mod:`logging`: see :mod:`vllm_bridge.worker.interrupt`)."""
+
+        def again() -> None:
+            with self._cond:
+                if self._running is request and request.cancelled:
+                    self._interrupt()
+
+        timer = threading.Timer(delay, again)
+        timer.daemon = True
+        timer.start()
 
     def stop(self) -> None:
         """Drop the queue and interrupt the running request (if any); then the execution
@@ -234,7 +262,9 @@ class Executor:
         if eof and first:
             self._on_eof()
         if running is not None:
-            self._interrupt()
+            with self._cond:  # as cancel does: only while it is still the running one
+                if self._running is running:
+                    self._interrupt()
         self._wake()
         self._watcher_wake.set()
         return first
@@ -243,6 +273,7 @@ class Executor:
 
     def _execute(self, request: Request) -> None:
         reply = None
+        escaped: BaseException | None = None
         try:
             late = None if request.deadline is None else time.monotonic() - request.deadline
             if late is not None and late >= 0:
@@ -255,13 +286,39 @@ class Executor:
                 )
             else:
                 reply = self._handle(request)
-        except Exception:  # the handler answers its own errors; this is a last guard
-            _log.exception("request %s %s failed outside its handler", request.kind, request.id)
+        except BaseException as exc:  # noqa: BLE001 - the handler answers its own errors;
+            # this is a last guard, and the request is answered all the same.
+            escaped = exc
+            reply = self._last_resort(request, exc)
         finally:
             with self._cond:
                 self._running = None
         if reply is not None:
             self._write(reply)
+        if escaped is not None and not isinstance(escaped, Exception):
+            raise escaped  # KeyboardInterrupt, SystemExit: answered, then let through
+
+    def _last_resort(self, request: Request, exc: BaseException) -> Any:
+        """The error reply of a request whose handler raised (never raises itself)."""
+        what = f"{python_type_name(exc)}: {safe_str(exc)[:2000]}"
+        try:
+            _log.error(
+                "request %s %s failed outside its handler: %s",
+                request.kind, request.id, what, exc_info=exc,
+            )
+        except BaseException:  # noqa: BLE001 - logging must not keep the answer back
+            pass
+        if self._failed is None:
+            return None
+        try:
+            return self._failed(
+                request,
+                f"{request.kind} {request.id} failed inside the worker, outside the code "
+                f"it ran ({what}); the worker goes on",
+            )
+        except BaseException:  # noqa: BLE001
+            _log.exception("the error reply of request %s could not be made", request.id)
+            return None
 
     def _begin(self, request: Request) -> Request:
         # Under the lock. An urgency left by the previous request is not this one's.
@@ -305,15 +362,17 @@ class Executor:
         """Run the watcher on this thread until EOF or :meth:`stop`."""
         seen = -1
         idle = 0
+        active = time.monotonic()  # when a request last ran or started, as seen here
+        released = True
         while True:
             with self._cond:
                 if self._stopping:
                     return
-                take = (
-                    self._role == _NOBODY
-                    and self._running is not None
-                    and (self._started == seen or self._urgent)
+                running = self._running is not None
+                take = running and self._role == _NOBODY and (
+                    self._started == seen or self._urgent
                 )
+                started_since = self._started != seen
                 seen = self._started
                 if take:
                     self._role = _WATCH
@@ -321,14 +380,20 @@ class Executor:
                 if not self._read_as_watcher():
                     return
                 idle = 0
-            else:
-                # Every poll while a request runs; backing off to IDLE_POLL_SECONDS while
-                # none does, so an idle worker wakes about 20 times a second, not 500.
-                idle = 0 if self._running is not None else idle + 1
-                self._watcher_wake.wait(
-                    self._poll if idle < 8 else max(self._poll, IDLE_POLL_SECONDS)
-                )
-                self._watcher_wake.clear()
+                continue
+            # Every poll while a request runs; backing off to IDLE_POLL_SECONDS while
+            # none does, so an idle worker wakes about 20 times a second, not 500.
+            idle = 0 if running else idle + 1
+            now = time.monotonic()
+            if running or started_since:
+                active, released = now, False
+            elif not released and now - active >= IDLE_RELEASE_SECONDS:
+                # Idle a while: the buffer a large frame was read into goes (see
+                # FrameReader.release; the next large frame makes a new one).
+                released = True
+                self._reader.release()
+            self._watcher_wake.wait(self._poll if idle < 8 else max(self._poll, IDLE_POLL_SECONDS))
+            self._watcher_wake.clear()
 
     def _read_as_watcher(self) -> bool:
         """Read frames until the execution thread wants the role back (True) or EOF (False)."""
@@ -344,8 +409,12 @@ class Executor:
                 if body is None:
                     return False
                 request = self._on_frame(body)
+                # Neither may live on in this loop until the next frame arrives: a large
+                # body holds its own buffer, a request its decoded arguments.
+                del body
                 if request is not None:
                     self.submit(request)
+                    del request
             with self._cond:
                 if self._stopping:
                     return False

@@ -29,26 +29,22 @@ from typing import Any
 
 from vllm_bridge.protocol.errors import BadArgument
 from vllm_bridge.worker import guard_tables as tables
+from vllm_bridge.worker.guard_calls import CallRule
 from vllm_bridge.worker.guard_messages import describe
+from vllm_bridge.worker.guard_steps import StepRule
 
 #: A type verdict meaning "judge each object of this type on its own".
 _EACH = object()
-_MISSING = object()
+_MISSING = tables.MISSING
 #: Bound on the verdict caches (dynamic classes made per call must not grow them forever).
 _CACHE_LIMIT = 4096
 
-_METHOD_KINDS = (
-    types.MethodDescriptorType,
-    types.ClassMethodDescriptorType,
-    types.WrapperDescriptorType,
-    types.MethodWrapperType,
-)
 #: functools.lru_cache's wrapper: judged by the function it wraps.
 _LRU_WRAPPER = type(functools.lru_cache(maxsize=None)(len))
 #: Types judged object by object: what can be called, and wrappers judged by what they
 #: wrap (a subclass of the last four too, see :meth:`Guard._type_verdict`).
 _EACH_TYPES = frozenset(
-    {types.FunctionType, types.BuiltinFunctionType, types.MethodType, *_METHOD_KINDS}
+    {types.FunctionType, types.BuiltinFunctionType, types.MethodType, *tables.METHOD_KINDS}
 )
 _EACH_BASES = (types.ModuleType, type, staticmethod, functools.partial, _LRU_WRAPPER)
 #: Containers judged one by one too: a module's namespace and the interpreter's
@@ -57,10 +53,17 @@ _CONTAINER_TYPES = (dict, list)
 
 
 class Guard:
-    """Decides which objects a caller may reach, hold or hand back, for one allow-list."""
+    """Decides which objects a caller may reach, hold or hand back, for one allow-list;
+    :attr:`steps` which names a path may take and :attr:`calls` what may be called."""
 
     def __init__(self, allowed: frozenset[str]) -> None:
         self.allowed = allowed
+        #: The step rule (:mod:`~vllm_bridge.worker.guard_steps`): private names defined
+        #: outside the allow-list, a handed-out logger's other attributes.
+        self.steps = StepRule(allowed)
+        #: The call rule (:mod:`~vllm_bridge.worker.guard_calls`): only code defined in an
+        #: allow-listed module, or a listed method of a value type, may be called.
+        self.calls = CallRule(allowed)
         #: type -> None (its instances pass), a reason (refused), or _EACH.
         self._types: dict[type, Any] = {}
         #: id -> (object, reason) for long-lived objects judged one by one: module-level
@@ -189,7 +192,7 @@ class Guard:
         elif t is types.BuiltinFunctionType:  # a C function of a module, or unbound
             reason = self._builtin_reason(value)
             lasting = True
-        elif t in _METHOD_KINDS:  # method descriptors and wrappers: str.format, x.__add__
+        elif t in tables.METHOD_KINDS:  # method descriptors and wrappers: str.format, x.__add__
             reason = self._descriptor_reason(value)
             lasting = t is not types.MethodWrapperType
         elif isinstance(value, staticmethod):  # callable itself since Python 3.10
@@ -326,17 +329,17 @@ class Guard:
             return
         named = {}
         for module, attr, reason in tables.NAMED:
-            obj = _lookup(module, attr)
+            obj = tables.lookup(module, attr)
             if obj is not _MISSING:
                 named[id(obj)] = (obj, reason)
         bases = []
         for module, attr, reason in tables.BASES:
-            cls = _lookup(module, attr)
+            cls = tables.lookup(module, attr)
             if isinstance(cls, type):
                 bases.append((cls, reason))
         methods: dict[str, list[tuple[type, str]]] = {}
         for module, attr, names, reason in tables.METHODS:
-            cls = _lookup(module, attr)
+            cls = tables.lookup(module, attr)
             if isinstance(cls, type):
                 for name in names:
                     methods.setdefault(name, []).append((cls, reason))
@@ -347,18 +350,18 @@ class Guard:
                 label = f"the namespace of the module {module_obj.__name__!r}"
                 containers[id(namespace)] = (namespace, tables.NAMESPACE, label)
         for module, attr, reason in tables.CONTAINERS:
-            obj = _lookup(module, attr)
+            obj = tables.lookup(module, attr)
             if obj is not _MISSING:
                 containers[id(obj)] = (obj, reason, f"{module}.{attr}")
         self._containers = containers
         exempt = {}
         for module, attr in tables.BRIDGE_VALUES:
-            obj = _lookup(module, attr)
+            obj = tables.lookup(module, attr)
             if obj is not _MISSING:
                 exempt[id(obj)] = obj
         open_methods = {}
         for module, attr, names in tables.OPEN_CLASSES:
-            cls = _lookup(module, attr)
+            cls = tables.lookup(module, attr)
             if isinstance(cls, type):
                 exempt[id(cls)] = cls
                 for name in names:
@@ -383,15 +386,6 @@ class Guard:
         )
         self._bases = tuple(b for b, _ in bases)
         self._modules_seen = len(sys.modules)  # after the lookups (getattr may import)
-
-
-def _lookup(module: str, attr: str) -> Any:
-    obj: Any = sys.modules.get(module, _MISSING)
-    for part in attr.split("."):
-        if obj is _MISSING:
-            break
-        obj = getattr(obj, part, _MISSING)
-    return obj
 
 
 def _home(cls: type) -> Any:

@@ -7,12 +7,7 @@ import dataclasses
 import types
 from typing import Any
 
-_METHOD_KINDS = (
-    types.MethodDescriptorType,
-    types.ClassMethodDescriptorType,
-    types.WrapperDescriptorType,
-    types.MethodWrapperType,
-)
+from vllm_bridge.worker.guard_tables import METHOD_KINDS
 
 
 def describe(value: Any) -> str:
@@ -20,7 +15,7 @@ def describe(value: Any) -> str:
     if isinstance(value, types.ModuleType):
         return f"the module {getattr(value, '__name__', '?')!r}"
     if isinstance(value, type):
-        return f"the class {_qualified(value)}"
+        return f"the class {qualified(value)}"
     name = getattr(value, "__name__", "?")
     if isinstance(value, types.FunctionType):
         return f"the function {value.__module__}.{value.__qualname__}"
@@ -31,18 +26,19 @@ def describe(value: Any) -> str:
             name = getattr(value, "__qualname__", name)
             return f"the builtin {home}.{name}" if isinstance(home, str) else f"the builtin {name}"
         cls = owner if isinstance(owner, type) else type(owner)
-        return f"the method {_qualified(cls)}.{name}"
+        return f"the method {qualified(cls)}.{name}"
     if isinstance(value, types.MethodType):
         owner = value.__self__
         cls = owner if isinstance(owner, type) else type(owner)
-        return f"the method {_qualified(cls)}.{name}"
-    if isinstance(value, _METHOD_KINDS):
+        return f"the method {qualified(cls)}.{name}"
+    if isinstance(value, METHOD_KINDS):
         owner = getattr(value, "__objclass__", None) or type(getattr(value, "__self__", None))
-        return f"the method {_qualified(owner)}.{name}"
-    return f"a {_qualified(type(value))} object"
+        return f"the method {qualified(owner)}.{name}"
+    return f"a {qualified(type(value))} object"
 
 
-def _qualified(cls: type) -> str:
+def qualified(cls: type) -> str:
+    """``module.QualName`` of ``cls``, read without calling anything of it."""
     return f"{getattr(cls, '__module__', '?')}.{getattr(cls, '__qualname__', '?')}"
 
 

@@ -1,17 +1,53 @@
-"""What the value guard refuses (:mod:`~vllm_bridge.worker.guard`): the policy as data.
+"""The guard's policy as data (:mod:`~vllm_bridge.worker.guard`, docs/SECURITY.md).
 
-Each table names *capabilities*, never ordinary values: the objects through which a
-caller could run code of its own choosing, reach the interpreter or the operating system,
-touch attributes generically, or reach the worker's own machinery. docs/SECURITY.md says
-why each group is here; a new entry needs a test in ``python/tests/test_security_*.py``.
+Two kinds of table:
+
+* what the *value* rule refuses: *capabilities*, never ordinary values: the objects
+  through which a caller could run code of its own choosing, reach the interpreter or
+  the operating system, touch attributes generically, or reach the worker's own
+  machinery (``REFUSED_TYPES`` to ``BRIDGE_VALUES``);
+* what the *call* rule allows beside code defined in an allow-listed module
+  (:mod:`~vllm_bridge.worker.guard_calls`): the listed methods of value types, the
+  builtin containers' constructors, calling a torch module (``CALLABLE_METHODS`` to
+  ``CALLABLE_INSTANCES``); and which attributes of a handed-out logger a path may name
+  (``OPEN_ATTRIBUTES``, :mod:`~vllm_bridge.worker.guard_steps`).
+
+docs/SECURITY.md says why each group is here; a new entry needs a test in
+``python/tests/test_security_*.py``.
 
 Objects are named by module and dotted attribute (strings, not imports): the guard looks
-them up in ``sys.modules`` only, so naming ``numpy.load`` here never imports numpy.
+them up in ``sys.modules`` only (:func:`lookup`), so naming ``numpy.load`` here never
+imports numpy.
 """
 
 from __future__ import annotations
 
+import sys
 import types
+from typing import Any
+
+#: The kinds of C method object: unbound (``str.upper``), class methods (``dict.fromkeys``
+#: as found in the class), slot wrappers (``int.__add__``) and bound slot wrappers.
+METHOD_KINDS = (
+    types.MethodDescriptorType,
+    types.ClassMethodDescriptorType,
+    types.WrapperDescriptorType,
+    types.MethodWrapperType,
+)
+
+#: What :func:`lookup` returns for a module not imported (yet) or a missing attribute.
+MISSING: Any = object()
+
+
+def lookup(module: str, attr: str) -> Any:
+    """The object named ``attr`` (dotted) in the imported module ``module``, or
+    :data:`MISSING`; never imports anything."""
+    obj: Any = sys.modules.get(module, MISSING)
+    for part in attr.split("."):
+        if obj is MISSING:
+            break
+        obj = getattr(obj, part, MISSING)
+    return obj
 
 # -- why something is refused (the last words of the bad_argument message) ------------------
 
@@ -224,3 +260,92 @@ BRIDGE_VALUES: tuple[tuple[str, str], ...] = (
     ("vllm_bridge.protocol.types", "Ref"),
     ("vllm_bridge.worker.sessions", "CallerError"),
 )
+
+
+# -- what may be called beside code of an allow-listed module (guard_calls.py) -------------
+
+#: The rule a refused call is told, in its message.
+CALL_RULE = (
+    "only code defined in an allow-listed module, or a listed method of a tensor, torch "
+    "module, array, container or logger, may be called"
+)
+
+#: Stands for "every public method of the class" (every attribute whose name does not
+#: start with ``_`` and that is callable), less the exceptions named beside it.
+PUBLIC = ("<every public method>",)
+
+#: Methods of value types a caller may call, bound or unbound (module, class, method
+#: names or PUBLIC, exceptions): the method's own ``__name__`` must be listed for the class
+#: of its owner (an instance, or the class for a class method) or a base of it. What is
+#: left out, and why (docs/SECURITY.md, "What may be called"):
+#:
+#: * a tensor's ``storage``/``untyped_storage``/``storage_type`` and ``set_`` (storages:
+#:   ``from_file``, shared-memory file names), ``share_memory_`` (a shared-memory file),
+#:   ``data_ptr``/``const_data_ptr`` (addresses); ``register_hook`` and
+#:   ``register_post_accumulate_grad_hook`` (install code that runs later, inside other
+#:   requests); ``apply_``/``map_``/``map2_`` (call a callable per element);
+#:   ``as_subclass`` (makes the tensor an instance of a class of the caller's choosing,
+#:   whose ``__torch_function__`` then runs on every operation);
+#: * a torch module's ``compile`` (torch.compile: inductor runs a compiler with options of
+#:   the caller's choosing), ``share_memory``, every ``register_*`` hook and
+#:   ``register_buffer``/``register_parameter``/``register_module``/``add_module``/
+#:   ``set_submodule`` (they install code or change the model's structure for every
+#:   caller; ``load_state_dict`` changes its weights), and every private method
+#:   (``_apply``, ``_call_impl``): only the names below;
+#: * an array's ``tofile``/``dump`` (write any path) and ``dumps`` (a pickle);
+#: * ``str.format``/``format_map`` (format fields walk attributes: ``"{0.__globals__}"``).
+CALLABLE_METHODS: tuple[tuple[str, str, tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        "torch",
+        "Tensor",
+        PUBLIC,
+        ("storage", "untyped_storage", "storage_type", "set_", "share_memory_", "data_ptr",
+         "const_data_ptr", "register_hook", "register_post_accumulate_grad_hook", "apply_",
+         "map_", "map2_", "as_subclass"),
+    ),
+    (
+        "torch.nn",
+        "Module",
+        ("forward", "parameters", "named_parameters", "buffers", "named_buffers", "children",
+         "named_children", "modules", "named_modules", "state_dict", "load_state_dict",
+         "train", "eval", "requires_grad_", "zero_grad", "to", "cpu", "cuda", "float",
+         "double", "half", "bfloat16", "get_submodule", "get_parameter", "get_buffer",
+         "extra_repr", "apply"),
+        (),
+    ),
+    ("numpy", "ndarray", PUBLIC, ("tofile", "dump", "dumps")),
+    *(
+        ("builtins", name, PUBLIC, ())
+        for name in ("list", "dict", "set", "frozenset", "tuple", "bytes", "bytearray", "int",
+                     "float", "complex", "bool")
+    ),
+    ("builtins", "str", PUBLIC, ("format", "format_map")),
+    ("types", "GeneratorType", ("send", "throw", "close"), ()),
+    ("types", "CoroutineType", ("send", "throw", "close"), ()),
+    # and a logger's logging methods: OPEN_CLASSES' lists (below), read from there
+)
+
+#: Classes a caller may call to make an instance although their home is not allow-listed
+#: (module, class): the builtin containers and scalars (``list[UBatchSlice]``, a type
+#: alias of an allow-listed module, calls ``list``).
+CALLABLE_CLASSES: tuple[tuple[str, str], ...] = tuple(
+    ("builtins", name)
+    for name in ("list", "dict", "set", "frozenset", "tuple", "str", "bytes", "bytearray",
+                 "int", "float", "complex", "bool")
+)
+
+#: Classes whose instances a caller may call (module, class), as long as the instance's
+#: ``__call__`` is the one the class defines or one defined in an allow-listed module:
+#: calling a torch module runs its ``forward`` with its hooks.
+CALLABLE_INSTANCES: tuple[tuple[str, str], ...] = (("torch.nn", "Module"),)
+
+# -- which attributes a path may name on a handed-out object (guard_steps.py) --------------
+
+#: Plain attributes of an OPEN_CLASSES instance a path may name, beside its listed methods:
+#: every other step on it is refused (a logger's ``filters``, ``handlers``, ``_cache``,
+#: ``parent``, ``manager``, ``root`` hand out what the worker's own logging runs on).
+OPEN_ATTRIBUTES: tuple[str, ...] = ("name", "level", "propagate", "disabled")
+
+#: Why a step is refused (the last words of the message).
+PRIVATE = "a private name ('_...') defined outside the allow-list"
+CLOSED = "an attribute of a handed-out object that no caller may reach"

@@ -21,11 +21,28 @@ The handler raises only
   as it starts);
 * once per request: a second interruption could land in the code's own cleanup
   (``finally``, ``__exit__``), which must run undisturbed. Code that catches the
-  exception and goes on runs on; the Elixir side's ``cancel_grace`` bounds it.
+  exception and goes on runs on; the Elixir side's ``cancel_grace`` bounds it;
+* never inside :mod:`logging`'s own code: raised between ``_acquireLock()`` (or a
+  handler's ``acquire()``) and the ``try`` that releases it, it would leave that lock
+  held, and the worker's next log call would wait for it for good. One that lands there
+  is tried again a few milliseconds later (:meth:`Executor.interrupt_again`: only if the
+  request is still the running one then), until it lands in the code's own frames.
 
 Any other signal is a no-op (an interrupted read or wait is retried, PEP 475). Code in C
 (a torch kernel, a C extension's loop) is interrupted only once it returns to Python. A
 ``log`` frame the code sends is never cut in half (:meth:`Interrupter.held`).
+
+**EINTR.** The Python handler decides in Python, but the signal interrupts whatever
+system call the thread is in at the C level, before the handler runs. The executor sends
+it under its lock, and only while the cancelled request is still the running one (the
+thread needs that lock to clear it and start the next). So the signal is pending on the
+thread before the next request can start, and the kernel delivers it within
+microseconds, while the thread is still finishing the cancelled request (its own code,
+or the worker's own work after it, whose reads and writes retry, PEP 475): a C
+extension's blocking call that does not retry on ``EINTR`` fails with its own error in
+the cancelled request. The window in which it could land in the next request's blocking
+call is the delivery itself; before, it was everything between the cancel's decision
+and the kill, while the thread might already have started the next request.
 
 Why a real-time signal: ``SIGUSR1``/``SIGUSR2`` are the signals applications and tools
 reach for first; the real-time range is left to applications, and ``SIGRTMIN`` (Python's,
@@ -50,6 +67,15 @@ INTERRUPT_SIGNAL: int = (
 )
 
 T = TypeVar("T")
+
+#: Seconds after which an interruption that landed inside :mod:`logging` is tried again.
+RETRY_SECONDS = 0.005
+
+
+def _in_logging(frame: FrameType) -> bool:
+    """Whether ``frame`` (where the handler runs) is code of the logging package."""
+    name = frame.f_globals.get("__name__")
+    return isinstance(name, str) and (name == "logging" or name.startswith("logging."))
 
 
 class Interruptible:
@@ -125,6 +151,10 @@ class Interrupter:
         self._armed: Interruptible | None = None
         self._holds = 0
         self._pending = False  # an interruption came while held
+        #: Signals the thread again later, if the request is still the running one then
+        #: (the worker sets :meth:`Executor.interrupt_again`): an interruption that lands
+        #: inside :mod:`logging` is deferred to it. Without it, it is raised there.
+        self.again: Callable[[Request, float], None] | None = None
 
     def install(self) -> None:
         """Install the handler. On the main thread (only it runs Python's handlers), the
@@ -163,6 +193,13 @@ class Interrupter:
             return
         if self._holds:
             self._pending = True
+            return
+        if self.again is not None and frame is not None and _in_logging(frame):
+            # Raised here, it could leave logging's module lock (or a handler's) held:
+            # taken and not yet inside the try that releases it. Try again shortly,
+            # once the code has left logging (under the executor's lock: only if the
+            # request is still running then).
+            self.again(own.request, RETRY_SECONDS)
             return
         self._fire(own)
 

@@ -37,7 +37,7 @@ from typing import Any
 from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
 from vllm_bridge.protocol.decoder import Decoder
 from vllm_bridge.protocol.encoder import Encoder
-from vllm_bridge.protocol.errors import BadArgument, ProtocolError
+from vllm_bridge.protocol.errors import BadArgument, ProtocolError, safe_str
 from vllm_bridge.protocol.flow import STREAM_WINDOW
 from vllm_bridge.protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -217,7 +217,9 @@ class Worker:
             # The port is gone: replies and log frames have no reader any more.
             on_eof=self.channel.close,
             interrupt=self.interrupter.interrupt,
+            failed=self.dispatcher.failed,
         )
+        self.interrupter.again = self.executor.interrupt_again
 
     def serve(self) -> int:
         """Announce, then serve on this thread (the main thread) until EOF; returns the
@@ -258,7 +260,9 @@ class Worker:
             return self._on_frame(body)
         except Exception as exc:  # a last guard: reading must go on
             _log.exception("frame of %d bytes could not be handled", len(body))
-            self.channel.error(peek_request_id(body), "protocol", f"frame not handled: {exc}")
+            self.channel.error(
+                peek_request_id(body), "protocol", f"frame not handled: {safe_str(exc):.2000}"
+            )
             return None
 
     def _on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
@@ -324,7 +328,6 @@ class Worker:
                 f"vllm_bridge.worker {os.getpid()}: fd 3 closed; exited {contexts} contexts "
                 f"of {sessions} sessions\n"
             )
-
 
 
 class _HeldLogFrameHandler(LogFrameHandler):

@@ -9,7 +9,12 @@ Rules (docs/PROTOCOL.md, "Targets"):
   guard (:mod:`~vllm_bridge.worker.guard`): no step may land on a module outside the
   allow-list (``vllm_bridge.diag.os`` is refused although ``diag`` imports ``os``), a
   frame, a code object, an evaluating builtin, the worker's own machinery...
-  (docs/SECURITY.md).
+  (docs/SECURITY.md);
+* before it is read, each name of a path must pass the step rule
+  (:mod:`~vllm_bridge.worker.guard_steps`): no private name that only code outside the
+  allow-list defines (``Level._convert_``), nothing of a logger but its listed methods
+  and plain attributes. (A name taken from an allow-listed module needs no such look:
+  the one-step fast path below.)
 
 Refusals raise :class:`~vllm_bridge.protocol.errors.BadArgument` naming the step.
 """
@@ -22,9 +27,10 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
-from vllm_bridge.protocol.errors import BadArgument
+from vllm_bridge.protocol.errors import BadArgument, safe_str, short_repr
 from vllm_bridge.protocol.messages import ModuleTarget, RefTarget, Target
 from vllm_bridge.worker.guard import Guard
+from vllm_bridge.worker.guard_tables import MISSING
 from vllm_bridge.worker.sessions import Session, Sessions
 
 
@@ -46,7 +52,8 @@ class TargetResolver:
         """
         if name not in self._allowed:
             raise BadArgument(
-                f"module {name!r} is not in the worker's allow-list ({', '.join(self.modules)})"
+                f"module {short_repr(name)} is not in the worker's allow-list "
+                f"({', '.join(self.modules)})"
             )
         module = sys.modules.get(name)
         if module is not None:
@@ -55,7 +62,8 @@ class TargetResolver:
             return importlib.import_module(name)
         except Exception as exc:
             raise BadArgument(
-                f"allow-listed module {name!r} failed to import: {type(exc).__name__}: {exc}"
+                f"allow-listed module {name!r} failed to import: {type(exc).__name__}: "
+                f"{safe_str(exc):.1000}"
             ) from None
 
     def resolve(self, target: Target, sessions: Sessions, session: Session) -> tuple[Any, str]:
@@ -68,7 +76,9 @@ class TargetResolver:
                 try:
                     obj = getattr(obj, path)
                 except AttributeError:
-                    raise BadArgument(f"{target.module} has no attribute {path!r}") from None
+                    raise BadArgument(
+                        f"{target.module} has no attribute {short_repr(path)}"
+                    ) from None
                 where = f"{target.module}.{path}"
                 if self.guard.passed.get(id(obj)) is not obj:  # a known function: passes
                     self.guard.check(obj, where)
@@ -88,18 +98,29 @@ class TargetResolver:
         """Follow the dotted ``path`` from ``obj`` (``where`` names ``obj`` in messages)."""
         if not path:
             raise BadArgument(f"empty attribute path after {where}")
+        steps = self.guard.steps
+        open_names = steps.open
         for part in path.split("."):
             if not part:
-                raise BadArgument(f"attribute path {path!r} after {where} has an empty part")
+                raise BadArgument(
+                    f"attribute path {short_repr(path)} after {where} has an empty part"
+                )
             if part.startswith("__"):
                 raise BadArgument(
-                    f"attribute {part!r} of {where} is unreachable: no path part may start "
-                    "with '__'"
+                    f"attribute {short_repr(part)} of {where} is unreachable: no path part "
+                    "may start with '__'"
                 )
+            # The step rule; for a public name on an ordinary object (or a module),
+            # the look that it has nothing to say is inlined.
+            t = type(obj)
+            if t is not types.ModuleType and (
+                part[0] == "_" or open_names.get(t, MISSING) is not None
+            ):
+                steps.check(obj, part, where)
             try:
                 obj = getattr(obj, part)
             except AttributeError:
-                raise BadArgument(f"{where} has no attribute {part!r}") from None
+                raise BadArgument(f"{where} has no attribute {short_repr(part)}") from None
             where = f"{where}.{part}"
             # Each step before the next: getattr never runs on a refused object.
             self.guard.check(obj, where)
