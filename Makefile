@@ -27,6 +27,6 @@ bench: bootstrap
 format:
 	mix format
 
-# Regenerate the Elixir bindings (lib/vllm/, priv/bindings/) from the Python modules.
+# Regenerate the Elixir bindings (lib/vllm/, demo/lib/vllm/, priv/bindings/) from the Python modules.
 bindings: bootstrap
 	mix vllm.gen.bindings

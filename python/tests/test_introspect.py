@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,15 @@ from vllm_bridge.introspect.hints import by_value, describe_type, describe_value
 
 MODULES = [m for m in PUBLIC_MODULES if m != "vllm_bridge.diag"]
 
+#: The names vLLM's bindings of forward_context have beyond the module's __all__
+#: (seeds/elixir_bindings_forward_context.txt); the generator asks for the same.
+SEED_PRIVATE = [
+    "_compute_chunked_local_num_tokens",
+    "_compute_sp_num_tokens",
+    "_forward_context",
+    "logger",
+]
+
 
 def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {item["name"]: item for item in items}
@@ -28,7 +38,7 @@ def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def fc() -> dict[str, Any]:
-    return describe_module("vllm_bridge.forward_context", include_private=True)
+    return describe_module("vllm_bridge.forward_context", also=SEED_PRIVATE)
 
 
 # -- types ------------------------------------------------------------------------------------
@@ -150,13 +160,15 @@ def test_refuses_a_module_outside_the_public_ones() -> None:
         describe_module("vllm_bridge.worker")
     with pytest.raises(TypeError, match="module name"):
         describe_module(42)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="include_private"):
+    with pytest.raises(TypeError, match="also must be a list or tuple of names"):
         describe_module("vllm_bridge.config", "yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="also must be a list or tuple of names"):
+        describe_module("vllm_bridge.config", [1])  # type: ignore[list-item]
 
 
 def test_forward_context_functions(fc: dict[str, Any]) -> None:
     functions = by_name(fc["functions"])
-    # Defined in the module (private ones too, as asked) and those listed in __all__.
+    # Those listed in __all__ (defined here or not) and the private ones asked for.
     assert {
         "_compute_chunked_local_num_tokens",
         "_compute_sp_num_tokens",
@@ -168,8 +180,9 @@ def test_forward_context_functions(fc: dict[str, Any]) -> None:
         "override_forward_context",
         "set_forward_context",
     } <= set(functions)
-    # Imported helpers that the module does not export are not its API.
+    # Imported helpers and private helpers that the module does not export are not its API.
     assert not {"check_int", "cudagraph_mode_from", "as_count_tensor"} & set(functions)
+    assert "_make_dp_metadata" not in functions
     assert functions["coordinate_batch_across_dp"]["defined_in"] == "vllm_bridge.dp"
 
     public = by_name(describe_module("vllm_bridge.forward_context")["functions"])
@@ -276,8 +289,55 @@ def test_aliases_and_properties() -> None:
     assert methods["num_tokens"]["returns"] == {"kind": "int"}
 
 
-def test_private_classes_only_with_include_private() -> None:
+@pytest.mark.parametrize("name", MODULES)
+def test_a_module_with_all_is_described_by_its_all(name: str) -> None:
+    module = importlib.import_module(name)
+    described = describe_module(name)
+    kinds = ("functions", "classes", "aliases", "attributes")
+    names = {item["name"] for key in kinds for item in described[key]}
+    assert names <= set(module.__all__)
+    # Every exported function, alias and data attribute is described; classes only where
+    # defined here by value (DPGroupError, an exception, travels by reference).
+    for attr in module.__all__:
+        value = getattr(module, attr)
+        if not isinstance(value, type):
+            assert attr in names, attr
+
+
+def test_private_names_only_when_asked_for() -> None:
     assert [c["name"] for c in describe_module("vllm_bridge.dp")["classes"]] == ["DPGroupInfo"]
-    assert "_State" in [
-        c["name"] for c in describe_module("vllm_bridge.dp", include_private=True)["classes"]
-    ]
+    asked = describe_module("vllm_bridge.dp", also=["_State"])
+    assert "_State" in [c["name"] for c in asked["classes"]]
+    plain = describe_module("vllm_bridge.forward_context")
+    assert not [f["name"] for f in plain["functions"] if f["name"].startswith("_")]
+    assert "logger" not in {a["name"] for a in plain["attributes"]}
+
+
+def test_a_module_without_all_is_described_by_the_public_names_it_defines() -> None:
+    # vllm_bridge.diag has no __all__: its own public functions, classes and assignments;
+    # not its private helpers (_spin_until, _LOG_LEVELS), nor what it imports.
+    diag = describe_module("vllm_bridge.diag")
+    functions = {f["name"] for f in diag["functions"]}
+    assert {"echo", "add", "sleep", "fail", "count", "recorder"} <= functions
+    assert not [f for f in functions if f.startswith("_")]
+    assert {c["name"] for c in diag["classes"]} == {"Level", "Sample"}
+    names = functions | {a["name"] for key in ("attributes", "aliases") for a in diag[key]}
+    imported = {"dataclass", "Iterator", "Any", "NoReturn", "contextvars", "os", "_LOG_LEVELS"}
+    assert not imported & names
+    asked = describe_module("vllm_bridge.diag", also=["_spin_until"])
+    assert "_spin_until" in {f["name"] for f in asked["functions"]}
+
+
+def test_names_that_are_not_bindable_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    not_bindable = "'_nope' \\(of also\\) is not a bindable attribute of vllm_bridge.dp"
+    with pytest.raises(ValueError, match=not_bindable):
+        describe_module("vllm_bridge.dp", also=["_nope"])
+    with pytest.raises(ValueError, match="'__name__' \\(of also\\)"):
+        describe_module("vllm_bridge.dp", also=["__name__"])
+    dp = importlib.import_module("vllm_bridge.dp")
+    monkeypatch.setattr(dp, "__all__", [*dp.__all__, "gone"])
+    with pytest.raises(ValueError, match="'gone' \\(of vllm_bridge.dp.__all__\\)"):
+        describe_module("vllm_bridge.dp")
+    monkeypatch.setattr(dp, "__all__", "coordinate_batch_across_dp")
+    with pytest.raises(TypeError, match="vllm_bridge.dp.__all__ must be a list or tuple"):
+        describe_module("vllm_bridge.dp")

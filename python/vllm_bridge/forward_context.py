@@ -47,17 +47,22 @@ __all__ = [
     "DPMetadata",
     "ForwardContext",
     "UBatchSlices",
+    "batchsize_forward_time",
+    "batchsize_logging_interval",
     "configure_batchsize_tracking",
     "coordinate_batch_across_dp",
     "create_forward_context",
     "current_platform",
+    "forward_start_time",
     "get_batchsize_stats",
     "get_forward_context",
     "init_logger",
     "is_forward_context_available",
+    "last_logging_time",
     "override_forward_context",
     "reset_batchsize_stats",
     "set_forward_context",
+    "track_batchsize",
 ]
 
 logger = logging.getLogger(__name__)

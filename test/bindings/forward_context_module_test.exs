@@ -51,9 +51,9 @@ defmodule VllmBridge.Bindings.ForwardContextModuleTest do
       assert contiguous?(FC, name, range)
     end
 
-    # Ours beyond the seed: the with_ forms, batch-size functions, a private helper.
+    # Ours beyond the seed: the with_ forms and the batch-size functions (not the module's
+    # private helpers, such as _make_dp_metadata: it does not export them).
     assert Map.drop(exported, Map.keys(@seed)) == %{
-             _make_dp_metadata: 4..5,
              configure_batchsize_tracking: 1..2,
              get_batchsize_stats: 0..2,
              reset_batchsize_stats: 0..1,
@@ -61,6 +61,8 @@ defmodule VllmBridge.Bindings.ForwardContextModuleTest do
              with_set_forward_context: 3..12
            }
   end
+
+  @make_dp_metadata {"vllm_bridge.forward_context", "_make_dp_metadata"}
 
   test "module attributes: read live, in the session's worker" do
     s = session!()
@@ -191,7 +193,7 @@ defmodule VllmBridge.Bindings.ForwardContextModuleTest do
     assert m =~ "num_tokens_across_dp_cpu entry must be >= 0, got -3"
   end
 
-  test "_make_dp_metadata and coordinate_batch_across_dp (DP off: no collective)" do
+  test "_make_dp_metadata (called by name: it is not bound) and coordinate_batch_across_dp (DP off: no collective)" do
     dp2 = %VllmConfig{
       parallel_config: %ParallelConfig{data_parallel_size: 2, data_parallel_rank: 1}
     }
@@ -199,15 +201,15 @@ defmodule VllmBridge.Bindings.ForwardContextModuleTest do
     counts = Tensor.from_list([3, 5], :int32)
 
     assert {:ok, %Vllm.ForwardContext.DPMetadata{num_tokens_across_dp_cpu: ^counts} = meta} =
-             FC._make_dp_metadata(dp2, 5, counts, nil)
+             VllmBridge.call(@make_dp_metadata, [dp2, 5, counts, nil])
 
     assert Tensor.to_list(meta.max_tokens_across_dp_cpu) == 5
 
     assert {:ok, %Vllm.ForwardContext.DPMetadata{}} =
-             FC._make_dp_metadata(dp2, 5, counts, nil, [])
+             VllmBridge.call(@make_dp_metadata, [dp2, 5, counts, nil], %{}, [])
 
     assert {:error, %Error{type: :python_exception, message: m}} =
-             FC._make_dp_metadata(dp2, 4, counts, nil)
+             VllmBridge.call(@make_dp_metadata, [dp2, 4, counts, nil])
 
     assert m =~ "num_tokens_across_dp_cpu[1] is 5 but this rank's num_tokens is 4"
 

@@ -35,8 +35,23 @@ defmodule VllmBridge.Bindings.NamingTest do
     assert Naming.variable("end") == "end_"
     assert Naming.variable("_hidden") == "arg_hidden"
     assert Naming.variable("num_tokens") == "num_tokens"
-    assert Naming.file(Vllm.ForwardContext.Module) == "lib/vllm/forward_context/module.ex"
-    assert Naming.file(Vllm.Cudagraph.CUDAGraphMode) == "lib/vllm/cudagraph/cuda_graph_mode.ex"
+
+    assert Naming.file(Vllm.ForwardContext.Module, "vllm_bridge.forward_context") ==
+             "lib/vllm/forward_context/module.ex"
+
+    assert Naming.file(Vllm.Cudagraph.CUDAGraphMode, "vllm_bridge.cudagraph") ==
+             "lib/vllm/cudagraph/cuda_graph_mode.ex"
+
+    # The demo's bindings are rooted in demo/lib/ (compiled in dev and test only).
+    assert Naming.file(Vllm.Runner.Module, "vllm_bridge.runner") ==
+             "demo/lib/vllm/runner/module.ex"
+
+    assert Naming.file(Vllm.Demo.Rank.Module, "vllm_bridge.demo.rank") ==
+             "demo/lib/vllm/demo/rank/module.ex"
+
+    assert Naming.code_root("vllm_bridge.demo") == "demo/lib"
+    assert Naming.code_root("vllm_bridge.demonstration") == "lib"
+    assert Naming.code_root("vllm_bridge.dp") == "lib"
     assert Naming.manifest_file("vllm_bridge.dp") == "priv/bindings/vllm_bridge.dp.json"
   end
 end

@@ -1,6 +1,6 @@
 defmodule VllmBridge.Bindings.StalenessTest do
   @moduledoc """
-  The committed bindings (`priv/bindings/*.json`, `lib/vllm/**`) are exactly what
+  The committed bindings (`priv/bindings/*.json`, `lib/vllm/**`, `demo/lib/vllm/**`) are exactly what
   `mix vllm.gen.bindings` would write now, reading the Python modules through a worker.
   """
   use ExUnit.Case, async: false
@@ -39,7 +39,9 @@ defmodule VllmBridge.Bindings.StalenessTest do
     code = for {path, text} <- files, String.ends_with?(path, ".ex"), do: {path, text}
 
     assert Enum.all?(code, fn {path, text} ->
-             String.starts_with?(path, "lib/vllm/") and String.starts_with?(text, Files.marker())
+             (String.starts_with?(path, "lib/vllm/") or
+                String.starts_with?(path, "demo/lib/vllm/")) and
+               String.starts_with?(text, Files.marker())
            end)
 
     assert Enum.sort(for {name, _} <- Generator.modules(), do: "priv/bindings/#{name}.json") ==
@@ -56,7 +58,12 @@ defmodule VllmBridge.Bindings.StalenessTest do
     on_exit(fn -> Mix.shell(Mix.Shell.IO) end)
 
     # Every committed manifest and generated module counts.
-    committed = length(Path.wildcard("priv/bindings/*.json") ++ Path.wildcard("lib/vllm/**/*.ex"))
+    committed =
+      length(
+        Path.wildcard("priv/bindings/*.json") ++
+          Path.wildcard("lib/vllm/**/*.ex") ++ Path.wildcard("demo/lib/vllm/**/*.ex")
+      )
+
     up_to_date = "bindings are up to date (#{committed} files)"
 
     for argv <- [["--check"], ["--check", "--from-manifests"]] do
@@ -82,17 +89,27 @@ defmodule VllmBridge.Bindings.StalenessTest do
     File.write!(Path.join(root, edited), "# edited by hand\n", [:append])
     File.rm!(Path.join(root, "priv/bindings/vllm_bridge.dp.json"))
     stale = "lib/vllm/old/thing.ex"
-    File.mkdir_p!(Path.join(root, "lib/vllm/old"))
-    File.write!(Path.join(root, stale), Files.marker() <> " from somewhere\n")
+    demo_stale = "demo/lib/vllm/old_demo/module.ex"
+
+    for path <- [stale, demo_stale] do
+      File.mkdir_p!(Path.dirname(Path.join(root, path)))
+      File.write!(Path.join(root, path), Files.marker() <> " from somewhere\n")
+    end
+
+    # A demo binding (rooted in demo/lib/, whichever demo module it is).
+    demo_edited = files |> Map.keys() |> Enum.sort() |> Enum.find(&(&1 =~ ~r"^demo/lib/vllm/"))
+    File.write!(Path.join(root, demo_edited), "# edited by hand\n", [:append])
     hand_written = "lib/vllm/hand.ex"
     File.write!(Path.join(root, hand_written), "defmodule Hand do\nend\n")
 
     assert Generator.diff(files, root) ==
-             {Enum.sort([edited, "priv/bindings/vllm_bridge.dp.json"]), [stale]}
+             {Enum.sort([edited, demo_edited, "priv/bindings/vllm_bridge.dp.json"]),
+              Enum.sort([demo_stale, stale])}
 
     Generator.write(files, root)
     assert Generator.diff(files, root) == {[], []}
     refute File.exists?(Path.join(root, stale))
+    refute File.exists?(Path.join(root, demo_stale))
     assert File.exists?(Path.join(root, hand_written))
   end
 end

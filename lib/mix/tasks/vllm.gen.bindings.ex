@@ -1,17 +1,18 @@
 defmodule Mix.Tasks.Vllm.Gen.Bindings do
-  @shortdoc "Regenerates the Elixir bindings (lib/vllm/) from the Python modules"
+  @shortdoc "Regenerates the Elixir bindings (lib/vllm/, demo/lib/vllm/) from the Python modules"
   @moduledoc """
   Regenerates the generated bindings: reads the Python modules through a worker
   (`vllm_bridge.introspect`), writes the manifests `priv/bindings/*.json` and the Elixir
-  modules under `lib/vllm/`, and deletes generated files that are no longer produced.
+  modules under `lib/vllm/` (the demo's under `demo/lib/vllm/`), and deletes generated files that are no longer produced.
   See `VllmBridge.Bindings.Generator`.
 
       mix vllm.gen.bindings                  # regenerate (needs the Python venv)
       mix vllm.gen.bindings --check          # fail when the committed files are stale
-      mix vllm.gen.bindings --from-manifests # re-render lib/vllm/ from priv/bindings/ only
+      mix vllm.gen.bindings --from-manifests # re-render the code from priv/bindings/ only
 
   The app is compiled (generated modules included) before the task runs: if a generated
-  file does not compile any more, delete `lib/vllm/` and run the task again.
+  file does not compile any more, delete `lib/vllm/` (or `demo/lib/vllm/`) and run the task
+  again.
   """
   use Mix.Task
 

@@ -182,69 +182,6 @@ defmodule Vllm.ForwardContext.Module do
           {:ok, Vllm.ForwardContext.t() | nil} | {:error, VllmBridge.Error.t()}
   def _forward_context(opts), do: VllmBridge.Bindings.get(@binding__forward_context, [opts])
 
-  @binding__make_dp_metadata %{
-    name: "Vllm.ForwardContext.Module._make_dp_metadata",
-    params: [
-      {:vllm_config, :required, {:struct, Vllm.Config.VllmConfig}},
-      {:num_tokens, :required, {:union, [:int, :none]}},
-      {:num_tokens_across_dp, :required, {:union, [:tensor, {:list, :int}, :none]}},
-      {:ubatch_slices, :required, {:union, [{:list, {:struct, Vllm.Ubatch.UBatchSlice}}, :none]}}
-    ],
-    target: {"vllm_bridge.forward_context", "_make_dp_metadata"}
-  }
-
-  @typedoc "Options of `_make_dp_metadata`: `__runtime__` (see `VllmBridge.Bindings`)."
-  @type _make_dp_metadata_opts :: [{:__runtime__, VllmBridge.Runtime.opts()}]
-
-  @doc """
-  DP metadata for this pass, running the DP coordination when counts are not given.
-
-  ## Parameters
-
-    * `vllm_config` (`Vllm.Config.VllmConfig.t()`)
-    * `num_tokens` (`integer() | nil`)
-    * `num_tokens_across_dp` (`VllmBridge.Tensor.t() | [integer()] | nil`)
-    * `ubatch_slices` (`[Vllm.Ubatch.UBatchSlice.t()] | nil`)
-
-  ## Returns
-
-  `Vllm.ForwardContext.DPMetadata.t()`
-
-  Binds `vllm_bridge.forward_context._make_dp_metadata`. Arguments and options: `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
-  """
-  @spec _make_dp_metadata(
-          Vllm.Config.VllmConfig.t(),
-          integer() | nil,
-          VllmBridge.Tensor.t() | [integer()] | nil,
-          [Vllm.Ubatch.UBatchSlice.t()] | nil
-        ) :: {:ok, Vllm.ForwardContext.DPMetadata.t()} | {:error, VllmBridge.Error.t()}
-  def _make_dp_metadata(vllm_config, num_tokens, num_tokens_across_dp, ubatch_slices),
-    do:
-      VllmBridge.Bindings.call(@binding__make_dp_metadata, [
-        vllm_config,
-        num_tokens,
-        num_tokens_across_dp,
-        ubatch_slices
-      ])
-
-  @doc "Like `_make_dp_metadata/4`, with the options as the last argument (see `VllmBridge.Bindings`)."
-  @spec _make_dp_metadata(
-          Vllm.Config.VllmConfig.t(),
-          integer() | nil,
-          VllmBridge.Tensor.t() | [integer()] | nil,
-          [Vllm.Ubatch.UBatchSlice.t()] | nil,
-          _make_dp_metadata_opts()
-        ) :: {:ok, Vllm.ForwardContext.DPMetadata.t()} | {:error, VllmBridge.Error.t()}
-  def _make_dp_metadata(vllm_config, num_tokens, num_tokens_across_dp, ubatch_slices, opts),
-    do:
-      VllmBridge.Bindings.call(@binding__make_dp_metadata, [
-        vllm_config,
-        num_tokens,
-        num_tokens_across_dp,
-        ubatch_slices,
-        opts
-      ])
-
   @binding_batchsize_forward_time %{
     name: "Vllm.ForwardContext.Module.batchsize_forward_time",
     params: [],

@@ -40,91 +40,58 @@ defmodule VllmBridge.Bindings.Args do
   @spec split(spec(), list(), non_neg_integer()) ::
           {:ok, list(), %{String.t() => term()}, keyword()} | {:error, Error.t()}
   def split(spec, args, more \\ 0) do
-    case quick(spec.params, args) do
-      {:ok, _, _, _} = ok -> ok
-      :slow -> full_split(spec, args, more)
-    end
-  end
-
-  # The common shapes, without building anything: every parameter required and given
-  # (type-checked), then nothing or `[__runtime__: opts]` alone. Anything else, and every
-  # error (for its message), takes the full path.
-  defp quick([], []), do: {:ok, [], %{}, []}
-  defp quick([], [[__runtime__: rt]]) when is_list(rt), do: {:ok, [], %{}, rt}
-
-  defp quick(params, args) do
-    case quick_args(params, args, []) do
-      {:ok, values, rt} -> {:ok, values, %{}, rt}
-      :slow -> :slow
-    end
-  end
-
-  defp quick_args([{_, :required, type} | params], [value | args], acc) do
-    if Type.check(type, value), do: quick_args(params, args, [value | acc]), else: :slow
-  end
-
-  defp quick_args(params, [], acc) do
-    if none_required?(params), do: {:ok, Enum.reverse(acc), []}, else: :slow
-  end
-
-  defp quick_args(params, [[__runtime__: rt]], acc) when is_list(rt) do
-    if none_required?(params), do: {:ok, Enum.reverse(acc), rt}, else: :slow
-  end
-
-  defp quick_args(_params, _args, _acc), do: :slow
-
-  defp none_required?(params),
-    do: Enum.all?(params, fn {_, mode, _} -> mode not in [:required, :required_keyword] end)
-
-  defp full_split(spec, args, more) do
-    fixed =
-      Enum.filter(spec.params, fn {_, mode, _} -> mode in [:required, :required_keyword] end)
-
-    positional =
-      Enum.filter(spec.params, fn {_, mode, _} -> mode in [:optional, :positional_only] end)
-
+    {fixed, positional} = partition(spec.params, [], [])
     n = length(fixed)
     m = length(positional)
     arity = length(args)
 
     {given, opts} =
       cond do
-        arity == n ->
-          {args, []}
-
-        arity == n + m + 1 ->
-          {Enum.drop(args, -1), List.last(args)}
-
-        arity > n and arity <= n + m and keyword?(List.last(args)) ->
-          {Enum.drop(args, -1), List.last(args)}
-
-        true ->
-          {args, []}
+        arity == n -> {args, []}
+        arity == n + m + 1 -> split_last(args)
+        arity > n and arity <= n + m and keyword?(List.last(args)) -> split_last(args)
+        true -> {args, []}
       end
 
-    where = "#{spec.name}/#{arity + more}"
+    # The function's name and arity: formatted into a message only when there is an error.
+    where = {spec.name, arity + more}
     {fixed_values, optional_values} = Enum.split(given, n)
     optional_given = Enum.take(positional, length(optional_values))
 
     with :ok <- check_arity(where, arity, n, n + m + 1, more),
          :ok <- check_opts(where, opts),
          {:ok, by_name, runtime} <- named(where, spec, opts, optional_given),
-         :ok <- check_types(where, Enum.zip(fixed, fixed_values)),
-         :ok <- check_types(where, Enum.zip(optional_given, optional_values)) do
-      pairs = Enum.zip(fixed, fixed_values)
-
-      py_args = for({{_, :required, _}, v} <- pairs, do: v) ++ optional_values
-
-      kwargs =
-        for(
-          {{name, :required_keyword, _}, v} <- pairs,
-          into: by_name,
-          do: {Atom.to_string(name), v}
-        )
-
-      {:ok, py_args, kwargs, runtime}
+         :ok <- check_types(where, fixed, fixed_values),
+         :ok <- check_types(where, optional_given, optional_values) do
+      {py_args, kwargs} = place(fixed, fixed_values, [], by_name)
+      {:ok, py_args ++ optional_values, kwargs, runtime}
     end
   end
+
+  # {required parameters (positional in Elixir), optional positional ones}, in order;
+  # `:keyword` parameters are given by name only.
+  defp partition([], fixed, positional), do: {Enum.reverse(fixed), Enum.reverse(positional)}
+
+  defp partition([{_, mode, _} = p | rest], fixed, positional)
+       when mode in [:required, :required_keyword],
+       do: partition(rest, [p | fixed], positional)
+
+  defp partition([{_, mode, _} = p | rest], fixed, positional)
+       when mode in [:optional, :positional_only],
+       do: partition(rest, fixed, [p | positional])
+
+  defp partition([_ | rest], fixed, positional), do: partition(rest, fixed, positional)
+
+  defp split_last(args), do: {Enum.drop(args, -1), List.last(args)}
+
+  # The required values: positional ones in order, keyword-only ones by name.
+  defp place([], [], acc, kwargs), do: {Enum.reverse(acc), kwargs}
+
+  defp place([{_, :required, _} | params], [v | values], acc, kwargs),
+    do: place(params, values, [v | acc], kwargs)
+
+  defp place([{name, :required_keyword, _} | params], [v | values], acc, kwargs),
+    do: place(params, values, acc, Map.put(kwargs, Atom.to_string(name), v))
 
   @doc """
   Whether a trailing argument is taken as the options: a list whose elements are all
@@ -139,21 +106,27 @@ defmodule VllmBridge.Bindings.Args do
 
   defp check_arity(where, arity, min, max, more) do
     before = if more > 0, do: " before the function", else: ""
-    bad("#{where}: takes #{min}..#{max} arguments#{before}, got #{arity}")
+    bad(where, "takes #{min}..#{max} arguments#{before}, got #{arity}")
   end
+
+  defp check_opts(_where, []), do: :ok
+  defp check_opts(_where, [{key, _}]) when is_atom(key), do: :ok
 
   defp check_opts(where, opts) do
     cond do
       not keyword?(opts) ->
-        bad("#{where}: the last argument must be a keyword list of options, got #{short(opts)}")
+        bad(where, "the last argument must be a keyword list of options, got #{short(opts)}")
 
       (dups = Keyword.keys(opts) -- Enum.uniq(Keyword.keys(opts))) != [] ->
-        bad("#{where}: option #{inspect(hd(dups))} given twice")
+        bad(where, "option #{inspect(hd(dups))} given twice")
 
       true ->
         :ok
     end
   end
+
+  defp named(_where, _spec, [], _optional_given), do: {:ok, %{}, []}
+  defp named(_where, _spec, [__runtime__: rt], _optional_given), do: {:ok, %{}, rt}
 
   defp named(where, spec, opts, optional_given) do
     {runtime, opts} = Keyword.pop(opts, :__runtime__, [])
@@ -165,13 +138,13 @@ defmodule VllmBridge.Bindings.Args do
         {%{^key => {mode, type}}, _} ->
           cond do
             MapSet.member?(by_pos, key) ->
-              {:halt, bad("#{where}: #{key} given both positionally and as an option")}
+              {:halt, bad(where, "#{key} given both positionally and as an option")}
 
             mode in [:required, :required_keyword] ->
-              {:halt, bad("#{where}: #{key} is required and goes positionally, not as an option")}
+              {:halt, bad(where, "#{key} is required and goes positionally, not as an option")}
 
             mode == :positional_only ->
-              {:halt, bad("#{where}: #{key} can only be given positionally")}
+              {:halt, bad(where, "#{key} can only be given positionally")}
 
             not Type.check(type, value) ->
               {:halt, type_error(where, key, type, value)}
@@ -195,20 +168,24 @@ defmodule VllmBridge.Bindings.Args do
         [:__runtime__]
 
     bad(
-      "#{where}: unknown option #{inspect(key)}; known: #{Enum.map_join(known, ", ", &inspect/1)}"
+      where,
+      "unknown option #{inspect(key)}; known: #{Enum.map_join(known, ", ", &inspect/1)}"
     )
   end
 
-  defp check_types(where, pairs) do
-    Enum.find_value(pairs, :ok, fn {{name, _mode, type}, value} ->
-      unless Type.check(type, value), do: type_error(where, name, type, value)
-    end)
+  defp check_types(_where, [], _values), do: :ok
+
+  defp check_types(where, [{name, _mode, type} | params], [value | values]) do
+    if Type.check(type, value),
+      do: check_types(where, params, values),
+      else: type_error(where, name, type, value)
   end
 
   defp type_error(where, name, type, value),
-    do: bad("#{where}: #{name} must be #{Type.spec(type)}, got #{short(value)}")
+    do: bad(where, "#{name} must be #{Type.spec(type)}, got #{short(value)}")
 
   defp short(value), do: inspect(value, limit: 8, printable_limit: 80)
 
-  defp bad(message), do: {:error, Error.new(:bad_argument, message)}
+  defp bad({name, arity}, message),
+    do: {:error, Error.new(:bad_argument, "#{name}/#{arity}: #{message}")}
 end

@@ -3,56 +3,62 @@ defmodule VllmBridge.Bindings.Generator do
   Generates the bindings (`mix vllm.gen.bindings`): reads each Python module through a
   worker (`vllm_bridge.introspect.describe_module`), writes what it read as a manifest,
   `priv/bindings/<python module>.json` (`VllmBridge.Bindings.Json`), and the Elixir code
-  under `lib/vllm/` from those manifests.
+  under `lib/vllm/` (the demo's under `demo/lib/vllm/`, see `VllmBridge.Bindings.Naming`)
+  from those manifests.
 
   The worker runs in a pool of its own whose allow-list is `vllm_bridge.introspect` alone
   (that module imports only modules of `vllm_bridge.PUBLIC_MODULES`, and returns plain
   data, so the worker needs no other module).
 
-  The Python modules bound, and whether their private (`_name`) functions are:
+  **What is bound of a module is what it exports**: the names of its `__all__` (a module
+  without `__all__`: the public names it defines itself, not those it imports), plus the
+  names listed here beside it. Private helpers and imported names it does not export are
+  not bound. The Python modules bound, and the names added to their exports:
 
-  | module | private functions |
+  | module | also bound |
   |---|---|
-  | `vllm_bridge.forward_context` | yes (vLLM's bindings have `_compute_sp_num_tokens/2..3`, ...) |
-  | `vllm_bridge.config` | no |
-  | `vllm_bridge.cudagraph` | no |
-  | `vllm_bridge.ubatch` | no |
-  | `vllm_bridge.dp` | no |
-  | `vllm_bridge.runner` | no (the demo's model runner) |
+  | `vllm_bridge.forward_context` | `_compute_sp_num_tokens`, `_compute_chunked_local_num_tokens`, `_forward_context`, `logger`: vLLM's bindings have them (seeds/elixir_bindings_forward_context.txt) |
+  | `vllm_bridge.config` | |
+  | `vllm_bridge.cudagraph` | |
+  | `vllm_bridge.ubatch` | |
+  | `vllm_bridge.dp` | |
+  | `vllm_bridge.runner` | (the demo's model runner) |
   """
 
   alias VllmBridge.Bindings.{Json, Naming}
   alias VllmBridge.Bindings.Gen.{Files, Model}
   alias VllmBridge.Error
 
+  @seed_names ~w(_compute_sp_num_tokens _compute_chunked_local_num_tokens _forward_context logger)
+
   @modules [
-    {"vllm_bridge.forward_context", true},
-    {"vllm_bridge.config", false},
-    {"vllm_bridge.cudagraph", false},
-    {"vllm_bridge.ubatch", false},
-    {"vllm_bridge.dp", false},
-    {"vllm_bridge.runner", false}
+    {"vllm_bridge.forward_context", @seed_names},
+    {"vllm_bridge.config", []},
+    {"vllm_bridge.cudagraph", []},
+    {"vllm_bridge.ubatch", []},
+    {"vllm_bridge.dp", []},
+    {"vllm_bridge.runner", []}
   ]
 
   @pool :vllm_bindings_gen
   @format 1
 
-  @doc "The Python modules bound, with whether their private functions are."
-  @spec modules() :: [{String.t(), boolean()}]
+  @doc "The Python modules bound, each with the names bound beyond its exports."
+  @spec modules() :: [{String.t(), [String.t()]}]
   def modules, do: @modules
 
   @doc """
   Reads the manifests of `modules` through a worker of a pool started for the purpose (and
   stopped after). Returns them in the order of `modules`.
   """
-  @spec fetch([{String.t(), boolean()}]) :: {:ok, [map()]} | {:error, Error.t()}
+  @spec fetch([{String.t(), [String.t()]}]) :: {:ok, [map()]} | {:error, Error.t()}
   def fetch(modules \\ @modules) do
     with {:ok, _} <- VllmBridge.start_pool(@pool, size: 1, allow: ["vllm_bridge.introspect"]) do
       try do
-        Enum.reduce_while(modules, {:ok, []}, fn {name, private}, {:ok, acc} ->
+        Enum.reduce_while(modules, {:ok, []}, fn {name, also}, {:ok, acc} ->
           target = {"vllm_bridge.introspect", "describe_module"}
 
-          case VllmBridge.call(target, [name, private], %{}, pool_name: @pool) do
+          case VllmBridge.call(target, [name, also], %{}, pool_name: @pool) do
             {:ok, %{"format" => @format} = manifest} ->
               {:cont, {:ok, [manifest | acc]}}
 
@@ -92,7 +98,7 @@ defmodule VllmBridge.Bindings.Generator do
   end
 
   @doc "Reads the committed manifests of `modules` from `root` (for a run without Python)."
-  @spec read_manifests(String.t(), [{String.t(), boolean()}]) :: [map()]
+  @spec read_manifests(String.t(), [{String.t(), [String.t()]}]) :: [map()]
   def read_manifests(root, modules \\ @modules) do
     for {name, _} <- modules,
         do: Json.decode!(File.read!(Path.join(root, Naming.manifest_file(name))))
@@ -101,7 +107,7 @@ defmodule VllmBridge.Bindings.Generator do
   @doc """
   How the files under `root` differ from `files`: `{changed_or_missing, stale}`, where
   `stale` are generated files (manifests under `priv/bindings/`, and files under `lib/vllm/`
-  starting with the generator's marker) that `files` no longer has.
+  or `demo/lib/vllm/` starting with the generator's marker) that `files` no longer has.
   """
   @spec diff(%{String.t() => String.t()}, String.t()) :: {[String.t()], [String.t()]}
   def diff(files, root) do
@@ -135,9 +141,8 @@ defmodule VllmBridge.Bindings.Generator do
     manifests = Path.wildcard(Path.join(root, "priv/bindings/*.json"))
 
     generated =
-      root
-      |> Path.join("lib/vllm/**/*.ex")
-      |> Path.wildcard()
+      Naming.code_roots()
+      |> Enum.flat_map(&Path.wildcard(Path.join([root, &1, "vllm/**/*.ex"])))
       |> Enum.filter(&String.starts_with?(File.read!(&1), Files.marker()))
 
     (manifests ++ generated)

@@ -15,12 +15,18 @@ defmodule VllmBridge.Bindings.Naming do
       `u_batch_slices`, `RUNTIME_MODES` -> `runtime_modes`); a context manager `cm` also
       gets `with_cm`. A method of a class is a function of the class's module, its first
       argument the instance, named after the class (`dp_metadata`).
-    * **Files**: one module per file, `lib/` plus the module name underscored
-      (`lib/vllm/forward_context/module.ex`, `lib/vllm/forward_context.ex`).
+    * **Files**: one module per file, a root plus the module name underscored
+      (`lib/vllm/forward_context/module.ex`, `lib/vllm/forward_context.ex`). The root is
+      `lib/`, except for the demo's modules (`vllm_bridge.demo` and below, and
+      `vllm_bridge.runner`): their bindings are rooted in `demo/lib/`, which is compiled
+      only in dev and test (`mix.exs`), as the rest of the demo.
   """
 
   @root "Vllm"
   @package "vllm_bridge"
+  @demo_root "demo/lib"
+  # The demo's Python modules whose names do not start with vllm_bridge.demo.
+  @demo_modules ["vllm_bridge.runner"]
 
   @doc "The Elixir module path (as a string) of a Python module."
   @spec base(String.t()) :: String.t()
@@ -64,9 +70,26 @@ defmodule VllmBridge.Bindings.Naming do
   def variable("_" <> _ = name), do: "arg" <> name
   def variable(name), do: name
 
-  @doc "The file of a generated module, relative to the project root."
-  @spec file(module()) :: String.t()
-  def file(module), do: Path.join("lib", Macro.underscore(module) <> ".ex")
+  @doc """
+  The file of the generated module `module`, one of the bindings of `python_module`,
+  relative to the project root.
+  """
+  @spec file(module(), String.t()) :: String.t()
+  def file(module, python_module),
+    do: Path.join(code_root(python_module), Macro.underscore(module) <> ".ex")
+
+  @doc "The folder under which the bindings of `python_module` are written."
+  @spec code_root(String.t()) :: String.t()
+  def code_root(python_module) do
+    if python_module in @demo_modules or python_module == "#{@package}.demo" or
+         String.starts_with?(python_module, "#{@package}.demo."),
+       do: @demo_root,
+       else: "lib"
+  end
+
+  @doc "Every folder a generated module may be written under (see `code_root/1`)."
+  @spec code_roots() :: [String.t()]
+  def code_roots, do: ["lib", @demo_root]
 
   @doc "The manifest file of a Python module, relative to the project root."
   @spec manifest_file(String.t()) :: String.t()

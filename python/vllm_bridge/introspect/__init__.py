@@ -8,21 +8,30 @@ ones served by a module ``__getattr__`` included), its type aliases, and its dat
 sorted by name; parameters and fields keep their declaration order; so the same code
 always gives the same output.
 
-Which names of a module are described:
+Which names of a module are described: what the module **exports**, plus the names the
+caller asks for by ``also`` (vLLM's own bindings, the seeds, have three private names of
+``vllm_bridge.forward_context``; the generator lists them):
 
-* **functions** defined in the module, and those it lists in ``__all__``; names with one
-  leading underscore only when ``include_private`` is true; never dunders;
-* **dataclasses and enums** defined in the module (private ones only with
-  ``include_private``; other classes are not bound: their instances travel by reference);
-  their public methods (static and class methods, properties as their getters, context
-  managers) are described with them;
-* **type aliases** (``UBatchSlices = list[UBatchSlice]``) assigned in the module or
-  listed in ``__all__``; they are callable (the alias's origin class);
-* **data attributes**: public names assigned at the module's top level (its source is
-  read for that), listed in ``__all__`` or annotated in the module, and every *live*
-  attribute (one that ``dir(module)`` lists but the module's namespace lacks, i.e. one its
-  ``__getattr__`` serves), private or not. An attribute's type is its annotation in the
-  module (an annotation-only declaration is enough), else that of its current value.
+* a module with ``__all__`` exports exactly the names listed there, including names it
+  imports (``vllm_bridge.forward_context`` lists ``coordinate_batch_across_dp``);
+* a module without ``__all__`` exports the public names (no leading underscore) it defines
+  itself: its own functions and classes, the aliases and data attributes assigned or
+  annotated at its top level (its source is read for that), and the live attributes its
+  ``__getattr__`` serves. Imported names and private helpers are not exports.
+
+Of those names:
+
+* **functions** (and builtins) are described; never dunders;
+* **dataclasses and enums** only where the module defines them (a re-exported class is
+  bound with its own module; other classes are not bound: their instances travel by
+  reference); their public methods (static and class methods, properties as their
+  getters, context managers) are described with them;
+* **type aliases** (``UBatchSlices = list[UBatchSlice]``) are callable (the alias's origin
+  class);
+* every other value but a module is a **data attribute**; *live* when ``dir(module)``
+  lists it but the module's namespace lacks it (its ``__getattr__`` serves it). An
+  attribute's type is its annotation in the module (an annotation-only declaration is
+  enough), else that of its current value.
 
 Only modules of ``vllm_bridge.PUBLIC_MODULES`` can be described: a worker started with
 this module allow-listed imports nothing else because of a request.
@@ -38,7 +47,7 @@ import importlib
 import inspect
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_bridge import PUBLIC_MODULES
@@ -68,53 +77,53 @@ _KINDS = {
 }
 
 
-def describe_module(name: str, include_private: bool = False) -> dict[str, Any]:
-    """Describe the public module ``name`` (see the module docstring).
+def describe_module(name: str, also: Sequence[str] = ()) -> dict[str, Any]:
+    """Describe the public module ``name``: its exports and the names in ``also`` (see the
+    module docstring).
 
     Raises:
-        ValueError: ``name`` is not in ``vllm_bridge.PUBLIC_MODULES``.
-        TypeError: ``name`` is not a str or ``include_private`` not a bool.
+        ValueError: ``name`` is not in ``vllm_bridge.PUBLIC_MODULES``; a name of ``also``
+            or of the module's ``__all__`` is not an attribute of the module, or is a dunder.
+        TypeError: ``name`` is not a str, ``also`` not a list or tuple of str, or the
+            module's ``__all__`` not a list or tuple of str.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a module name (str), got {name!r}")
-    if not isinstance(include_private, bool):
-        raise TypeError(f"include_private must be a bool, got {include_private!r}")
+    _check_names("also", also)
     if name not in PUBLIC_MODULES:
         raise ValueError(
             f"{name!r} is not a public module; describable: {', '.join(PUBLIC_MODULES)}"
         )
     module = importlib.import_module(name)
-    exported = set(getattr(module, "__all__", ()))
     assigned = _assigned_names(module)
     hints = _hints(module)
     namespace = vars(module)
-    live = sorted(set(dir(module)) - set(namespace))
+    live = set(dir(module)) - set(namespace)
+    if "__all__" in namespace:
+        _check_names(f"{name}.__all__", namespace["__all__"])
+        exported = set(namespace["__all__"])
+    else:
+        exported = _defined_names(module, namespace, live, assigned | set(hints))
+    wanted = exported | set(also)
+    for attr in sorted(wanted):
+        if attr.startswith("__") or not hasattr(module, attr):
+            where = "also" if attr in also else f"{name}.__all__"
+            raise ValueError(f"{attr!r} (of {where}) is not a bindable attribute of {name}")
 
     functions, classes, aliases, attributes = [], [], [], []
-    for attr in sorted(set(namespace) | set(live) | set(hints)):
-        if attr.startswith("__") or (attr not in namespace and attr not in live):
-            continue
+    for attr in sorted(wanted):
         value = getattr(module, attr)
-        private = attr.startswith("_")
         if _is_alias(value):
-            if not private and (attr in assigned or attr in exported):
-                aliases.append(_describe_alias(attr, value))
+            aliases.append(_describe_alias(attr, value))
         elif isinstance(value, type):
-            mine = value.__module__ == name and value.__qualname__ == attr
-            if mine and (include_private or not private):
+            if _defines(module, value, attr):
                 described = _describe_class(value)
                 if described is not None:
                     classes.append(described)
         elif _is_function(value):
-            mine = getattr(value, "__module__", None) == name or attr in exported
-            if mine and (include_private or not private):
-                functions.append(describe_function(value, attr, attr))
+            functions.append(describe_function(value, attr, attr))
         elif not isinstance(value, types.ModuleType):
-            wanted = attr in live or (
-                not private and (attr in assigned or attr in exported or attr in hints)
-            )
-            if wanted:
-                attributes.append(_describe_attribute(attr, value, hints, attr in live))
+            attributes.append(_describe_attribute(attr, value, hints, attr in live))
 
     return {
         "format": FORMAT,
@@ -125,6 +134,35 @@ def describe_module(name: str, include_private: bool = False) -> dict[str, Any]:
         "aliases": aliases,
         "attributes": attributes,
     }
+
+
+def _check_names(what: str, names: Any) -> None:
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{what} must be a list or tuple of names (str), got {names!r}")
+
+
+def _defines(module: types.ModuleType, cls: type, attr: str) -> bool:
+    return cls.__module__ == module.__name__ and cls.__qualname__ == attr
+
+
+def _defined_names(
+    module: types.ModuleType, namespace: dict[str, Any], live: set[str], declared: set[str]
+) -> set[str]:
+    """The exports of a module without ``__all__``: the public names it defines itself."""
+    names = set()
+    for attr in set(namespace) | live:
+        if attr.startswith("_"):
+            continue
+        value = getattr(module, attr)
+        if isinstance(value, types.ModuleType):
+            continue
+        if not _is_alias(value) and (isinstance(value, type) or _is_function(value)):
+            mine = getattr(value, "__module__", None) == module.__name__
+        else:
+            mine = attr in live or attr in declared
+        if mine:
+            names.add(attr)
+    return names
 
 
 def is_context_manager(fn: Any) -> bool:

@@ -42,7 +42,7 @@ defmodule VllmBridge.Bindings.Gen.Files do
 
     source = header <> body
     formatted = source |> Code.format_string!() |> IO.iodata_to_binary()
-    {Naming.file(module), formatted <> "\n"}
+    {Naming.file(module, py), formatted <> "\n"}
   end
 
   # -- <Base>.Module ------------------------------------------------------------------------
