@@ -11,11 +11,11 @@ PROTOCOL_VERSION = 1
 
 #: Modules a worker may call into by default. Anything else is refused by name.
 PUBLIC_MODULES: tuple[str, ...] = (
-    "vllm_bridge.diag",
+    "vllm_bridge.bridge.diag",
     "vllm_bridge.cudagraph",
     "vllm_bridge.config",
     "vllm_bridge.forward_context",
     "vllm_bridge.dp",
     "vllm_bridge.ubatch",
-    "vllm_bridge.runner",
+    "vllm_bridge.demo.rank",
 )

@@ -23,7 +23,7 @@ come from the environment:
 
 Besides the per-step agreement, model layers use the group's collectives
 (:func:`dp_all_reduce`, :func:`dp_all_gather`; e.g. the MoE layer of
-:mod:`vllm_bridge.model`). A rank whose peers do not arrive within the timeout, at init or
+:mod:`vllm_bridge.demo.model`). A rank whose peers do not arrive within the timeout, at init or
 at a collective, gets a :class:`DPTimeoutError`; after a failed collective the group is
 unusable until it is torn down and joined again.
 """

@@ -1,11 +1,11 @@
 defmodule VllmBridge.Bindings.Generator do
   @moduledoc """
   Generates the bindings (`mix vllm.gen.bindings`): reads each Python module through a
-  worker (`vllm_bridge.introspect.describe_module`), writes what it read as a manifest,
+  worker (`vllm_bridge.bridge.introspect.describe_module`), writes what it read as a manifest,
   `priv/bindings/<python module>.json` (`VllmBridge.Bindings.Json`), and the Elixir code
   under `lib/vllm/` from those manifests.
 
-  The worker runs in a pool of its own whose allow-list is `vllm_bridge.introspect` alone
+  The worker runs in a pool of its own whose allow-list is `vllm_bridge.bridge.introspect` alone
   (that module imports only modules of `vllm_bridge.PUBLIC_MODULES`, and returns plain
   data, so the worker needs no other module).
 
@@ -18,7 +18,7 @@ defmodule VllmBridge.Bindings.Generator do
   | `vllm_bridge.cudagraph` | no |
   | `vllm_bridge.ubatch` | no |
   | `vllm_bridge.dp` | no |
-  | `vllm_bridge.runner` | no (the demo's model runner) |
+  | `vllm_bridge.demo.rank` | no (the demo's per-rank entry points) |
   """
 
   alias VllmBridge.Bindings.{Json, Naming}
@@ -31,7 +31,7 @@ defmodule VllmBridge.Bindings.Generator do
     {"vllm_bridge.cudagraph", false},
     {"vllm_bridge.ubatch", false},
     {"vllm_bridge.dp", false},
-    {"vllm_bridge.runner", false}
+    {"vllm_bridge.demo.rank", false}
   ]
 
   @pool :vllm_bindings_gen
@@ -47,10 +47,11 @@ defmodule VllmBridge.Bindings.Generator do
   """
   @spec fetch([{String.t(), boolean()}]) :: {:ok, [map()]} | {:error, Error.t()}
   def fetch(modules \\ @modules) do
-    with {:ok, _} <- VllmBridge.start_pool(@pool, size: 1, allow: ["vllm_bridge.introspect"]) do
+    with {:ok, _} <-
+           VllmBridge.start_pool(@pool, size: 1, allow: ["vllm_bridge.bridge.introspect"]) do
       try do
         Enum.reduce_while(modules, {:ok, []}, fn {name, private}, {:ok, acc} ->
-          target = {"vllm_bridge.introspect", "describe_module"}
+          target = {"vllm_bridge.bridge.introspect", "describe_module"}
 
           case VllmBridge.call(target, [name, private], %{}, pool_name: @pool) do
             {:ok, %{"format" => @format} = manifest} ->

@@ -1,0 +1,308 @@
+"""What the binding generator (``mix vllm.gen.bindings``) reads of a Python module.
+
+:func:`describe_module` returns plain data (see :mod:`vllm_bridge.bridge.introspect.hints` for
+the type and value forms): the module's functions with their signatures, type hints,
+defaults and docstrings, which of them are context managers, its module attributes (live
+ones served by a module ``__getattr__`` included), its type aliases, and its dataclasses
+(fields, defaults, methods) and enums (members, methods). Lists of named things are
+sorted by name; parameters and fields keep their declaration order; so the same code
+always gives the same output.
+
+Which names of a module are described:
+
+* **functions** defined in the module, and those it lists in ``__all__``; names with one
+  leading underscore only when ``include_private`` is true; never dunders;
+* **dataclasses and enums** defined in the module (private ones only with
+  ``include_private``; other classes are not bound: their instances travel by reference);
+  their public methods (static and class methods, properties as their getters, context
+  managers) are described with them;
+* **type aliases** (``UBatchSlices = list[UBatchSlice]``) assigned in the module or
+  listed in ``__all__``; they are callable (the alias's origin class);
+* **data attributes**: public names assigned at the module's top level (its source is
+  read for that), listed in ``__all__`` or annotated in the module, and every *live*
+  attribute (one that ``dir(module)`` lists but the module's namespace lacks, i.e. one its
+  ``__getattr__`` serves), private or not. An attribute's type is its annotation in the
+  module (an annotation-only declaration is enough), else that of its current value.
+
+Only modules of ``vllm_bridge.PUBLIC_MODULES`` can be described: a worker started with
+this module allow-listed imports nothing else because of a request.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import enum
+import importlib
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from vllm_bridge import PUBLIC_MODULES
+from vllm_bridge.bridge.introspect.hints import (
+    by_value,
+    describe_type,
+    describe_value,
+    qualified,
+    yielded_type,
+)
+from vllm_bridge.bridge.protocol.registry import type_hints as _hints
+
+__all__ = ["FORMAT", "describe_module", "describe_function", "is_context_manager"]
+
+#: Version of the output's layout; the generator refuses another.
+FORMAT = 1
+
+# Every @contextlib.contextmanager function is the same helper around a generator.
+_CM_CODE = contextlib.contextmanager(lambda: (yield)).__code__
+
+_KINDS = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional_only",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional_or_keyword",
+    inspect.Parameter.VAR_POSITIONAL: "var_positional",
+    inspect.Parameter.KEYWORD_ONLY: "keyword_only",
+    inspect.Parameter.VAR_KEYWORD: "var_keyword",
+}
+
+
+def describe_module(name: str, include_private: bool = False) -> dict[str, Any]:
+    """Describe the public module ``name`` (see the module docstring).
+
+    Raises:
+        ValueError: ``name`` is not in ``vllm_bridge.PUBLIC_MODULES``.
+        TypeError: ``name`` is not a str or ``include_private`` not a bool.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a module name (str), got {name!r}")
+    if not isinstance(include_private, bool):
+        raise TypeError(f"include_private must be a bool, got {include_private!r}")
+    if name not in PUBLIC_MODULES:
+        raise ValueError(
+            f"{name!r} is not a public module; describable: {', '.join(PUBLIC_MODULES)}"
+        )
+    module = importlib.import_module(name)
+    exported = set(getattr(module, "__all__", ()))
+    assigned = _assigned_names(module)
+    hints = _hints(module)
+    namespace = vars(module)
+    live = sorted(set(dir(module)) - set(namespace))
+
+    functions, classes, aliases, attributes = [], [], [], []
+    for attr in sorted(set(namespace) | set(live) | set(hints)):
+        if attr.startswith("__") or (attr not in namespace and attr not in live):
+            continue
+        value = getattr(module, attr)
+        private = attr.startswith("_")
+        if _is_alias(value):
+            if not private and (attr in assigned or attr in exported):
+                aliases.append(_describe_alias(attr, value))
+        elif isinstance(value, type):
+            mine = value.__module__ == name and value.__qualname__ == attr
+            if mine and (include_private or not private):
+                described = _describe_class(value)
+                if described is not None:
+                    classes.append(described)
+        elif _is_function(value):
+            mine = getattr(value, "__module__", None) == name or attr in exported
+            if mine and (include_private or not private):
+                functions.append(describe_function(value, attr, attr))
+        elif not isinstance(value, types.ModuleType):
+            wanted = attr in live or (
+                not private and (attr in assigned or attr in exported or attr in hints)
+            )
+            if wanted:
+                attributes.append(_describe_attribute(attr, value, hints, attr in live))
+
+    return {
+        "format": FORMAT,
+        "module": name,
+        "doc": _doc(module),
+        "functions": functions,
+        "classes": classes,
+        "aliases": aliases,
+        "attributes": attributes,
+    }
+
+
+def is_context_manager(fn: Any) -> bool:
+    """Whether ``fn`` is a ``@contextlib.contextmanager`` function (or method)."""
+    return getattr(fn, "__code__", None) is _CM_CODE
+
+
+def describe_function(
+    fn: Callable[..., Any], name: str, path: str, owner: type | None = None, kind: str = "function"
+) -> dict[str, Any]:
+    """One callable: ``path`` is its attribute path in the module; ``owner`` the class whose
+    instance method it is (its first parameter is then typed as that class)."""
+    cm = is_context_manager(fn)
+    target = inspect.unwrap(fn) if cm else fn
+    hints = _hints(target)
+    sig = inspect.signature(fn)
+    params = []
+    for i, p in enumerate(sig.parameters.values()):
+        if owner is not None and i == 0:
+            ptype = describe_type(owner)
+        else:
+            ptype = describe_type(hints.get(p.name, Any))
+        param = {"name": p.name, "kind": _KINDS[p.kind], "type": ptype}
+        if p.default is not inspect.Parameter.empty:
+            param["default"] = describe_value(p.default)
+        params.append(param)
+    returns = hints.get("return", Any)
+    out = {
+        "name": name,
+        "path": path,
+        "kind": kind,
+        "defined_in": getattr(fn, "__module__", None),
+        "doc": _doc(fn),
+        "context_manager": cm,
+        "params": params,
+        "returns": describe_type(returns),
+    }
+    if cm:
+        out["yields"] = yielded_type(returns)
+    return out
+
+
+# -- classes --------------------------------------------------------------------------------
+
+
+def _describe_class(cls: type) -> dict[str, Any] | None:
+    if not by_value(cls):
+        return None
+    if issubclass(cls, enum.Enum):
+        return {
+            "name": cls.__name__,
+            "class": qualified(cls),
+            "kind": "enum",
+            "doc": _doc(cls),
+            "members": [
+                {"name": m, "value": describe_value(v.value)} for m, v in cls.__members__.items()
+            ],
+            "methods": _methods(cls),
+        }
+    hints = _hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        field = {"name": f.name, "type": describe_type(hints.get(f.name, Any)), "init": f.init}
+        if f.default is not dataclasses.MISSING:
+            field["default"] = describe_value(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            field["default"] = describe_value(f.default_factory())
+            field["default_factory"] = True
+        fields.append(field)
+    return {
+        "name": cls.__name__,
+        "class": qualified(cls),
+        "kind": "dataclass",
+        "doc": _doc(cls),
+        "frozen": cls.__dataclass_params__.frozen,
+        "fields": fields,
+        "methods": _methods(cls),
+    }
+
+
+def _methods(cls: type) -> list[dict[str, Any]]:
+    """Methods defined in the class body itself (not inherited), properties as getters."""
+    out = []
+    for name, raw in sorted(vars(cls).items()):
+        if name.startswith("_"):
+            continue
+        path = f"{cls.__qualname__}.{name}"
+        if isinstance(raw, staticmethod):
+            out.append(describe_function(raw.__func__, name, path, kind="staticmethod"))
+        elif isinstance(raw, classmethod):
+            out.append(describe_function(getattr(cls, name), name, path, kind="classmethod"))
+        elif isinstance(raw, property) and raw.fget is not None:
+            out.append(describe_function(raw.fget, name, f"{path}.fget", cls, kind="property"))
+        elif isinstance(raw, types.FunctionType):
+            out.append(describe_function(raw, name, path, cls, kind="method"))
+    return out
+
+
+# -- aliases and attributes -----------------------------------------------------------------
+
+
+def _is_alias(value: Any) -> bool:
+    return isinstance(value, types.GenericAlias) or (
+        type(value).__module__ == "typing" and typing.get_origin(value) is not None
+    )
+
+
+def _describe_alias(name: str, alias: Any) -> dict[str, Any]:
+    """A type alias, callable as its origin class: ``UBatchSlices(items)`` is ``list(items)``.
+    Positional parameters of the origin's constructor take the alias's type."""
+    origin = typing.get_origin(alias)
+    alias_type = describe_type(alias)
+    try:
+        signature = inspect.signature(origin)
+    except (TypeError, ValueError):
+        signature = inspect.Signature()
+    params = []
+    for p in signature.parameters.values():
+        positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        param = {
+            "name": p.name,
+            "kind": _KINDS[p.kind],
+            "type": alias_type if positional else {"kind": "any"},
+        }
+        if p.default is not inspect.Parameter.empty:
+            param["default"] = describe_value(p.default)
+        params.append(param)
+    return {
+        "name": name,
+        "path": name,
+        "kind": "alias",
+        "defined_in": None,
+        "doc": _doc(origin),
+        "context_manager": False,
+        "params": params,
+        "returns": alias_type,
+    }
+
+
+def _describe_attribute(
+    name: str, value: Any, hints: dict[str, Any], live: bool
+) -> dict[str, Any]:
+    if name in hints:
+        described = describe_type(hints[name])
+    elif value is None:
+        described = {"kind": "any"}
+    else:
+        described = describe_type(type(value))
+    return {"name": name, "type": described, "live": live}
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _is_function(value: Any) -> bool:
+    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType))
+
+
+def _doc(obj: Any) -> str | None:
+    doc = getattr(obj, "__doc__", None)
+    return inspect.cleandoc(doc) if isinstance(doc, str) and doc.strip() else None
+
+
+def _assigned_names(module: types.ModuleType) -> set[str]:
+    """Names bound by assignments at the top level of the module's source."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets = [node.target]
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Name):
+                    names.add(sub.id)
+    return names
