@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_bridge import dp
-from vllm_bridge._dp_decide import NUM_ROWS, decide
+from vllm_bridge.dp._decide import NUM_ROWS, decide
 from vllm_bridge.config import ParallelConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.forward_context import coordinate_batch_across_dp

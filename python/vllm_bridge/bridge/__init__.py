@@ -8,8 +8,8 @@
 * :mod:`vllm_bridge.bridge.diag`: small functions to exercise the bridge (echo, add,
   streams, logging).
 
-Nothing here imports the forward-context system or the demo (``python/tests/bridge/
-test_bridge_imports.py`` checks it): the modules a worker may call are named by its
+Nothing here imports the forward-context system or the demo (python/tests/
+test_import_graph.py checks it): the modules a worker may call are named by its
 allow-list, as strings, and imported only by the worker when it starts. This package
 imports nothing itself.
 """

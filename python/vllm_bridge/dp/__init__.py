@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from vllm_bridge._checks import check_bool, check_int, check_optional_bool, check_optional_int
-from vllm_bridge._dp_decide import (
+from vllm_bridge.config import ParallelConfig
+from vllm_bridge.dp._decide import (
     NUM_ROWS,
     ROW_CG_MODE,
     ROW_PAD_VOTE,
@@ -50,9 +51,8 @@ from vllm_bridge._dp_decide import (
     cudagraph_mode_value,
     decide,
 )
-from vllm_bridge._dp_rendezvous import rendezvous
-from vllm_bridge._dp_settings import DEFAULT_TIMEOUT_S, resolve_settings
-from vllm_bridge.config import ParallelConfig
+from vllm_bridge.dp._rendezvous import rendezvous
+from vllm_bridge.dp._settings import DEFAULT_TIMEOUT_S, resolve_settings
 from vllm_bridge.platforms import rank_device
 from vllm_bridge.ubatch import check_ubatch_thresholds
 
@@ -169,7 +169,7 @@ def init_dp_group(
         if info.device != "cpu":
             # NCCL needs one device per rank; ranks on one host take turns over the GPUs.
             torch.cuda.set_device(torch.device(info.device))
-        _state = _State(info=info, store=rendezvous(info))
+        _state = _State(info=info, store=rendezvous(info, DPTimeoutError, DPGroupError))
     return info
 
 

@@ -1,7 +1,7 @@
 """Pure helpers of DP coordination: argument checks, the all_reduce matrix, the decision.
 
-Kept apart from :mod:`vllm_bridge.dp` (which owns the process group) so the decision rules
-can be read, and tested, on their own.
+Part of :mod:`vllm_bridge.dp` (which owns the process group), kept apart so that the
+decision rules can be read, and tested, on their own.
 """
 
 import numpy as np
