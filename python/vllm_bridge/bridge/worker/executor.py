@@ -8,11 +8,12 @@ pass between them under one lock:
 * while the execution thread is idle it reads fd 3 itself: a request it reads runs at
   once, on the thread that read it, with no hand-over between threads (the common case:
   one short call after another);
-* the *watcher* (:meth:`Executor.watch`, a thread of its own) looks every ``poll`` seconds
-  (every :data:`IDLE_POLL_SECONDS` once the worker has been idle for a few looks); when
-  it sees the same request running at two looks in a row, it takes the role and
-  reads: it answers ``ping`` at once, records ``cancel``\\ s and queues requests, so a long
-  call never blocks liveness;
+* the *watcher* (:meth:`Executor.watch`, a thread of its own, in
+  :mod:`~vllm_bridge.bridge.worker.watcher`) looks every ``poll`` seconds (every
+  :data:`~vllm_bridge.bridge.worker.watcher.IDLE_POLL_SECONDS` once the worker has been
+  idle for a few looks); when it sees the same request running at two looks in a row, it
+  takes the role and reads: it answers ``ping`` at once, records ``cancel``\\ s and
+  queues requests, so a long call never blocks liveness;
 * a stream about to wait for credit (:meth:`Executor.open_flow`) wakes the watcher,
   which takes the role at once: the credit is in the input, and nobody else reads it;
 * when the execution thread finds its queue empty while the watcher reads, it asks for
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import threading
 import time
 from collections import deque
@@ -42,25 +42,18 @@ from vllm_bridge.bridge.protocol.errors import DeadlineExceeded, python_type_nam
 from vllm_bridge.bridge.protocol.flow import STREAM_WINDOW, Flow
 from vllm_bridge.bridge.protocol.framing import FrameError, FrameReader
 from vllm_bridge.bridge.protocol.messages import Abandon, Request
+from vllm_bridge.bridge.worker.watcher import (
+    POLL_SECONDS,
+    ROLE_EXEC,
+    ROLE_NOBODY,
+    ROLE_WATCH,
+    Watcher,
+)
 
 _log = logging.getLogger("vllm_bridge.bridge.worker")
 
-#: Seconds between two looks of the watcher at the running request.
-POLL_SECONDS = 0.002
-#: Seconds between two looks while no request has run for a while (an idle worker).
-IDLE_POLL_SECONDS = 0.05
-#: Seconds of idleness after which the reader's buffer for large frames is dropped
-#: (:meth:`~vllm_bridge.bridge.protocol.framing.FrameReader.release`): kept while requests keep
-#: coming (a large read into pages that exist is about twice as fast), not for good.
-IDLE_RELEASE_SECONDS = 1.0
-
-# Who reads fd 3: nobody (the execution thread runs what it read), the execution thread,
-# or the watcher.
-_NOBODY, _EXEC, _WATCH = 0, 1, 2
-
-
-class Executor:
-    """One execution thread; the reading role shared with the watcher."""
+class Executor(Watcher):
+    """One execution thread; the reading role shared with the watcher (:class:`Watcher`)."""
 
     def __init__(
         self,
@@ -86,7 +79,7 @@ class Executor:
                 request to run, or ``None``.
             reader: The buffered reader of fd 3.
             on_eof: Called once, by the thread that reads EOF (or a broken stream).
-            poll: Seconds between two looks of the watcher.
+            poll: Seconds between two looks of the watcher (:data:`POLL_SECONDS`).
             interrupt: Called under the lock, while the request marked cancelled is still
                 the running one, to interrupt its code (the worker signals the execution
                 thread: :meth:`vllm_bridge.bridge.worker.interrupt.Interrupter.interrupt`); it
@@ -108,7 +101,7 @@ class Executor:
         self._cond = threading.Condition()
         self._running: Request | None = None
         self._started = 0  # requests started so far: the watcher's clock
-        self._role = _NOBODY
+        self._role = ROLE_NOBODY
         self._want_back = False
         self._urgent = False  # the running request waits for a frame: read at once
         self._watcher_wake = threading.Event()
@@ -195,7 +188,7 @@ class Executor:
         # The running request is about to wait for a frame: the watcher takes the reading
         # role at its next look, which comes at once, not after two polls.
         with self._cond:
-            if self._role != _NOBODY:
+            if self._role != ROLE_NOBODY:
                 return  # the watcher reads already
             self._urgent = True
         self._watcher_wake.set()
@@ -336,10 +329,10 @@ class Executor:
                 if self._queue:
                     self._want_back = False
                     return self._begin(self._queue.popleft())
-                if self._role == _NOBODY:
-                    self._role = _EXEC
+                if self._role == ROLE_NOBODY:
+                    self._role = ROLE_EXEC
                     break
-                if self._role == _WATCH and not self._want_back:
+                if self._role == ROLE_WATCH and not self._want_back:
                     self._want_back = True
                     self._wake()
                 self._cond.wait()
@@ -353,76 +346,8 @@ class Executor:
             with self._cond:
                 if self._stopping:
                     return None
-                self._role = _NOBODY
+                self._role = ROLE_NOBODY
                 return self._begin(request)
-
-    # -- the watcher ----------------------------------------------------------------------
-
-    def watch(self) -> None:
-        """Run the watcher on this thread until EOF or :meth:`stop`."""
-        seen = -1
-        idle = 0
-        active = time.monotonic()  # when a request last ran or started, as seen here
-        released = True
-        while True:
-            with self._cond:
-                if self._stopping:
-                    return
-                running = self._running is not None
-                take = running and self._role == _NOBODY and (
-                    self._started == seen or self._urgent
-                )
-                started_since = self._started != seen
-                seen = self._started
-                if take:
-                    self._role = _WATCH
-            if take:
-                if not self._read_as_watcher():
-                    return
-                idle = 0
-                continue
-            # Every poll while a request runs; backing off to IDLE_POLL_SECONDS while
-            # none does, so an idle worker wakes about 20 times a second, not 500.
-            idle = 0 if running else idle + 1
-            now = time.monotonic()
-            if running or started_since:
-                active, released = now, False
-            elif not released and now - active >= IDLE_RELEASE_SECONDS:
-                # Idle a while: the buffer a large frame was read into goes (see
-                # FrameReader.release; the next large frame makes a new one).
-                released = True
-                self._reader.release()
-            self._watcher_wake.wait(self._poll if idle < 8 else max(self._poll, IDLE_POLL_SECONDS))
-            self._watcher_wake.clear()
-
-    def _read_as_watcher(self) -> bool:
-        """Read frames until the execution thread wants the role back (True) or EOF (False)."""
-        while True:
-            if not self._reader.has_frame():
-                ready, _, _ = select.select([self._reader.fd, self._wake_r], [], [])
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 512)
-            else:
-                ready = [self._reader.fd]
-            if self._reader.fd in ready:
-                body = self._read()
-                if body is None:
-                    return False
-                request = self._on_frame(body)
-                # Neither may live on in this loop until the next frame arrives: a large
-                # body holds its own buffer, a request its decoded arguments.
-                del body
-                if request is not None:
-                    self.submit(request)
-                    del request
-            with self._cond:
-                if self._stopping:
-                    return False
-                if self._want_back:
-                    self._want_back = False
-                    self._role = _NOBODY
-                    self._cond.notify_all()
-                    return True
 
     # -- both -------------------------------------------------------------------------------
 
