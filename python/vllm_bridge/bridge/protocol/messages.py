@@ -191,12 +191,19 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
         fast = _plain_call(msg, time.monotonic() if now is None else now)
         if fast is not None:
             return fast
+    return parse_checked(msg, now)
+
+
+def parse_checked(msg: Any, now: float | None = None) -> Request | Control:
+    """:func:`parse_request` without its fast path for the common ``call`` (every field
+    checked on the way): what that fast path must agree with."""
     rid = request_id_of(msg)
     if not isinstance(msg, list) or not msg:
         raise RequestError(f"a message must be a non-empty array, got {short_repr(msg)}", None)
     kind = msg[0]
     if not isinstance(kind, str) or kind not in _ARITY:
         raise RequestError(f"unknown message kind {short_repr(kind, 60)}", rid)
+    kind = str(kind)  # an atom arrives as a str subclass; kinds are plain str, as sessions
     if len(msg) != _ARITY[kind]:
         raise RequestError(
             f"a {kind} message has {_ARITY[kind] - 1} fields after the kind, got {len(msg) - 1}",
@@ -256,7 +263,10 @@ def _plain_call(msg: list[Any], now: float) -> Invoke | None:
         type(rid) is int
         and rid >= 0
         and (session is None or type(session) is str)
-        and (timeout is None or ((type(timeout) is int or type(timeout) is float) and timeout == timeout))
+        and (
+            timeout is None
+            or ((type(timeout) is int or type(timeout) is float) and timeout == timeout)
+        )
         and type(target) is list
         and len(target) == 3
         and target[0] == "m"

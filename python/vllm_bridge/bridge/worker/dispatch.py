@@ -338,6 +338,11 @@ class Dispatcher:
             body = _packb([kind, req.id, value], use_bin_type=True)
             self._check_size(len(body))
             return [body]
+        return self._encode_reply(req, session, kind, value)
+
+    def _encode_reply(self, req: Request, session: Session, kind: str, value: Any) -> Frame:
+        """:meth:`_reply` without its fast path for a plain scalar: what that fast path
+        must agree with."""
         created: list[int] = []
         guard = self.resolver.guard
 
