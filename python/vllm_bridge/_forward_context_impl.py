@@ -115,8 +115,10 @@ def chunked_local_num_tokens(
     return [max(1, min(max_num_tokens, tokens - consumed)) for tokens in sp_tokens]
 
 
-def check_dp_metadata(counts: Any, most: Any, local_sizes: Any) -> None:
-    """The field checks of a ``DPMetadata``."""
+def check_dp_metadata(metadata: Any) -> None:
+    """The field checks of a ``DPMetadata`` (``metadata``)."""
+    counts, most = metadata.num_tokens_across_dp_cpu, metadata.max_tokens_across_dp_cpu
+    local_sizes = metadata.local_sizes
     if not is_count_tensor(counts):
         raise TypeError(
             f"num_tokens_across_dp_cpu must be a 1-D integer tensor, got {counts!r:.100}"

@@ -167,9 +167,7 @@ class DPMetadata:
     local_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
-        _impl.check_dp_metadata(
-            self.num_tokens_across_dp_cpu, self.max_tokens_across_dp_cpu, self.local_sizes
-        )
+        _impl.check_dp_metadata(self)
 
     @staticmethod
     def make(
@@ -206,10 +204,9 @@ class DPMetadata:
         Yields:
             The per-rank sizes (also in ``self.local_sizes``).
         """
-        yield from _impl.holding_local_sizes(self, _compute_chunked_local_num_tokens(
-            self.num_tokens_across_dp_cpu, sequence_parallel_size, max_chunk_size_per_rank,
-            chunk_idx,
-        ))
+        chunk = (sequence_parallel_size, max_chunk_size_per_rank, chunk_idx)
+        sizes = _compute_chunked_local_num_tokens(self.num_tokens_across_dp_cpu, *chunk)
+        yield from _impl.holding_local_sizes(self, sizes)
 
     @contextmanager
     def sp_local_sizes(self, sequence_parallel_size: int) -> Iterator[list[int]]:
@@ -359,9 +356,7 @@ def _make_dp_metadata(
     ubatch_slices: UBatchSlices | None,
 ) -> DPMetadata:
     """DP metadata for this pass, running the DP coordination when counts are not given."""
-    counts = _impl.coordinated_counts(
-        vllm_config, num_tokens, num_tokens_across_dp, ubatch_slices
-    )
+    counts = _impl.coordinated_counts(vllm_config, num_tokens, num_tokens_across_dp, ubatch_slices)
     return DPMetadata.make(vllm_config.parallel_config, num_tokens or 0, counts)
 
 
