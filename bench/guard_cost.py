@@ -1,4 +1,4 @@
-"""What the value guard (python/vllm_bridge/worker/guard.py, docs/SECURITY.md) costs per
+"""What the value guard (python/vllm_bridge/bridge/worker/guard.py, docs/SECURITY.md) costs per
 call: the worker's own code for one call (decode, check, dispatch, call, encode, a write
 to ``/dev/null``), in this process without pipes or threads, for a few kinds of request,
 with the guard as the worker has it and with a guard that lets everything through (the
@@ -21,14 +21,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from vllm_bridge.diag import Opaque  # noqa: E402
-from vllm_bridge.protocol import packb  # noqa: E402
-from vllm_bridge.worker.guard import Guard  # noqa: E402
-from vllm_bridge.worker.guard_calls import CallRule  # noqa: E402
-from vllm_bridge.worker.guard_steps import StepRule  # noqa: E402
-from vllm_bridge.worker.server import Worker, _import_allowed  # noqa: E402
+from vllm_bridge.bridge.diag import Opaque  # noqa: E402
+from vllm_bridge.bridge.protocol import packb  # noqa: E402
+from vllm_bridge.bridge.worker.guard import Guard  # noqa: E402
+from vllm_bridge.bridge.worker.guard_calls import CallRule  # noqa: E402
+from vllm_bridge.bridge.worker.guard_steps import StepRule  # noqa: E402
+from vllm_bridge.bridge.worker.server import Worker, _import_allowed  # noqa: E402
 
-D = "vllm_bridge.diag"
+D = "vllm_bridge.bridge.diag"
 FC = "vllm_bridge.forward_context"
 MODULES = (D, FC)
 

@@ -46,7 +46,7 @@ def _write_all(fd: int, parts: list[memoryview]) -> None:
 
 
 def _enlarge_pipes(size: int = 1 << 20) -> None:
-    """As ``vllm_bridge.protocol.framing.enlarge_pipes`` (kept here to import nothing)."""
+    """As ``vllm_bridge.bridge.protocol.framing.enlarge_pipes`` (kept here to import nothing)."""
     try:
         with open("/proc/sys/fs/pipe-max-size") as f:
             size = min(size, int(f.read()))

@@ -46,7 +46,8 @@ defmodule VllmBridge.Bench.Restart do
     %{total: (total - t0) / 1000, noticed: (noticed - t0) / 1000}
   end
 
-  defp call, do: VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 1], %{}, pool_name: @pool)
+  defp call,
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 1], %{}, pool_name: @pool)
 
   # Polls every millisecond; returns the monotonic time (us) at which `fun` held.
   defp wait(fun) do

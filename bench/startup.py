@@ -1,4 +1,4 @@
-"""Where a worker's start goes, from inside Python: how long ``python -m vllm_bridge.worker``
+"""Where a worker's start goes, from inside Python: how long ``python -m vllm_bridge.bridge.worker``
 takes until its ``hello`` arrives, and the steps that make it up.
 
 Each figure is the median of ``--runs`` fresh processes (a process imports each module
@@ -36,7 +36,7 @@ _STEPS = r"""
 import json, time
 t0 = time.perf_counter()
 from vllm_bridge import PUBLIC_MODULES
-from vllm_bridge.worker import server
+from vllm_bridge.bridge.worker import server
 t1 = time.perf_counter()
 errors = server._import_allowed(tuple(PUBLIC_MODULES))
 t2 = time.perf_counter()
@@ -77,7 +77,7 @@ def _to_hello(python: str) -> float:
 
     t = time.perf_counter()
     proc = subprocess.Popen(
-        [python, "-m", "vllm_bridge.worker"], preexec_fn=wire, pass_fds=(3, 4), close_fds=True
+        [python, "-m", "vllm_bridge.bridge.worker"], preexec_fn=wire, pass_fds=(3, 4), close_fds=True
     )
     os.close(r_in)
     os.close(w_out)

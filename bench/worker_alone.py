@@ -1,4 +1,4 @@
-"""The Python side alone: the worker (``python -m vllm_bridge.worker``) beside the raw echo
+"""The Python side alone: the worker (``python -m vllm_bridge.bridge.worker``) beside the raw echo
 (``bench/raw_echo.py``), each driven over its fd 3 / fd 4 pipes by this process with the
 trivial call's request frame and a fixed number of requests in flight; no BEAM involved.
 
@@ -163,7 +163,7 @@ def in_process(frame: bytes, calls: int) -> float:
     ``/dev/null``."""
     sys.path.insert(0, str(HERE.parent / "python"))
     from vllm_bridge import PUBLIC_MODULES
-    from vllm_bridge.worker.server import Worker, _import_allowed
+    from vllm_bridge.bridge.worker.server import Worker, _import_allowed
 
     modules = tuple(PUBLIC_MODULES)
     worker = Worker(modules, 10_000, import_errors=_import_allowed(modules))
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[tuple[float, float | None]]] = {"worker": [], "echo": []}
     peers: dict[str, Peer] = {}
     try:
-        peers["worker"] = Peer([sys.executable, "-m", "vllm_bridge.worker"], hello=True)
+        peers["worker"] = Peer([sys.executable, "-m", "vllm_bridge.bridge.worker"], hello=True)
         peers["echo"] = Peer([sys.executable, str(HERE / "raw_echo.py")], hello=False)
         warm = max(1, opts.calls // 10)
         for key in ("worker", "echo"):
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(median round of each); frame {len(frames[0]) - 4} bytes"
     )
     print(f"{'':36s}{'calls/s':>10s}  {'CPU us/call':>11s}")
-    for key, label in (("worker", "worker (python -m vllm_bridge.worker)"),
+    for key, label in (("worker", "worker (python -m vllm_bridge.bridge.worker)"),
                        ("echo", "raw echo (bench/raw_echo.py)")):
         shown = "n/a" if cpu[key] is None else f"{cpu[key]:.2f}"
         print(f"{label:36s}{rate[key]:10.0f}  {shown:>11s}")

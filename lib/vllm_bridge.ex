@@ -4,7 +4,7 @@ defmodule VllmBridge do
   generators and use context managers in a pool of Python worker processes.
 
       {:ok, _} = VllmBridge.start_pool(:default, size: 2)
-      {:ok, 3} = VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2])
+      {:ok, 3} = VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2])
 
   **Targets** are `{"module", "path"}` (a dotted attribute path inside an allow-listed
   module: a function, a class, `"DPMetadata.make"`, a module attribute) or

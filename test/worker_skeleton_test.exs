@@ -11,10 +11,10 @@ defmodule VllmBridge.WorkerSkeletonTest do
     assert hello["torch"] =~ ~r/^\d+\.\d+/
     assert hello["device"] in ["cpu"] or hello["device"] =~ ~r/^cuda:\d+$/
 
-    assert {:ok, 42} = Worker.call(w, "vllm_bridge.diag", "add", [40, 2])
+    assert {:ok, 42} = Worker.call(w, "vllm_bridge.bridge.diag", "add", [40, 2])
 
     assert {:ok, %{"x" => [1, 2.5, "s", nil]}} =
-             Worker.call(w, "vllm_bridge.diag", "echo", [%{"x" => [1, 2.5, "s", nil]}])
+             Worker.call(w, "vllm_bridge.bridge.diag", "echo", [%{"x" => [1, 2.5, "s", nil]}])
   end
 
   test "a Python exception comes back as an error and the worker keeps serving" do
@@ -23,10 +23,10 @@ defmodule VllmBridge.WorkerSkeletonTest do
     {:ok, _hello} = Worker.await_ready(w)
 
     assert {:error, %VllmBridge.Error{type: :python_exception, python_type: "ValueError"} = e} =
-             Worker.call(w, "vllm_bridge.diag", "sleep", [-1])
+             Worker.call(w, "vllm_bridge.bridge.diag", "sleep", [-1])
 
     assert e.message =~ "-1"
-    assert {:ok, 3} = Worker.call(w, "vllm_bridge.diag", "add", [1, 2])
+    assert {:ok, 3} = Worker.call(w, "vllm_bridge.bridge.diag", "add", [1, 2])
   end
 
   test "the Python process exits by itself when its port closes" do

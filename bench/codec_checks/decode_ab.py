@@ -3,13 +3,13 @@ against the current one, in interleaved rounds."""
 import sys, timeit, statistics
 sys.path.insert(0, sys.argv[1])  # the old decoder.py, written there by run.sh
 import old_decoder
-from vllm_bridge.protocol.decoder import Decoder
-from vllm_bridge.protocol import packb
-from vllm_bridge.protocol.messages import peek_request_id
+from vllm_bridge.bridge.protocol.decoder import Decoder
+from vllm_bridge.bridge.protocol import packb
+from vllm_bridge.bridge.protocol.messages import peek_request_id
 frames = {
-  "add(1, 2)": packb(["call", 12345, None, 5000, ["m", "vllm_bridge.diag", "add"], [1, 2], {}]),
-  "kwargs+map": packb(["call", 12345, "s", 5000, ["m", "vllm_bridge.diag", "echo"], [{"a": 1, "b": [1, 2, 3], "c": {"x": 1}}], {"k": 1, "j": 2}]),
-  "1k ints": packb(["call", 1, None, 5000, ["m", "vllm_bridge.diag", "echo"], [list(range(1000))], {}]),
+  "add(1, 2)": packb(["call", 12345, None, 5000, ["m", "vllm_bridge.bridge.diag", "add"], [1, 2], {}]),
+  "kwargs+map": packb(["call", 12345, "s", 5000, ["m", "vllm_bridge.bridge.diag", "echo"], [{"a": 1, "b": [1, 2, 3], "c": {"x": 1}}], {"k": 1, "j": 2}]),
+  "1k ints": packb(["call", 1, None, 5000, ["m", "vllm_bridge.bridge.diag", "echo"], [list(range(1000))], {}]),
 }
 old, new = old_decoder.Decoder(), Decoder()
 for name, f in frames.items():

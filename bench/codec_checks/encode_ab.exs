@@ -3,13 +3,14 @@ for f <- ~w(old_msgpack old_dataclass old_ext old_codec old_wire),
     do: Code.require_file(Path.join(System.fetch_env!("OLD_DIR"), "#{f}.ex"))
 
 cases = [
-  {"add(1, 2)", {"vllm_bridge.diag", "add"}, [1, 2], %{}},
-  {"kwargs + map arg", {"vllm_bridge.diag", "echo"},
+  {"add(1, 2)", {"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}},
+  {"kwargs + map arg", {"vllm_bridge.bridge.diag", "echo"},
    [%{"a" => 1, "b" => [1, 2, 3], "c" => %{x: 1}}], [k: 1, j: 2]},
-  {"atom-keyed map of 20", {"vllm_bridge.diag", "echo"}, [Map.new(1..20, &{:"k#{&1}", &1})], []},
-  {"1k ints", {"vllm_bridge.diag", "echo"}, [Enum.to_list(1..1000)], []},
-  {"mixed keys", {"vllm_bridge.diag", "echo"}, [%{1 => :a, "b" => 2, :c => 3.5, {1, 2} => nil}],
-   []}
+  {"atom-keyed map of 20", {"vllm_bridge.bridge.diag", "echo"},
+   [Map.new(1..20, &{:"k#{&1}", &1})], []},
+  {"1k ints", {"vllm_bridge.bridge.diag", "echo"}, [Enum.to_list(1..1000)], []},
+  {"mixed keys", {"vllm_bridge.bridge.diag", "echo"},
+   [%{1 => :a, "b" => 2, :c => 3.5, {1, 2} => nil}], []}
 ]
 
 run = fn mod, {_, t, a, k}, n ->

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 base=${1:-807b8d1}
 old=$(mktemp -d)
 trap 'rm -rf "$old"' EXIT
-git show "$base:python/vllm_bridge/protocol/decoder.py" >"$old/old_decoder.py"
+git show "$base:python/vllm_bridge/bridge/protocol/decoder.py" >"$old/old_decoder.py"
 for f in codec.ex codec/msgpack.ex codec/ext.ex codec/dataclass.ex wire.ex; do
   git show "$base:lib/vllm_bridge/$f" >"$old/old_$(basename "$f")"
 done

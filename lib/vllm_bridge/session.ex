@@ -4,7 +4,7 @@ defmodule VllmBridge.Session do
   context managers) to one worker of a pool.
 
       {:ok, s} = VllmBridge.Session.open(pool_name: :ranks, worker: 2)   # DP rank 2
-      VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, session_id: s.id)
+      VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, session_id: s.id)
       :ok = VllmBridge.Session.close(s)
 
   or `VllmBridge.with_session(fn s -> ... end, opts)`, which always closes.

@@ -25,7 +25,7 @@ defmodule VllmBridge.Stream do
   alias VllmBridge.{Error, Ref, Request, Route, Runtime, Wire}
   alias VllmBridge.Session.LooseRefs
 
-  # Python's vllm_bridge.protocol.flow.STREAM_WINDOW, and the credit sent back each time
+  # Python's vllm_bridge.bridge.protocol.flow.STREAM_WINDOW, and the credit sent back each time
   # half of it has been read.
   @window 32
   @credit div(@window, 2)

@@ -16,6 +16,7 @@ attributes ``track_batchsize``, ``batchsize_logging_interval``, ``batchsize_forw
 :func:`reset_batchsize_stats`.
 """
 
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Iterator
@@ -26,21 +27,15 @@ from typing import Any
 
 import torch
 
+# Checks and bodies: everything callers call stays defined here (docs/SECURITY.md).
+from vllm_bridge import _forward_context_impl as _impl
 from vllm_bridge import batchsize as _batchsize
-from vllm_bridge._checks import (
-    as_count_tensor,
-    check_bool,
-    check_instance,
-    check_int,
-    check_list_of,
-    check_optional_int,
-    is_count_tensor,
-)
+from vllm_bridge._checks import check_instance
 from vllm_bridge.config import ParallelConfig, VllmConfig
-from vllm_bridge.cudagraph import RUNTIME_MODES, CUDAGraphMode, cudagraph_mode_from
+from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.dp import coordinate_batch_across_dp
 from vllm_bridge.platforms import current_platform
-from vllm_bridge.ubatch import UBatchSlice, UBatchSlices
+from vllm_bridge.ubatch import UBatchSlices
 
 __all__ = [
     "BatchDescriptor",
@@ -66,15 +61,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Batch-size tracking state, read live from vllm_bridge.batchsize.
-_TRACKING_ATTRS = (
-    "track_batchsize",
-    "batchsize_logging_interval",
-    "batchsize_forward_time",
-    "forward_start_time",
-    "last_logging_time",
-)
 
 
 # The batch-size functions of the forward-context API are defined here, not re-exported
@@ -104,9 +90,7 @@ def get_batchsize_stats(min_count: int = 2) -> list[tuple[int | None, int, float
 
 def init_logger(name: str) -> logging.Logger:
     """The logger called ``name`` (a standard :mod:`logging` logger)."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {name!r}")
-    return logging.getLogger(name)
+    return _impl.logger_named(name)
 
 
 @dataclass(frozen=True)
@@ -133,22 +117,7 @@ class BatchDescriptor:
     num_active_loras: int = 0
 
     def __post_init__(self) -> None:
-        reqs, loras = self.num_reqs, self.num_active_loras
-        if (  # the common, valid case in exact-type tests; the checks below name errors
-            type(self.num_tokens) is int
-            and self.num_tokens >= 0
-            and (reqs is None or (type(reqs) is int and reqs >= 0))
-            and type(self.uniform) is bool
-            and type(self.has_lora) is bool
-            and type(loras) is int
-            and loras >= 0
-        ):
-            return
-        check_int("BatchDescriptor.num_tokens", self.num_tokens, minimum=0)
-        check_optional_int("BatchDescriptor.num_reqs", self.num_reqs, minimum=0)
-        check_bool("BatchDescriptor.uniform", self.uniform)
-        check_bool("BatchDescriptor.has_lora", self.has_lora)
-        check_int("BatchDescriptor.num_active_loras", self.num_active_loras, minimum=0)
+        _impl.check_batch_descriptor(self)
 
     def relax_for_mixed_batch_cudagraphs(self) -> "BatchDescriptor":
         """A descriptor for the same token count that PIECEWISE (mixed-batch) graphs accept.
@@ -156,13 +125,7 @@ class BatchDescriptor:
         Drops ``num_reqs`` and ``uniform`` (reset to their defaults) and keeps the LoRA
         fields, which still select the graph.
         """
-        return BatchDescriptor(
-            num_tokens=self.num_tokens,
-            num_reqs=None,
-            uniform=False,
-            has_lora=self.has_lora,
-            num_active_loras=self.num_active_loras,
-        )
+        return dataclasses.replace(self, num_reqs=None, uniform=False)
 
 
 def _compute_sp_num_tokens(
@@ -173,10 +136,7 @@ def _compute_sp_num_tokens(
     Each DP rank's count is ceil-divided by ``sequence_parallel_size`` and repeated that many
     times, e.g. ``[5, 3]`` with sp 2 gives ``[3, 3, 2, 2]``.
     """
-    counts = as_count_tensor("num_tokens_across_dp_cpu", num_tokens_across_dp_cpu)
-    check_int("sequence_parallel_size", sequence_parallel_size, minimum=1)
-    per_sp = (counts + sequence_parallel_size - 1) // sequence_parallel_size
-    return per_sp.repeat_interleave(sequence_parallel_size).tolist()
+    return _impl.sp_num_tokens(num_tokens_across_dp_cpu, sequence_parallel_size)
 
 
 def _compute_chunked_local_num_tokens(
@@ -191,11 +151,9 @@ def _compute_chunked_local_num_tokens(
     ``min(max_num_tokens, tokens left)``, and never fewer than 1, so a rank that has run out
     keeps stepping in lockstep with the others.
     """
-    check_int("max_num_tokens", max_num_tokens, minimum=1)
-    check_int("chunk_idx", chunk_idx, minimum=0)
-    sp_tokens = _compute_sp_num_tokens(num_tokens_across_dp_cpu, sequence_parallel_size)
-    consumed = max_num_tokens * chunk_idx
-    return [max(1, min(max_num_tokens, tokens - consumed)) for tokens in sp_tokens]
+    return _impl.chunked_local_num_tokens(
+        num_tokens_across_dp_cpu, sequence_parallel_size, max_num_tokens, chunk_idx
+    )
 
 
 @dataclass
@@ -214,18 +172,7 @@ class DPMetadata:
     local_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
-        counts, most = self.num_tokens_across_dp_cpu, self.max_tokens_across_dp_cpu
-        if not is_count_tensor(counts):
-            raise TypeError(
-                "num_tokens_across_dp_cpu must be a 1-D integer tensor, got "
-                f"{counts!r:.100}"
-            )
-        if not isinstance(most, torch.Tensor) or most.numel() != 1:
-            raise TypeError(
-                f"max_tokens_across_dp_cpu must be a one-element tensor, got {most!r:.100}"
-            )
-        if self.local_sizes is not None:
-            check_list_of("local_sizes", self.local_sizes, int)
+        _impl.check_dp_metadata(self)
 
     @staticmethod
     def make(
@@ -239,31 +186,7 @@ class DPMetadata:
             ValueError: DP is off, the model is marked non-MoE, the counts have the wrong
                 length, or this rank's entry differs from ``num_tokens``.
         """
-        check_instance("parallel_config", parallel_config, ParallelConfig)
-        check_int("num_tokens", num_tokens, minimum=0)
-        if num_tokens_across_dp_cpu is None:
-            raise ValueError("num_tokens_across_dp_cpu is required, got None")
-        if parallel_config.data_parallel_size <= 1:
-            raise ValueError(
-                "DPMetadata needs data_parallel_size > 1, "
-                f"got {parallel_config.data_parallel_size}"
-            )
-        if parallel_config.is_moe_model is False:
-            raise ValueError("DPMetadata is only built for MoE models; is_moe_model is False")
-        counts = as_count_tensor("num_tokens_across_dp_cpu", num_tokens_across_dp_cpu)
-        dp_size = parallel_config.data_parallel_size
-        dp_rank = parallel_config.data_parallel_rank
-        values = counts.tolist()
-        if len(values) != dp_size:
-            raise ValueError(
-                f"num_tokens_across_dp_cpu has {len(values)} entries "
-                f"({values}) but data_parallel_size is {dp_size}"
-            )
-        if values[dp_rank] != num_tokens:
-            raise ValueError(
-                f"num_tokens_across_dp_cpu[{dp_rank}] is {values[dp_rank]} "
-                f"but this rank's num_tokens is {num_tokens}"
-            )
+        counts = _impl.dp_counts(parallel_config, num_tokens, num_tokens_across_dp_cpu)
         return DPMetadata(torch.max(counts), counts)
 
     @contextmanager
@@ -286,27 +209,15 @@ class DPMetadata:
         Yields:
             The per-rank sizes (also in ``self.local_sizes``).
         """
-        self.local_sizes = _compute_chunked_local_num_tokens(
-            self.num_tokens_across_dp_cpu,
-            sequence_parallel_size,
-            max_chunk_size_per_rank,
-            chunk_idx,
-        )
-        try:
-            yield self.local_sizes
-        finally:
-            self.local_sizes = None
+        chunk = (sequence_parallel_size, max_chunk_size_per_rank, chunk_idx)
+        sizes = _compute_chunked_local_num_tokens(self.num_tokens_across_dp_cpu, *chunk)
+        yield from _impl.holding_local_sizes(self, sizes)
 
     @contextmanager
     def sp_local_sizes(self, sequence_parallel_size: int) -> Iterator[list[int]]:
         """Like :meth:`chunked_sizes` without chunking: each sequence-parallel rank's count."""
-        self.local_sizes = _compute_sp_num_tokens(
-            self.num_tokens_across_dp_cpu, sequence_parallel_size
-        )
-        try:
-            yield self.local_sizes
-        finally:
-            self.local_sizes = None
+        sizes = _compute_sp_num_tokens(self.num_tokens_across_dp_cpu, sequence_parallel_size)
+        yield from _impl.holding_local_sizes(self, sizes)
 
     def get_chunk_sizes_across_dp_rank(self) -> list[int] | None:
         """The current chunk's per-rank sizes; only valid inside a sizes context.
@@ -314,22 +225,15 @@ class DPMetadata:
         Raises:
             RuntimeError: called outside :meth:`chunked_sizes` / :meth:`sp_local_sizes`.
         """
-        if self.local_sizes is None:
-            raise RuntimeError(
-                "local_sizes is only set inside DPMetadata.chunked_sizes(...) or "
-                "DPMetadata.sp_local_sizes(...)"
-            )
-        return self.local_sizes
+        return _impl.current_local_sizes(self.local_sizes)
 
     def cu_tokens_across_sp(self, sp_size: int) -> torch.Tensor:
         """Cumulative token counts over the DP x sequence-parallel ranks.
 
         With ``sp_size == 1`` this is the running sum of the DP ranks' counts.
         """
-        return torch.cumsum(
-            torch.tensor(_compute_sp_num_tokens(self.num_tokens_across_dp_cpu, sp_size)),
-            dim=0,
-        )
+        sp_tokens = _compute_sp_num_tokens(self.num_tokens_across_dp_cpu, sp_size)
+        return torch.cumsum(torch.tensor(sp_tokens), dim=0)
 
 
 @dataclass
@@ -368,37 +272,7 @@ class ForwardContext:
     additional_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        mode = self.cudagraph_runtime_mode
-        if mode.__class__ is not CUDAGraphMode:
-            mode = self.cudagraph_runtime_mode = cudagraph_mode_from(mode, "cudagraph_runtime_mode")
-        if mode not in RUNTIME_MODES:
-            raise ValueError(
-                f"Invalid cudagraph runtime mode: {mode.name}; a forward pass runs under "
-                "NONE, PIECEWISE or FULL"
-            )
-        check_instance("no_compile_layers", self.no_compile_layers, dict)
-        # Cheap exact-type tests first (this runs on every forward pass); the full check
-        # only runs to raise the error.
-        if type(self.virtual_engine) is not int or self.virtual_engine < 0:
-            check_int("virtual_engine", self.virtual_engine, minimum=0)
-        check_instance("dp_metadata", self.dp_metadata, DPMetadata, optional=True)
-        check_instance("batch_descriptor", self.batch_descriptor, BatchDescriptor, optional=True)
-        check_list_of("ubatch_slices", self.ubatch_slices, UBatchSlice, optional=True)
-        if type(self.skip_compiled) is not bool:
-            check_bool("skip_compiled", self.skip_compiled)
-        if type(self.moe_layer_index) is not int or self.moe_layer_index < 0:
-            check_int("moe_layer_index", self.moe_layer_index, minimum=0)
-        check_instance("additional_kwargs", self.additional_kwargs, dict)
-        slots = self.slot_mapping
-        if type(slots) is not dict and not (
-            isinstance(slots, list) and all(isinstance(m, dict) for m in slots)
-        ):
-            raise TypeError(
-                "slot_mapping must be a dict (layer name -> tensor) or a list of them, one "
-                f"per micro-batch, got {slots!r:.100}"
-            )
-        if self.all_moe_layers is not None:
-            check_list_of("all_moe_layers", self.all_moe_layers, str)
+        _impl.check_forward_context(self, DPMetadata, BatchDescriptor)
 
 
 # The current forward context of this thread / contextvars.Context (None: none set).
@@ -419,15 +293,11 @@ last_logging_time: float
 def __getattr__(name: str) -> Any:
     # Live module attributes: the current context (as vLLM's `_forward_context` global)
     # and the batch-size tracking state.
-    if name == "_forward_context":
-        return _forward_context_var.get()
-    if name in _TRACKING_ATTRS:
-        return getattr(_batchsize, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _impl.live_attribute(__name__, name, _forward_context_var)
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), "_forward_context", *_TRACKING_ATTRS])
+    return sorted([*globals(), "_forward_context", *_impl.TRACKING_ATTRS])
 
 
 def get_forward_context() -> ForwardContext:
@@ -436,13 +306,7 @@ def get_forward_context() -> ForwardContext:
     Raises:
         RuntimeError: no forward context is set in this thread / session.
     """
-    context = _forward_context_var.get()
-    if context is None:
-        raise RuntimeError(
-            "Forward context is not set. "
-            "Please use `set_forward_context` to set the forward context."
-        )
-    return context
+    return _impl.current_or_raise(_forward_context_var)
 
 
 def is_forward_context_available() -> bool:
@@ -472,20 +336,10 @@ def create_forward_context(
         TypeError / ValueError: a bad argument, including a runtime mode other than NONE,
             PIECEWISE or FULL.
     """
-    check_instance("vllm_config", vllm_config, VllmConfig)
-    compilation = vllm_config.compilation_config
-    return ForwardContext(
-        no_compile_layers=compilation.static_forward_context,
-        attn_metadata=attn_metadata,
-        slot_mapping=slot_mapping if slot_mapping is not None else {},
-        virtual_engine=virtual_engine,
-        dp_metadata=dp_metadata,
-        cudagraph_runtime_mode=cudagraph_runtime_mode,
-        batch_descriptor=batch_descriptor,
-        ubatch_slices=ubatch_slices,
-        skip_compiled=skip_compiled,
-        all_moe_layers=compilation.static_all_moe_layers,
-        additional_kwargs=additional_kwargs if additional_kwargs is not None else {},
+    return _impl.new_context(
+        ForwardContext, attn_metadata, vllm_config, virtual_engine, dp_metadata,
+        cudagraph_runtime_mode, batch_descriptor, ubatch_slices, slot_mapping,
+        additional_kwargs, skip_compiled,
     )
 
 
@@ -497,12 +351,7 @@ def override_forward_context(forward_context: ForwardContext | None) -> Iterator
     clears it. The previous context comes back on exit, also when the body raises.
     """
     check_instance("forward_context", forward_context, ForwardContext, optional=True)
-    previous = _forward_context_var.get()
-    _forward_context_var.set(forward_context)
-    try:
-        yield
-    finally:
-        _forward_context_var.set(previous)
+    yield from _impl.holding(_forward_context_var, forward_context)
 
 
 def _make_dp_metadata(
@@ -512,24 +361,8 @@ def _make_dp_metadata(
     ubatch_slices: UBatchSlices | None,
 ) -> DPMetadata:
     """DP metadata for this pass, running the DP coordination when counts are not given."""
-    parallel_config = vllm_config.parallel_config
-    if num_tokens_across_dp is None:
-        # Coordinate here; DP padding and micro-batching are both off in this path.
-        if ubatch_slices is not None:
-            raise ValueError(
-                "ubatch_slices needs num_tokens_across_dp (from coordinate_batch_across_dp)"
-            )
-        if num_tokens is None:
-            raise ValueError(
-                "num_tokens is required when DP is on and num_tokens_across_dp is None"
-            )
-        _, num_tokens_across_dp, _ = coordinate_batch_across_dp(
-            num_tokens_unpadded=num_tokens,
-            allow_microbatching=False,
-            allow_dp_padding=False,
-            parallel_config=parallel_config,
-        )
-    return DPMetadata.make(parallel_config, num_tokens or 0, num_tokens_across_dp)
+    counts = _impl.coordinated_counts(vllm_config, num_tokens, num_tokens_across_dp, ubatch_slices)
+    return DPMetadata.make(vllm_config.parallel_config, num_tokens or 0, counts)
 
 
 @contextmanager
@@ -558,59 +391,8 @@ def set_forward_context(
     this thread / session. On exit (also on error) restores the previous context and, with
     batch-size tracking on and attention metadata given, records the pass's time.
     """
-    check_instance("vllm_config", vllm_config, VllmConfig)
-    if num_tokens is not None and (type(num_tokens) is not int or num_tokens < 0):
-        check_optional_int("num_tokens", num_tokens, minimum=0)
-    if cudagraph_runtime_mode.__class__ is not CUDAGraphMode:
-        cudagraph_runtime_mode = cudagraph_mode_from(
-            cudagraph_runtime_mode, "cudagraph_runtime_mode"
-        )
-    tracking = _batchsize.track_batchsize and attn_metadata is not None
-    start = _batchsize.begin() if tracking else 0.0
-
-    dp_metadata = None
-    parallel_config = vllm_config.parallel_config
-    if (
-        parallel_config.data_parallel_size > 1
-        and parallel_config.is_moe_model is not False
-        and (attn_metadata is not None or num_tokens is not None)
-    ):
-        dp_metadata = _make_dp_metadata(
-            vllm_config, num_tokens, num_tokens_across_dp, ubatch_slices
-        )
-
-    # No harm in a default descriptor: a wrapper without a matching graph falls through.
-    if cudagraph_runtime_mode is not CUDAGraphMode.NONE and num_tokens is not None:
-        batch_descriptor = batch_descriptor or BatchDescriptor(num_tokens=num_tokens)
-
-    additional_kwargs = current_platform.set_additional_forward_context(
-        attn_metadata=attn_metadata,
-        vllm_config=vllm_config,
-        virtual_engine=virtual_engine,
-        dp_metadata=dp_metadata,
-        num_tokens=num_tokens,
-        num_tokens_across_dp=num_tokens_across_dp,
-        cudagraph_runtime_mode=cudagraph_runtime_mode,
-        batch_descriptor=batch_descriptor,
-        ubatch_slices=ubatch_slices,
+    yield from _impl.forward_pass(
+        _forward_context_var, create_forward_context, _make_dp_metadata, BatchDescriptor,
+        attn_metadata, vllm_config, virtual_engine, num_tokens, num_tokens_across_dp,
+        cudagraph_runtime_mode, batch_descriptor, ubatch_slices, slot_mapping, skip_compiled,
     )
-    context = create_forward_context(
-        attn_metadata,
-        vllm_config,
-        virtual_engine,
-        dp_metadata,
-        cudagraph_runtime_mode,
-        batch_descriptor,
-        ubatch_slices,
-        slot_mapping,
-        additional_kwargs,
-        skip_compiled,
-    )
-    previous = _forward_context_var.get()
-    _forward_context_var.set(context)
-    try:
-        yield
-    finally:
-        _forward_context_var.set(previous)
-        if tracking:
-            _batchsize.end(num_tokens, start)

@@ -32,7 +32,7 @@ defmodule VllmBridge.BenchTest do
     assert text =~ ~r/default pool, max_in_flight 16: .* \d+ calls\/s/
     assert text =~ "workers started with poll_us: 100"
     assert text =~ ~r/set_forward_context, DP on \(2 ranks\), given counts +[\d.]+/
-    assert text =~ ~r/worker \(python -m vllm_bridge.worker\) +\d+ +([\d.]+|n\/a)/
+    assert text =~ ~r/worker \(python -m vllm_bridge.bridge.worker\) +\d+ +([\d.]+|n\/a)/
     assert text =~ ~r/worker \/ echo: [\d.]+% of the calls\/s/
     # The round trip is also measured pinned to one CPU where taskset can do it.
     if Pinning.available?() do

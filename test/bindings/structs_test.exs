@@ -22,7 +22,7 @@ defmodule VllmBridge.Bindings.StructsTest do
   end
 
   # A value through Python and back (diag.echo builds the dataclass, then encodes it).
-  defp echo(value), do: VllmBridge.call({"vllm_bridge.diag", "echo"}, [value])
+  defp echo(value), do: VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, [value])
 
   test "fields, defaults and the registry entries follow Python" do
     assert BatchDescriptor.__python_fields__() == [

@@ -31,8 +31,8 @@ defmodule VllmBridge.Bindings.TypeTest do
       {t("union", %{"of" => [t("int"), t("none")]}), {:union, [:int, :none]}, "integer() | nil"},
       {t("dataclass", %{"class" => "vllm_bridge.config.VllmConfig"}),
        {:struct, Vllm.Config.VllmConfig}, "Vllm.Config.VllmConfig.t()"},
-      {t("dataclass", %{"class" => "vllm_bridge.diag.Sample"}),
-       {:object, "vllm_bridge.diag.Sample"}, "VllmBridge.Object.t()"},
+      {t("dataclass", %{"class" => "vllm_bridge.bridge.diag.Sample"}),
+       {:object, "vllm_bridge.bridge.diag.Sample"}, "VllmBridge.Object.t()"},
       {t("enum", %{
          "class" => "vllm_bridge.cudagraph.CUDAGraphMode",
          "members" => ["NONE", "FULL"]

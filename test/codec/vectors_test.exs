@@ -100,7 +100,7 @@ defmodule VllmBridge.Codec.VectorsTest do
            type: "torch.nn.modules.linear.Linear"
          }, :both},
       "msg_call" =>
-        {["call", 7, "s1", 5000, ["m", "vllm_bridge.diag", "add"], [40, 2], %{}], :both},
+        {["call", 7, "s1", 5000, ["m", "vllm_bridge.bridge.diag", "add"], [40, 2], %{}], :both},
       "msg_ok" => {["ok", 7, 42], :both},
       "msg_error" =>
         {[

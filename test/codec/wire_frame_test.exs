@@ -9,20 +9,20 @@ defmodule VllmBridge.WireFrameTest do
   alias VllmBridge.{Codec, Tensor, Wire}
 
   test "a small request is one binary that decodes to the message" do
-    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "add"}, [1, 2], %{})
+    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{})
     frame = Wire.request("call", 5, [Wire.value(nil), Wire.value(1000) | parts])
     assert is_binary(frame)
     assert <<len::32, body::binary>> = frame
     assert len == byte_size(body) and Wire.body_size(frame) == len
 
-    assert {:ok, ["call", 5, nil, 1000, ["m", "vllm_bridge.diag", "add"], [1, 2], %{}]} =
+    assert {:ok, ["call", 5, nil, 1000, ["m", "vllm_bridge.bridge.diag", "add"], [1, 2], %{}]} =
              Codec.decode(body)
   end
 
   test "a large request stays iodata holding the tensor's own binary" do
     data = :binary.copy(<<0, 0, 128, 63>>, 256 * 1024)
     t = Tensor.new(data, :float32, [256 * 1024])
-    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "echo"}, [t], %{})
+    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.bridge.diag", "echo"}, [t], %{})
     frame = Wire.request("call", 6, [Wire.value(nil), Wire.value(nil) | parts])
     refute is_binary(frame)
     assert Enum.any?(leaves(frame), &:erts_debug.same(&1, data))
@@ -36,7 +36,7 @@ defmodule VllmBridge.WireFrameTest do
     for args <- [[], [1], ["x"], [:binary.copy("y", 70_000)], [%{"a" => [1.5, nil]}]],
         timeout <- [nil, 0, 127, 128, 65_536, 4_294_967_296],
         id <- [0, 127, 255, 65_536, 1 <<< 40] do
-      {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "echo"}, args, %{})
+      {:ok, parts} = Wire.encode_invoke({"vllm_bridge.bridge.diag", "echo"}, args, %{})
       req = VllmBridge.Request.new("call", [Wire.value("s")], true, parts)
       fields = req.pre ++ [Wire.value(timeout) | req.post]
       frame = Wire.request("call", id, fields)

@@ -1,14 +1,14 @@
 defmodule VllmBridge.CodecTest.Sample do
   @moduledoc false
-  # Test-only struct for the Python dataclass vllm_bridge.diag.Sample.
+  # Test-only struct for the Python dataclass vllm_bridge.bridge.diag.Sample.
   defstruct name: nil, level: :low, payload: nil
-  def __python_class__, do: "vllm_bridge.diag.Sample"
+  def __python_class__, do: "vllm_bridge.bridge.diag.Sample"
   def __python_fields__, do: [:name, :level, :payload]
 end
 
 defmodule VllmBridge.Codec.WorkerRoundtripTest do
   @moduledoc """
-  Values through a real Python worker and back (`vllm_bridge.diag.echo`): both codecs
+  Values through a real Python worker and back (`vllm_bridge.bridge.diag.echo`): both codecs
   agree on tensors of every dtype, tuples, atoms, big integers, special floats and
   dataclasses.
   """
@@ -32,7 +32,7 @@ defmodule VllmBridge.Codec.WorkerRoundtripTest do
     :exit, _ -> :ok
   end
 
-  defp echo(w, value), do: Worker.call(w, "vllm_bridge.diag", "echo", [value])
+  defp echo(w, value), do: Worker.call(w, "vllm_bridge.bridge.diag", "echo", [value])
 
   test "tensors of every dtype, shape and special value", %{w: w} do
     for dtype <- Tensor.dtypes(), shape <- [[], [0, 3], [2, 3]] do
@@ -58,7 +58,7 @@ defmodule VllmBridge.Codec.WorkerRoundtripTest do
     t = Tensor.from_list([[1, 2], [3, 4]], :int64)
 
     assert {:ok, %Tensor{device: ^device} = moved} =
-             Worker.call(w, "vllm_bridge.diag", "to_device", [t])
+             Worker.call(w, "vllm_bridge.bridge.diag", "to_device", [t])
 
     assert %{moved | device: "cpu"} == t
 

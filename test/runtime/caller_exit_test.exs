@@ -30,7 +30,7 @@ defmodule VllmBridge.Runtime.CallerExitTest do
   end
 
   defp diag(fun, args, opts \\ []),
-    do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
 
   # Less than the 30 minutes of stream_timeout or :infinity, more than a busy machine needs.
   @prompt 15_000
@@ -41,7 +41,10 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     consumer =
       spawn(fn ->
         {:ok, s} =
-          VllmBridge.stream({"vllm_bridge.diag", "count"}, [1_000_000, 0.01, "orphan"], %{},
+          VllmBridge.stream(
+            {"vllm_bridge.bridge.diag", "count"},
+            [1_000_000, 0.01, "orphan"],
+            %{},
             pool_name: @pool,
             timeout_profile: :streaming
           )
@@ -56,7 +59,11 @@ defmodule VllmBridge.Runtime.CallerExitTest do
 
     # Stopped, not run to its end: interrupted inside a chunk, or closed between two.
     assert {:ok, [%{"name" => "orphan", "type" => type}]} = diag("exit_log", [])
-    assert type in ["vllm_bridge.protocol.errors.CallInterrupted", "builtins.GeneratorExit"]
+
+    assert type in [
+             "vllm_bridge.bridge.protocol.errors.CallInterrupted",
+             "builtins.GeneratorExit"
+           ]
   end
 
   test "a queued call whose caller dies is dropped before it runs",
@@ -100,7 +107,7 @@ defmodule VllmBridge.Runtime.CallerExitTest do
             else:
               Enum.to_list(
                 elem(
-                  VllmBridge.stream({"vllm_bridge.diag", "count"}, [1_000, 0.01], %{},
+                  VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [1_000, 0.01], %{},
                     pool_name: @pool
                   ),
                   1

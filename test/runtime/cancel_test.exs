@@ -3,7 +3,7 @@ defmodule VllmBridge.Runtime.CancelTest do
   Cancel in place: a call that times out (or whose caller dies) is interrupted inside
   Python; the worker, its sessions and their state stay, and the next call answers
   normally, without waiting out `cancel_grace`. Only a call that does not stop within
-  `cancel_grace` (stuck in C code: `cancel_support.stuck`, python/tests, blocks the
+  `cancel_grace` (stuck in C code: `cancel_support.stuck`, python/tests/bridge, blocks the
   interrupt signal)
   costs the Python process, and every call and session that loses it says why.
   """
@@ -20,19 +20,22 @@ defmodule VllmBridge.Runtime.CancelTest do
   @grace 2_000
   # The Python loop the issue names: 20 s, given up after 300 ms.
   @loop_s 20.0
-  @interrupted "vllm_bridge.protocol.errors.CallInterrupted"
+  @interrupted "vllm_bridge.bridge.protocol.errors.CallInterrupted"
 
   setup_all do
     start_pool!(@pool,
       size: 1,
       max_in_flight: 4,
       cancel_grace: @grace,
-      allow: ["vllm_bridge.diag", "cancel_support"],
-      # python/tests (cancel_support) first, whatever PYTHONPATH already holds after.
+      allow: ["vllm_bridge.bridge.diag", "cancel_support"],
+      # python/tests/bridge (cancel_support) first, whatever PYTHONPATH already holds after.
       worker_env: [
         {"PYTHONPATH",
          Enum.join(
-           [Path.expand("../../python/tests", __DIR__) | List.wrap(System.get_env("PYTHONPATH"))],
+           [
+             Path.expand("../../python/tests/bridge", __DIR__)
+             | List.wrap(System.get_env("PYTHONPATH"))
+           ],
            ":"
          )}
       ]
@@ -48,7 +51,7 @@ defmodule VllmBridge.Runtime.CancelTest do
   end
 
   defp diag(fun, args, opts \\ []),
-    do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
 
   defp session! do
     {:ok, s} = Session.open(pool_name: @pool)
@@ -74,7 +77,7 @@ defmodule VllmBridge.Runtime.CancelTest do
     assert {:error, %Error{type: :timeout, message: m}} =
              diag("spin", [@loop_s], session_id: s.id, timeout: 300)
 
-    assert m =~ "vllm_bridge.diag.spin" and m =~ "timeout 300 ms"
+    assert m =~ "vllm_bridge.bridge.diag.spin" and m =~ "timeout 300 ms"
 
     # The next call of the session: its state intact, on the same process, answered while
     # the 20 s loop would still be running (it was interrupted, not waited for).
@@ -106,7 +109,7 @@ defmodule VllmBridge.Runtime.CancelTest do
 
     # The generator takes 20 s to compute each chunk; the stream waits 300 ms for one.
     {:ok, slow} =
-      VllmBridge.stream({"vllm_bridge.diag", "count"}, [3, @loop_s, "slow"], %{},
+      VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [3, @loop_s, "slow"], %{},
         pool_name: @pool,
         session_id: s.id,
         timeout: 300
@@ -118,7 +121,7 @@ defmodule VllmBridge.Runtime.CancelTest do
     assert interrupted?("slow")
 
     {:ok, again} =
-      VllmBridge.stream({"vllm_bridge.diag", "count"}, [2], %{},
+      VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [2], %{},
         pool_name: @pool,
         session_id: s.id
       )

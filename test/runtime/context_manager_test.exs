@@ -13,7 +13,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
   # Sends an enter of diag.recorder(name) in session `s` straight to worker `w`, as
   # VllmBridge.enter/4 would, without waiting: the request's handle.
   defp send_enter(w, s, name) do
-    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "recorder"}, [name], %{})
+    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.bridge.diag", "recorder"}, [name], %{})
     req = Request.new("enter", [Wire.value(s.id)], true, parts)
     Request.send_request(w, req, :infinity, false, :reply_demonitor)
   end
@@ -24,7 +24,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
 
       assert {:ok, {%Ref{type: "context"} = h, "a"}} =
                VllmBridge.enter(
-                 {"vllm_bridge.diag", "recorder"},
+                 {"vllm_bridge.bridge.diag", "recorder"},
                  ["a"],
                  %{},
                  opts(session_id: s.id)
@@ -46,7 +46,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
 
       assert {:ok, {"b", "b"}} =
                VllmBridge.with_context(
-                 {"vllm_bridge.diag", "recorder"},
+                 {"vllm_bridge.bridge.diag", "recorder"},
                  ["b"],
                  %{},
                  opts(session_id: s.id),
@@ -62,7 +62,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
 
       assert_raise Error, ~r/ValueError: boom/, fn ->
         VllmBridge.with_context(
-          {"vllm_bridge.diag", "recorder"},
+          {"vllm_bridge.bridge.diag", "recorder"},
           ["c"],
           %{},
           opts(session_id: s.id),
@@ -81,31 +81,51 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       o = opts(session_id: s.id)
 
       assert_raise ArgumentError, "bad thing", fn ->
-        VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, ["d"], %{}, o, fn _ ->
+        VllmBridge.with_context({"vllm_bridge.bridge.diag", "recorder"}, ["d"], %{}, o, fn _ ->
           raise ArgumentError, "bad thing"
         end)
       end
 
       assert catch_throw(
-               VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, ["e"], %{}, o, fn _ ->
-                 throw(:ball)
-               end)
+               VllmBridge.with_context(
+                 {"vllm_bridge.bridge.diag", "recorder"},
+                 ["e"],
+                 %{},
+                 o,
+                 fn _ ->
+                   throw(:ball)
+                 end
+               )
              ) == :ball
 
       assert catch_exit(
-               VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, ["f"], %{}, o, fn _ ->
-                 exit(:gone)
-               end)
+               VllmBridge.with_context(
+                 {"vllm_bridge.bridge.diag", "recorder"},
+                 ["f"],
+                 %{},
+                 o,
+                 fn _ ->
+                   exit(:gone)
+                 end
+               )
              ) == :gone
 
       assert [
                %{
                  "name" => "d",
-                 "type" => "vllm_bridge.worker.CallerError",
+                 "type" => "vllm_bridge.bridge.worker.CallerError",
                  "message" => "bad thing"
                },
-               %{"name" => "e", "type" => "vllm_bridge.worker.CallerError", "message" => m_throw},
-               %{"name" => "f", "type" => "vllm_bridge.worker.CallerError", "message" => m_exit}
+               %{
+                 "name" => "e",
+                 "type" => "vllm_bridge.bridge.worker.CallerError",
+                 "message" => m_throw
+               },
+               %{
+                 "name" => "f",
+                 "type" => "vllm_bridge.bridge.worker.CallerError",
+                 "message" => m_exit
+               }
              ] = exit_log()
 
       assert m_throw =~ "throw" and m_throw =~ ":ball"
@@ -116,23 +136,23 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
 
     test "exit with an error: a message, an exception; suppression is reported" do
       o = opts(session_id: session!().id)
-      {:ok, {h, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["g"], %{}, o)
+      {:ok, {h, _}} = VllmBridge.enter({"vllm_bridge.bridge.diag", "recorder"}, ["g"], %{}, o)
       assert {:ok, false} = VllmBridge.exit(h, "went wrong")
 
       {:ok, {h, _}} =
-        VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["h"], %{suppress: true}, o)
+        VllmBridge.enter({"vllm_bridge.bridge.diag", "recorder"}, ["h"], %{suppress: true}, o)
 
       assert {:ok, true} = VllmBridge.exit(h, %RuntimeError{message: "swallowed"})
 
       assert [
                %{
                  "name" => "g",
-                 "type" => "vllm_bridge.worker.CallerError",
+                 "type" => "vllm_bridge.bridge.worker.CallerError",
                  "message" => "went wrong"
                },
                %{
                  "name" => "h",
-                 "type" => "vllm_bridge.worker.CallerError",
+                 "type" => "vllm_bridge.bridge.worker.CallerError",
                  "message" => "swallowed"
                }
              ] = exit_log()
@@ -141,7 +161,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
     test "a suppressing __exit__ makes with_context return {:ok, nil}" do
       assert {:ok, nil} =
                VllmBridge.with_context(
-                 {"vllm_bridge.diag", "recorder"},
+                 {"vllm_bridge.bridge.diag", "recorder"},
                  ["i"],
                  [suppress: true],
                  opts(),
@@ -158,7 +178,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       me = self()
 
       result =
-        VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, ["n"], %{}, o, fn _ ->
+        VllmBridge.with_context({"vllm_bridge.bridge.diag", "recorder"}, ["n"], %{}, o, fn _ ->
           # The worker is full when the body ends; it frees up once the exit waits for it.
           holds = [hold(pool_name: @pool), hold(pool_name: @pool)]
           send(me, {:holds, holds})
@@ -186,7 +206,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       me = self()
 
       result =
-        VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, ["p"], %{}, o, fn _ ->
+        VllmBridge.with_context({"vllm_bridge.bridge.diag", "recorder"}, ["p"], %{}, o, fn _ ->
           # Another session's long call (a stream, until unhold) occupies the worker when
           # the body ends.
           busy = hold(pool_name: @pool, session_id: other.id)
@@ -216,7 +236,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
 
       assert {:error, %Error{type: :timeout, message: m}} =
                VllmBridge.enter(
-                 {"vllm_bridge.diag", "recorder"},
+                 {"vllm_bridge.bridge.diag", "recorder"},
                  ["late", false, 0.3],
                  %{},
                  opts(session_id: s.id, timeout: 50)
@@ -261,7 +281,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
           send(me, :entering)
 
           VllmBridge.enter(
-            {"vllm_bridge.diag", "recorder"},
+            {"vllm_bridge.bridge.diag", "recorder"},
             ["dead", false, 0.3],
             %{},
             opts(session_id: s.id)
@@ -301,13 +321,19 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
 
     test "a context that cannot be entered: the error, and the fun never runs" do
       assert {:error, %Error{type: :python_exception, python_type: "TypeError"}} =
-               VllmBridge.with_context({"vllm_bridge.diag", "recorder"}, [5], %{}, opts(), fn _ ->
-                 flunk("ran")
-               end)
+               VllmBridge.with_context(
+                 {"vllm_bridge.bridge.diag", "recorder"},
+                 [5],
+                 %{},
+                 opts(),
+                 fn _ ->
+                   flunk("ran")
+                 end
+               )
 
       assert {:error, %Error{type: :bad_argument, message: m}} =
                VllmBridge.enter(
-                 {"vllm_bridge.diag", "add"},
+                 {"vllm_bridge.bridge.diag", "add"},
                  [1, 2],
                  %{},
                  opts(session_id: session!().id)
@@ -322,9 +348,9 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       s = session!()
       o = opts(session_id: s.id)
       {:ok, base} = Worker.ping(w)
-      {:ok, {h1, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["j"], %{}, o)
-      {:ok, {_h2, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["k"], %{}, o)
-      {:ok, {_h3, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["l"], %{}, o)
+      {:ok, {h1, _}} = VllmBridge.enter({"vllm_bridge.bridge.diag", "recorder"}, ["j"], %{}, o)
+      {:ok, {_h2, _}} = VllmBridge.enter({"vllm_bridge.bridge.diag", "recorder"}, ["k"], %{}, o)
+      {:ok, {_h3, _}} = VllmBridge.enter({"vllm_bridge.bridge.diag", "recorder"}, ["l"], %{}, o)
       assert {:ok, %{"refs" => refs}} = Worker.ping(w)
       assert refs == base["refs"] + 3
 
@@ -345,7 +371,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       assert {:error, %Error{type: :bad_argument, message: m}} = VllmBridge.exit(:handle)
       assert m =~ ":handle"
       o = opts(session_id: session!().id)
-      {:ok, {h, _}} = VllmBridge.enter({"vllm_bridge.diag", "recorder"}, ["m"], %{}, o)
+      {:ok, {h, _}} = VllmBridge.enter({"vllm_bridge.bridge.diag", "recorder"}, ["m"], %{}, o)
       assert {:error, %Error{type: :bad_argument, message: m}} = VllmBridge.exit(h, 123)
       assert m =~ "123"
       assert {:ok, false} = VllmBridge.exit(h)
@@ -354,7 +380,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
     test "with_context and with_session refuse what is not a function, by value" do
       assert {:error, %Error{type: :bad_argument, message: m}} =
                VllmBridge.with_context(
-                 {"vllm_bridge.diag", "recorder"},
+                 {"vllm_bridge.bridge.diag", "recorder"},
                  ["x"],
                  %{},
                  opts(),

@@ -22,7 +22,7 @@ defmodule VllmBridge.Runtime.CurrentSessionTest do
   end
 
   defp diag(fun, args, opts \\ []),
-    do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
 
   test "inside with_session, calls without session_id run in the session" do
     {:ok, {s_id, seen}} =
@@ -30,10 +30,11 @@ defmodule VllmBridge.Runtime.CurrentSessionTest do
         fn s ->
           assert Session.current() == s
           # No session_id: the current session (diag's variable is per session).
-          assert {:ok, nil} = VllmBridge.call({"vllm_bridge.diag", "set_var"}, [41])
+          assert {:ok, nil} = VllmBridge.call({"vllm_bridge.bridge.diag", "set_var"}, [41])
 
           {:ok,
-           {s.id, VllmBridge.call({"vllm_bridge.diag", "get_var"}, [], %{}, session_id: s.id)}}
+           {s.id,
+            VllmBridge.call({"vllm_bridge.bridge.diag", "get_var"}, [], %{}, session_id: s.id)}}
         end,
         pool_name: @pool
       )
@@ -52,7 +53,9 @@ defmodule VllmBridge.Runtime.CurrentSessionTest do
         assert {:ok, nil} = diag("get_var", [], session_id: nil)
         # Another pool: the session (of @pool) does not apply; no error either.
         assert {:ok, 3} =
-                 VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, pool_name: @other)
+                 VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{},
+                   pool_name: @other
+                 )
       end,
       pool_name: @pool
     )

@@ -1,9 +1,9 @@
 defmodule VllmBridge.Runtime.EchoFuzzTest.Sample do
   @moduledoc false
-  # vllm_bridge.diag.Sample, a dataclass that is not frozen (Python cannot hash it), as a
+  # vllm_bridge.bridge.diag.Sample, a dataclass that is not frozen (Python cannot hash it), as a
   # struct that is never registered: used only as a map key.
   defstruct name: "s", level: :low, payload: nil
-  def __python_class__, do: "vllm_bridge.diag.Sample"
+  def __python_class__, do: "vllm_bridge.bridge.diag.Sample"
   def __python_fields__, do: [:name, :level, :payload]
 end
 
@@ -11,7 +11,7 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
   @moduledoc """
   10 000 seeded random nested terms (integers of every size, floats, binaries, atoms,
   tuples, lists, maps with mixed keys, tensors, dataclass structs and objects, references,
-  deep chains) through `vllm_bridge.diag.echo` on a real worker: each comes back equal
+  deep chains) through `vllm_bridge.bridge.diag.echo` on a real worker: each comes back equal
   (`===`, a reference as a reference to the same object), or is refused with
   `:bad_argument`, never changed.
 
@@ -56,7 +56,7 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
         term = if rem(i, 50) == 0, do: deep_chain(), else: gen(4, refs)
         passes? = match?({:ok, _}, Wire.encode_invoke({"m", "f"}, [term], %{}))
 
-        case VllmBridge.call({"vllm_bridge.diag", "echo"}, [term], %{}, pool_name: @pool) do
+        case VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, [term], %{}, pool_name: @pool) do
           {:ok, back} ->
             refute python_refuses?(term, refs), "term #{i} passed: #{inspect(term)}"
 
@@ -102,12 +102,17 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
   # the object it was given), one to another. Each object's `value` names it.
   defp refs! do
     opaque = fn v ->
-      {:ok, ref} = VllmBridge.call({"vllm_bridge.diag", "opaque"}, [v], %{}, pool_name: @pool)
+      {:ok, ref} =
+        VllmBridge.call({"vllm_bridge.bridge.diag", "opaque"}, [v], %{}, pool_name: @pool)
+
       ref
     end
 
     a = opaque.(101)
-    {:ok, again} = VllmBridge.call({"vllm_bridge.diag", "echo"}, [a], %{}, pool_name: @pool)
+
+    {:ok, again} =
+      VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, [a], %{}, pool_name: @pool)
+
     assert again.id != a.id
     [a, again, opaque.(102)]
   end
@@ -181,7 +186,7 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
 
   defp raw_echo(pid, term) do
     args = [0x91 | Msgpack.encode(term, Unchecked, 2000)]
-    parts = [Wire.value(["m", "vllm_bridge.diag", "echo"]), args, Wire.value(%{})]
+    parts = [Wire.value(["m", "vllm_bridge.bridge.diag", "echo"]), args, Wire.value(%{})]
     deadline = System.monotonic_time(:millisecond) + 30_000
     Request.call(pid, Request.new("call", [Wire.value(nil)], true, parts), deadline, false)
   end

@@ -19,7 +19,7 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
   @limit 65_536
 
   setup_all do
-    start_pool!(:rt_limit, size: 1, max_frame_bytes: @limit, allow: ["vllm_bridge.diag"])
+    start_pool!(:rt_limit, size: 1, max_frame_bytes: @limit, allow: ["vllm_bridge.bridge.diag"])
     :ok
   end
 
@@ -72,7 +72,7 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
     defp two_calls(pool) do
       for i <- 1..2 do
         Task.async(fn ->
-          VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 1], %{},
+          VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [i, 1], %{},
             pool_name: pool,
             timeout: 60_000
           )
@@ -106,7 +106,7 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
     defp echo(value, opts \\ []),
       do:
         VllmBridge.call(
-          {"vllm_bridge.diag", "echo"},
+          {"vllm_bridge.bridge.diag", "echo"},
           [value],
           %{},
           [pool_name: :rt_limit] ++ opts
@@ -130,13 +130,15 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       # reserved.
       {:ok, s} = VllmBridge.Session.open(pool_name: :rt_limit)
       assert {:error, %Error{type: :bad_argument}} = echo(big, session_id: s.id)
-      {:ok, ref} = VllmBridge.call({"vllm_bridge.diag", "opaque"}, [0], %{}, pool_name: :rt_limit)
+
+      {:ok, ref} =
+        VllmBridge.call({"vllm_bridge.bridge.diag", "opaque"}, [0], %{}, pool_name: :rt_limit)
 
       assert {:error, %Error{type: :bad_argument}} =
                VllmBridge.call({ref, "bump"}, [big], %{}, pool_name: :rt_limit)
 
       {:ok, stream} =
-        VllmBridge.stream({"vllm_bridge.diag", "count"}, [big], %{}, pool_name: :rt_limit)
+        VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [big], %{}, pool_name: :rt_limit)
 
       assert %Error{type: :bad_argument} = catch_error(Enum.to_list(stream))
       :ok = VllmBridge.Session.close(s)
@@ -155,12 +157,12 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       big = :binary.copy("x", 70_000)
 
       assert {:error, %Error{type: :bad_argument, message: msg}} =
-               Worker.call(w.pid, "vllm_bridge.diag", "echo", [big])
+               Worker.call(w.pid, "vllm_bridge.bridge.diag", "echo", [big])
 
       assert msg =~ "over the frame limit of 65536 bytes (max_frame_bytes)"
       assert Worker.in_flight(w.pid) == 0 and Slots.load(meta, 0) == 0
       assert {:ok, %{"running" => nil}} = Worker.ping(w.pid)
-      assert {:ok, 3} = Worker.call(w.pid, "vllm_bridge.diag", "add", [1, 2])
+      assert {:ok, 3} = Worker.call(w.pid, "vllm_bridge.bridge.diag", "add", [1, 2])
       assert Worker.os_pid(w.pid) == w.os_pid
     end
 
@@ -173,7 +175,7 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       args = [List.duplicate(big, 64)]
 
       assert {:error, %Error{type: :bad_argument, message: msg}} =
-               Worker.call(w.pid, "vllm_bridge.diag", "echo", args, %{}, 60_000)
+               Worker.call(w.pid, "vllm_bridge.bridge.diag", "echo", args, %{}, 60_000)
 
       assert [_, size] = Regex.run(~r/frame would be (\d+) bytes/, msg)
       assert String.to_integer(size) > 1 <<< 32
@@ -181,17 +183,19 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
 
       # Through the pool: refused before a slot is reserved, as any request over the limit.
       assert {:error, %Error{type: :bad_argument}} =
-               VllmBridge.call({"vllm_bridge.diag", "echo"}, args, %{}, pool_name: :rt_limit)
+               VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, args, %{},
+                 pool_name: :rt_limit
+               )
 
       # The same Python process serves on; nothing was left in flight.
       assert Worker.in_flight(w.pid) == 0 and Slots.load(meta, 0) == 0
-      assert {:ok, 3} = Worker.call(w.pid, "vllm_bridge.diag", "add", [1, 2])
+      assert {:ok, 3} = Worker.call(w.pid, "vllm_bridge.bridge.diag", "add", [1, 2])
       assert Worker.os_pid(w.pid) == w.os_pid
     end
 
     test "a reply over the limit is the worker's error, naming its size and the limit", %{w: w} do
       {:ok, ref} =
-        VllmBridge.call({"vllm_bridge.diag", "opaque"}, [:binary.copy("a", 40_000)], %{},
+        VllmBridge.call({"vllm_bridge.bridge.diag", "opaque"}, [:binary.copy("a", 40_000)], %{},
           pool_name: :rt_limit
         )
 
@@ -204,7 +208,9 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
       assert msg =~ ~r/a reply of \d+ bytes exceeds the frame limit of 65536 bytes/
 
       assert {:ok, 3} =
-               VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, pool_name: :rt_limit)
+               VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{},
+                 pool_name: :rt_limit
+               )
 
       assert Worker.os_pid(w.pid) == w.os_pid
     end

@@ -111,7 +111,7 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
 
   test "a worker that restarted does not keep the references on the others from going" do
     pool = :rt_loose_two
-    start_pool!(pool, size: 2, max_in_flight: 1, allow: ["vllm_bridge.diag"])
+    start_pool!(pool, size: 2, max_in_flight: 1, allow: ["vllm_bridge.bridge.diag"])
     {ws, _meta} = await_idle!(pool)
     [s0, s1] = for i <- 0..1, do: elem(Session.open(pool_name: pool, worker: i), 1)
     o = [pool_name: pool]
@@ -140,7 +140,7 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
                        send(
                          me,
                          {:called, self(),
-                          VllmBridge.call({"vllm_bridge.diag", "opaque"}, [], %{}, o)}
+                          VllmBridge.call({"vllm_bridge.bridge.diag", "opaque"}, [], %{}, o)}
                        ))
         end
 

@@ -22,12 +22,15 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
       max_in_flight: 2,
       queue_size: 2,
       cancel_grace: 1_500,
-      allow: ["vllm_bridge.diag", "cancel_support"],
-      # python/tests (cancel_support) first, whatever PYTHONPATH already holds after.
+      allow: ["vllm_bridge.bridge.diag", "cancel_support"],
+      # python/tests/bridge (cancel_support) first, whatever PYTHONPATH already holds after.
       worker_env: [
         {"PYTHONPATH",
          Enum.join(
-           [Path.expand("../../python/tests", __DIR__) | List.wrap(System.get_env("PYTHONPATH"))],
+           [
+             Path.expand("../../python/tests/bridge", __DIR__)
+             | List.wrap(System.get_env("PYTHONPATH"))
+           ],
            ":"
          )}
       ]
@@ -43,7 +46,7 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
   end
 
   defp call(fun, args, opts \\ []),
-    do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
 
   test "a full queue answers :queue_full at once; the waiters are then served", %{meta: meta} do
     holds = [hold(pool_name: @pool), hold(pool_name: @pool)]
@@ -134,7 +137,7 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
     # One of them busy in a call when the pool stops.
     busy =
       Task.async(fn ->
-        VllmBridge.call({"vllm_bridge.diag", "sleep"}, [60], %{}, pool_name: :rt_stop)
+        VllmBridge.call({"vllm_bridge.bridge.diag", "sleep"}, [60], %{}, pool_name: :rt_stop)
       end)
 
     wait_until(fn -> Enum.any?(workers!(:rt_stop), &(&1.load == 1)) end)

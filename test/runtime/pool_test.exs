@@ -11,7 +11,7 @@ defmodule VllmBridge.Runtime.PoolTest do
 
   alias VllmBridge.{Error, Pool, Session}
 
-  @allow ["vllm_bridge.diag", "os"]
+  @allow ["vllm_bridge.bridge.diag", "os"]
 
   setup_all do
     start_pool!(:rt_a,
@@ -34,10 +34,10 @@ defmodule VllmBridge.Runtime.PoolTest do
     a_pids = for w <- workers!(:rt_a), do: w.os_pid
 
     assert {:ok, %{"pid" => ^b_pid}} =
-             VllmBridge.call({"vllm_bridge.diag", "info"}, [], %{}, pool_name: :rt_b)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "info"}, [], %{}, pool_name: :rt_b)
 
     assert {:ok, %{"pid" => pid}} =
-             VllmBridge.call({"vllm_bridge.diag", "info"}, [], %{}, pool_name: :rt_a)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "info"}, [], %{}, pool_name: :rt_a)
 
     assert pid in a_pids
   end
@@ -70,7 +70,7 @@ defmodule VllmBridge.Runtime.PoolTest do
 
   test "a pool that is not started is a clear error" do
     assert {:error, %Error{type: :bad_argument, message: msg}} =
-             VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, pool_name: :nope)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, pool_name: :nope)
 
     assert msg =~ "pool :nope is not started"
     assert {:error, %Error{type: :bad_argument}} = Session.open(pool_name: :nope)
@@ -112,7 +112,9 @@ defmodule VllmBridge.Runtime.PoolTest do
 
   test "a pool whose allow-list names a module that cannot be imported does not start" do
     assert {:error, %Error{type: :bad_argument, message: m}} =
-             VllmBridge.start_pool(:rt_broken, allow: ["vllm_bridge.diag", "no_such_pkg.mod"])
+             VllmBridge.start_pool(:rt_broken,
+               allow: ["vllm_bridge.bridge.diag", "no_such_pkg.mod"]
+             )
 
     assert m =~ "pool :rt_broken did not start"
     assert m =~ "could not import allow-listed module(s): no_such_pkg.mod (ModuleNotFoundError"
@@ -129,7 +131,7 @@ defmodule VllmBridge.Runtime.PoolTest do
         do:
           assert(
             {:ok, ^i} =
-              VllmBridge.call({"vllm_bridge.diag", "add"}, [i, 0], %{}, pool_name: :rt_poll)
+              VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [i, 0], %{}, pool_name: :rt_poll)
           )
 
     [%{os_pid: plain}] = workers!(:rt_b)
@@ -138,7 +140,7 @@ defmodule VllmBridge.Runtime.PoolTest do
 
   test "Python exceptions and refused targets come back as errors; the pool keeps serving" do
     assert {:error, %Error{type: :python_exception, python_type: "ValueError"} = e} =
-             VllmBridge.call({"vllm_bridge.diag", "fail"}, ["boom"], %{}, pool_name: :rt_b)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "fail"}, ["boom"], %{}, pool_name: :rt_b)
 
     assert e.message == "boom"
     assert e.traceback =~ "Traceback"
@@ -149,26 +151,33 @@ defmodule VllmBridge.Runtime.PoolTest do
 
     assert msg =~ "subprocess"
 
-    assert {:ok, 5} = VllmBridge.call({"vllm_bridge.diag", "add"}, [2, 3], %{}, pool_name: :rt_b)
+    assert {:ok, 5} =
+             VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [2, 3], %{}, pool_name: :rt_b)
   end
 
   test "kwargs travel as a map or a keyword list; get reads an attribute" do
     assert {:ok, 7} =
-             VllmBridge.call({"vllm_bridge.diag", "add"}, [], [a: 3, b: 4], pool_name: :rt_b)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [], [a: 3, b: 4],
+               pool_name: :rt_b
+             )
 
     assert {:ok, 7} =
-             VllmBridge.call({"vllm_bridge.diag", "add"}, [3], %{"b" => 4}, pool_name: :rt_b)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [3], %{"b" => 4},
+               pool_name: :rt_b
+             )
 
     assert {:ok, "HIGH"} =
-             VllmBridge.get({"vllm_bridge.diag", "Level.HIGH.name"}, pool_name: :rt_b)
+             VllmBridge.get({"vllm_bridge.bridge.diag", "Level.HIGH.name"}, pool_name: :rt_b)
   end
 
   test "a value that cannot be encoded is refused in the caller, naming it" do
     assert {:error, %Error{type: :bad_argument, message: msg}} =
-             VllmBridge.call({"vllm_bridge.diag", "echo"}, [self()], %{}, pool_name: :rt_b)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, [self()], %{}, pool_name: :rt_b)
 
     assert msg =~ inspect(self())
-    assert {:ok, 2} = VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 1], %{}, pool_name: :rt_b)
+
+    assert {:ok, 2} =
+             VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 1], %{}, pool_name: :rt_b)
   end
 
   test "10 000 concurrent calls from 100 processes: every reply reaches its caller" do
@@ -181,7 +190,7 @@ defmodule VllmBridge.Runtime.PoolTest do
             value = %{"p" => p, "i" => i, "tag" => "#{p}/#{i}"}
 
             {:ok, back} =
-              VllmBridge.call({"vllm_bridge.diag", "echo"}, [value], %{}, pool_name: :rt_a)
+              VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, [value], %{}, pool_name: :rt_a)
 
             back == value || send(parent, {:mismatch, value, back})
           end

@@ -244,7 +244,12 @@ defmodule VllmBridge.Runtime.RuntimeOptionsTest do
   describe "through a real pool" do
     defp sleep(seconds, opts),
       do:
-        VllmBridge.call({"vllm_bridge.diag", "sleep"}, [seconds], %{}, [pool_name: @pool] ++ opts)
+        VllmBridge.call(
+          {"vllm_bridge.bridge.diag", "sleep"},
+          [seconds],
+          %{},
+          [pool_name: @pool] ++ opts
+        )
 
     test "a configured timeout bounds a call; a profile named by the call lifts it" do
       config(timeout: 100)
@@ -269,12 +274,14 @@ defmodule VllmBridge.Runtime.RuntimeOptionsTest do
       config(stream_timeout: 300)
 
       {:ok, s} =
-        VllmBridge.stream({"vllm_bridge.diag", "count"}, [1_000, 0.02], %{}, pool_name: @pool)
+        VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [1_000, 0.02], %{},
+          pool_name: @pool
+        )
 
       assert %Error{type: :timeout} = catch_error(Enum.to_list(s))
 
       {:ok, s} =
-        VllmBridge.stream({"vllm_bridge.diag", "count"}, [3], %{},
+        VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [3], %{},
           pool_name: @pool,
           timeout_profile: :streaming
         )
@@ -286,7 +293,9 @@ defmodule VllmBridge.Runtime.RuntimeOptionsTest do
       assert {:error, %Error{type: :bad_argument}} = sleep(0, timeout: :soon)
 
       assert {:error, %Error{type: :bad_argument}} =
-               VllmBridge.stream({"vllm_bridge.diag", "count"}, [3], %{}, timeout_profile: :x)
+               VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [3], %{},
+                 timeout_profile: :x
+               )
 
       assert {:ok, 0.01} = sleep(0.01, [])
     end

@@ -15,7 +15,7 @@ defmodule VllmBridge.Runtime.SecurityTest do
   @moduletag :capture_log
   @pool :rt_security
   @probe "rt_security_probe"
-  @diag "vllm_bridge.diag"
+  @diag "vllm_bridge.bridge.diag"
 
   setup_all do
     start_pool!(@pool,
@@ -95,7 +95,11 @@ defmodule VllmBridge.Runtime.SecurityTest do
     test "capabilities a user module holds" do
       refused!(call({@probe, "SYSTEM"}, ["true"]), "the builtin posix.system")
       refused!(call({@probe, "BUILTINS_COPY.get"}, ["eval"]), "the builtin builtins.eval")
-      refused!(VllmBridge.get({@diag, "sys"}, opts()), "vllm_bridge.diag.sys is the module 'sys'")
+
+      refused!(
+        VllmBridge.get({@diag, "sys"}, opts()),
+        "vllm_bridge.bridge.diag.sys is the module 'sys'"
+      )
     end
 
     test "an open file is refused as a stream and as a context manager" do

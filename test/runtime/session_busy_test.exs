@@ -25,7 +25,7 @@ defmodule VllmBridge.Runtime.SessionBusyTest do
 
     start_pool!(@pool,
       size: 2,
-      allow: ["vllm_bridge.diag", "rt_gate"],
+      allow: ["vllm_bridge.bridge.diag", "rt_gate"],
       worker_env: [
         {"PYTHONPATH", Enum.join([support_dir() | List.wrap(System.get_env("PYTHONPATH"))], ":")}
       ]
@@ -41,7 +41,7 @@ defmodule VllmBridge.Runtime.SessionBusyTest do
   end
 
   defp diag(fun, args, opts),
-    do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", fun}, args, %{}, [pool_name: @pool] ++ opts)
 
   defp open!(opts) do
     {:ok, s} = Session.open([pool_name: @pool] ++ opts)
@@ -156,7 +156,7 @@ defmodule VllmBridge.Runtime.SessionBusyTest do
       # Had that caller's request come after all, its reply takes the count below zero.
       req =
         VllmBridge.Request.new("call", [VllmBridge.Wire.value(nil)], true, [
-          VllmBridge.Wire.value(["m", "vllm_bridge.diag", "add"]),
+          VllmBridge.Wire.value(["m", "vllm_bridge.bridge.diag", "add"]),
           VllmBridge.Wire.value([1, 1]),
           VllmBridge.Wire.value(%{})
         ])

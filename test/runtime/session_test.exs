@@ -31,7 +31,8 @@ defmodule VllmBridge.Runtime.SessionTest do
     %{ws: ws, meta: meta}
   end
 
-  defp diag(fun, args, opts), do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, opts)
+  defp diag(fun, args, opts),
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", fun}, args, %{}, opts)
 
   defp open!(opts \\ []) do
     {:ok, s} = Session.open([pool_name: @pool] ++ opts)

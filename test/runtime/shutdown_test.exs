@@ -30,14 +30,14 @@ defmodule VllmBridge.Runtime.ShutdownTest do
     assert :rt_cfg in Pool.names()
 
     assert {:ok, 3} =
-             VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, pool_name: :rt_cfg)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, pool_name: :rt_cfg)
 
     # ... and one started at run time, busy in a call.
     {:ok, _} = VllmBridge.start_pool(:rt_run, size: 1)
 
     busy =
       Task.async(fn ->
-        VllmBridge.call({"vllm_bridge.diag", "sleep"}, [60], %{}, pool_name: :rt_run)
+        VllmBridge.call({"vllm_bridge.bridge.diag", "sleep"}, [60], %{}, pool_name: :rt_run)
       end)
 
     wait_until(fn -> Enum.any?(workers!(:rt_run), &(&1.load == 1)) end)
@@ -55,7 +55,7 @@ defmodule VllmBridge.Runtime.ShutdownTest do
     assert Pool.names() == []
 
     assert {:error, %VllmBridge.Error{type: :bad_argument}} =
-             VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{}, pool_name: :rt_cfg)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, pool_name: :rt_cfg)
   end
 
   # A BEAM of its own: starts the application with a configured pool of 2, prints its
@@ -65,7 +65,7 @@ defmodule VllmBridge.Runtime.ShutdownTest do
   Application.put_env(:vllm_bridge, :python, python)
   Application.put_env(:vllm_bridge, :pools, default: [size: 2])
   {:ok, _} = Application.ensure_all_started(:vllm_bridge)
-  {:ok, 5} = VllmBridge.call({"vllm_bridge.diag", "add"}, [2, 3])
+  {:ok, 5} = VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [2, 3])
   {:ok, ws} = VllmBridge.Pool.workers(:default)
   IO.puts("READY " <> Enum.join([System.pid() | Enum.map(ws, &to_string(&1.os_pid))], " "))
   Process.sleep(:infinity)

@@ -9,7 +9,7 @@ defmodule VllmBridge.Runtime.StreamTest do
 
   # How a generator that is stopped early ends: interrupted inside (it was computing a
   # chunk when the cancel came) or closed between chunks.
-  @stopped ["vllm_bridge.protocol.errors.CallInterrupted", "builtins.GeneratorExit"]
+  @stopped ["vllm_bridge.bridge.protocol.errors.CallInterrupted", "builtins.GeneratorExit"]
 
   describe "streams" do
     test "every chunk arrives, in order; the stream can be enumerated twice" do
@@ -83,12 +83,17 @@ defmodule VllmBridge.Runtime.StreamTest do
 
     test "bad arguments or options are refused before a stream exists" do
       assert {:error, %Error{type: :bad_argument}} =
-               VllmBridge.stream({"vllm_bridge.diag", "count"}, [self()], %{}, opts())
+               VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [self()], %{}, opts())
 
       assert {:error, %Error{type: :bad_argument}} = VllmBridge.stream(:nope, [], %{}, opts())
 
       assert {:error, %Error{type: :bad_argument, message: m}} =
-               VllmBridge.stream({"vllm_bridge.diag", "count"}, [3], %{}, opts(timeout: -1))
+               VllmBridge.stream(
+                 {"vllm_bridge.bridge.diag", "count"},
+                 [3],
+                 %{},
+                 opts(timeout: -1)
+               )
 
       assert m =~ "-1"
     end
@@ -106,7 +111,7 @@ defmodule VllmBridge.Runtime.StreamTest do
       # Interrupted where it was, inside its 5 s wait for the next chunk (not run on).
       wait_until(fn -> worker_idle?(w, meta) end)
 
-      assert [%{"name" => "slow", "type" => "vllm_bridge.protocol.errors.CallInterrupted"}] =
+      assert [%{"name" => "slow", "type" => "vllm_bridge.bridge.protocol.errors.CallInterrupted"}] =
                exit_log()
     end
 

@@ -31,7 +31,13 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
   end
 
   defp echo(value, opts \\ []),
-    do: VllmBridge.call({"vllm_bridge.diag", "echo"}, [value], %{}, [pool_name: @pool] ++ opts)
+    do:
+      VllmBridge.call(
+        {"vllm_bridge.bridge.diag", "echo"},
+        [value],
+        %{},
+        [pool_name: @pool] ++ opts
+      )
 
   # A call of diag.echo whose argument is encoded without the checks, sent to the pool's
   # only worker like any other request.
@@ -39,7 +45,7 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
     {:ok, rt} = Runtime.resolve([pool_name: @pool] ++ opts)
     [w] = workers!(@pool)
     args = [0x91 | Msgpack.encode(value, Unchecked, 2000)]
-    parts = [Wire.value(["m", "vllm_bridge.diag", "echo"]), args, Wire.value(%{})]
+    parts = [Wire.value(["m", "vllm_bridge.bridge.diag", "echo"]), args, Wire.value(%{})]
     req = Request.new("call", [Wire.value(rt.session_id)], true, parts)
     Request.call(w.pid, req, rt.deadline, false)
   end
@@ -75,7 +81,9 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
     on_exit(fn -> Session.close(s) end)
 
     assert {:ok, nil} =
-             VllmBridge.call({"vllm_bridge.diag", "set_var"}, ["kept"], %{}, session_id: s.id)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "set_var"}, ["kept"], %{},
+               session_id: s.id
+             )
 
     deep = [nest(1100, 1), Enum.reduce(1..1100, 1, fn _, acc -> %{"k" => acc} end)]
 
@@ -90,12 +98,12 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
 
     # The same OS process, the session's state intact, nothing left in flight.
     assert {:ok, %{"pid" => pid}} =
-             VllmBridge.call({"vllm_bridge.diag", "info"}, [], %{}, pool_name: @pool)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "info"}, [], %{}, pool_name: @pool)
 
     assert pid == w.os_pid
 
     assert {:ok, "kept"} =
-             VllmBridge.call({"vllm_bridge.diag", "get_var"}, [], %{}, session_id: s.id)
+             VllmBridge.call({"vllm_bridge.bridge.diag", "get_var"}, [], %{}, session_id: s.id)
 
     assert VllmBridge.Worker.in_flight(w.pid) == 0
   end

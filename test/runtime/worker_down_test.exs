@@ -31,7 +31,7 @@ defmodule VllmBridge.Runtime.WorkerDownTest do
 
     calls =
       for i <- 1..3 do
-        Task.async(fn -> Worker.call(w, "vllm_bridge.diag", "add", [i, 1], %{}, 60_000) end)
+        Task.async(fn -> Worker.call(w, "vllm_bridge.bridge.diag", "add", [i, 1], %{}, 60_000) end)
       end
 
     wait_until(fn ->
@@ -54,7 +54,7 @@ defmodule VllmBridge.Runtime.WorkerDownTest do
 
     call =
       Task.async(fn ->
-        VllmBridge.call({"vllm_bridge.diag", "sleep"}, [60], %{}, pool_name: @pool)
+        VllmBridge.call({"vllm_bridge.bridge.diag", "sleep"}, [60], %{}, pool_name: @pool)
       end)
 
     wait_until(fn -> running?(w) end)
@@ -116,7 +116,7 @@ defmodule VllmBridge.Runtime.WorkerDownTest do
     start_pool!(@pool,
       size: 1,
       cancel_grace: 500,
-      allow: ["vllm_bridge.diag", "rt_stream_support"],
+      allow: ["vllm_bridge.bridge.diag", "rt_stream_support"],
       worker_env: [
         {"PYTHONPATH", Enum.join([support_dir() | List.wrap(System.get_env("PYTHONPATH"))], ":")}
       ]
@@ -135,7 +135,7 @@ defmodule VllmBridge.Runtime.WorkerDownTest do
     # The session's next call loses the worker (queued behind the stream that does not
     # stop), or finds it lost already: either way it says why, naming the stream.
     assert {:error, %Error{type: type, message: why}} =
-             VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 1], %{},
+             VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 1], %{},
                session_id: session.id,
                timeout: 60_000
              )
@@ -156,11 +156,14 @@ defmodule VllmBridge.Runtime.WorkerDownTest do
     caller =
       Task.async(fn ->
         send(me, :calling)
-        result = VllmBridge.call({"vllm_bridge.diag", "sleep"}, [60], %{}, session_id: s.id)
+
+        result =
+          VllmBridge.call({"vllm_bridge.bridge.diag", "sleep"}, [60], %{}, session_id: s.id)
+
         seen = {Directory.worker(@pool, 0), Slots.load(meta, 0)}
 
         retry =
-          VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 1], %{},
+          VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 1], %{},
             session_id: s.id,
             affinity: :strict_fail_fast
           )

@@ -63,7 +63,7 @@ defmodule VllmBridge.Runtime.WorkerTest do
       assert {:error, %Error{type: :timeout}} = Worker.ping(w, 50)
 
       assert {:error, %Error{type: :timeout}} =
-               Worker.call(w, "vllm_bridge.diag", "add", [1, 2], %{}, 50)
+               Worker.call(w, "vllm_bridge.bridge.diag", "add", [1, 2], %{}, 50)
 
       assert Process.alive?(w)
       Process.unlink(w)
@@ -74,10 +74,10 @@ defmodule VllmBridge.Runtime.WorkerTest do
       {:ok, w} = Worker.start_link()
 
       assert {:error, %Error{type: :timeout}} =
-               Worker.call(w, "vllm_bridge.diag", "set_var", ["ghost"], %{}, 1)
+               Worker.call(w, "vllm_bridge.bridge.diag", "set_var", ["ghost"], %{}, 1)
 
       assert {:ok, _} = Worker.await_ready(w)
-      assert {:ok, nil} = Worker.call(w, "vllm_bridge.diag", "get_var", [], %{}, 30_000)
+      assert {:ok, nil} = Worker.call(w, "vllm_bridge.bridge.diag", "get_var", [], %{}, 30_000)
       assert Worker.in_flight(w) == 0
       Worker.close(w)
     end
@@ -114,24 +114,24 @@ defmodule VllmBridge.Runtime.WorkerTest do
       # The flow control of streams: both sides use the same window.
       assert "credit" in hello["capabilities"]
       assert hello["stream_window"] == VllmBridge.Stream.window()
-      assert "vllm_bridge.diag" in hello["modules"]
+      assert "vllm_bridge.bridge.diag" in hello["modules"]
     end
 
     test "Python log records arrive in Logger with the logger's name", %{w: w} do
       log =
         capture_log(fn ->
           assert {:ok, nil} =
-                   Worker.call(w, "vllm_bridge.diag", "log", ["disk almost full", "error"])
+                   Worker.call(w, "vllm_bridge.bridge.diag", "log", ["disk almost full", "error"])
 
           # The log frame precedes the reply on the wire, but Logger is asynchronous.
           Logger.flush()
         end)
 
-      assert log =~ "[python vllm_bridge.diag] disk almost full"
+      assert log =~ "[python vllm_bridge.bridge.diag] disk almost full"
     end
 
     test "ping is answered while a call runs, naming it", %{w: w} do
-      task = Task.async(fn -> Worker.call(w, "vllm_bridge.diag", "sleep", [0.5]) end)
+      task = Task.async(fn -> Worker.call(w, "vllm_bridge.bridge.diag", "sleep", [0.5]) end)
 
       status =
         wait_until(fn ->
@@ -160,7 +160,7 @@ defmodule VllmBridge.Runtime.WorkerTest do
 
       # The caller gets its :worker_exit (it is not taken down by the port's failure).
       assert {:error, %Error{type: :worker_exit, message: msg}} =
-               Worker.call(w, "vllm_bridge.diag", "add", [1, 2], %{}, 30_000)
+               Worker.call(w, "vllm_bridge.bridge.diag", "add", [1, 2], %{}, 30_000)
 
       assert msg =~ "the port to the Python process (os pid #{os_pid}) failed (:epipe)"
       assert_receive {:EXIT, ^w, {:shutdown, {:worker_exit, ^msg}}}, 30_000
@@ -173,7 +173,7 @@ defmodule VllmBridge.Runtime.WorkerTest do
       deaf!(os_pid)
 
       assert {:error, %Error{type: :worker_exit, message: msg}} =
-               VllmBridge.call({"vllm_bridge.diag", "add"}, [1, 2], %{},
+               VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{},
                  pool_name: :fake_deaf,
                  timeout: 30_000
                )
@@ -226,7 +226,7 @@ defmodule VllmBridge.Runtime.WorkerTest do
       for s <- [30, 31, 32] do
         Task.async(fn ->
           send(parent, :sent)
-          Worker.call(w, "vllm_bridge.diag", "sleep", [s], %{}, 60_000)
+          Worker.call(w, "vllm_bridge.bridge.diag", "sleep", [s], %{}, 60_000)
         end)
       end
 

@@ -1,6 +1,6 @@
 """Generators and calls for the runtime tests of the Elixir side (test/runtime/: the
 stream, context-manager, loose-reference and worker-down tests), beyond what
-``vllm_bridge.diag`` has: a generator that fails part-way, objects that travel only as
+``vllm_bridge.bridge.diag`` has: a generator that fails part-way, objects that travel only as
 references (one of them late, whatever its cancel), a stream that reports its context's
 diagnostic variable, and a generator that a cancel does not stop.
 """
@@ -11,8 +11,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from vllm_bridge import diag
-from vllm_bridge.protocol.errors import CallInterrupted
+from vllm_bridge.bridge import diag
+from vllm_bridge.bridge.protocol.errors import CallInterrupted
 
 
 def _check_n(n: int) -> None:
@@ -28,7 +28,7 @@ def fail_after(n: int, message: str) -> Iterator[int]:
 
 
 def opaques(n: int) -> Iterator[object]:
-    """Yield ``n`` objects that can only travel as references (``vllm_bridge.diag.Opaque``)."""
+    """Yield ``n`` objects that can only travel as references (``vllm_bridge.bridge.diag.Opaque``)."""
     _check_n(n)
     for i in range(n):
         yield diag.Opaque(i)

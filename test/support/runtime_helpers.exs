@@ -80,7 +80,8 @@ defmodule VllmBridge.RuntimeHelpers do
 
     task =
       Task.async(fn ->
-        {:ok, s} = VllmBridge.stream({"vllm_bridge.diag", "count"}, [1_000_000, 0.02], %{}, opts)
+        {:ok, s} =
+          VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [1_000_000, 0.02], %{}, opts)
 
         Enum.reduce_while(s, :more, fn _x, _acc ->
           receive do

@@ -2,7 +2,7 @@ defmodule VllmBridge.StreamContextCase do
   @moduledoc false
   # What the stream and context-manager tests share: a one-worker pool named by the test
   # module's `@pool` (set it before `use`), a serving idle worker and an empty exit log
-  # before each test, and helpers to call vllm_bridge.diag through that pool.
+  # before each test, and helpers to call vllm_bridge.bridge.diag through that pool.
   use ExUnit.CaseTemplate
 
   using do
@@ -18,7 +18,7 @@ defmodule VllmBridge.StreamContextCase do
         start_pool!(@pool,
           size: 1,
           max_in_flight: 2,
-          allow: ["vllm_bridge.diag", "rt_stream_support"],
+          allow: ["vllm_bridge.bridge.diag", "rt_stream_support"],
           # test/support first, whatever the environment's PYTHONPATH already holds after.
           worker_env: [
             {"PYTHONPATH",
@@ -40,10 +40,10 @@ defmodule VllmBridge.StreamContextCase do
       defp opts(extra \\ []), do: [pool_name: @pool] ++ extra
 
       defp diag(fun, args, extra \\ []),
-        do: VllmBridge.call({"vllm_bridge.diag", fun}, args, %{}, opts(extra))
+        do: VllmBridge.call({"vllm_bridge.bridge.diag", fun}, args, %{}, opts(extra))
 
       defp stream!(fun, args, kwargs \\ %{}, extra \\ []) do
-        {:ok, s} = VllmBridge.stream({"vllm_bridge.diag", fun}, args, kwargs, opts(extra))
+        {:ok, s} = VllmBridge.stream({"vllm_bridge.bridge.diag", fun}, args, kwargs, opts(extra))
         s
       end
 

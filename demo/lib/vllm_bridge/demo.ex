@@ -10,7 +10,7 @@ defmodule VllmBridge.Demo do
     3. rank 0 generates the weights from a seed and saves them to a file; both ranks load
        that file with the checked loader, each keeping its own shard of the experts;
     4. run the steps of a seeded schedule with uneven token counts per rank
-       (`VllmBridge.Demo.Schedule`), calling `vllm_bridge.runner.execute_model` on both
+       (`VllmBridge.Demo.Schedule`), calling `vllm_bridge.demo.rank.execute_model` on both
        ranks at once each step (inside, both call `coordinate_batch_across_dp`, run the
        forward under `set_forward_context` and walk the MoE layers in lockstep chunks),
        printing a row per step (`VllmBridge.Demo.Report`);
@@ -24,7 +24,7 @@ defmodule VllmBridge.Demo do
   alias VllmBridge.Demo.{Check, Ranks, Report, Schedule}
   alias Vllm.Dp.Module, as: Dp
   alias Vllm.ForwardContext.Module, as: FC
-  alias Vllm.Runner.Module, as: Runner
+  alias Vllm.Demo.Rank.Module, as: Runner
 
   @typedoc "What a demo run did."
   @type result :: %{

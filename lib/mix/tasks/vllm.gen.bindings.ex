@@ -2,8 +2,9 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
   @shortdoc "Regenerates the Elixir bindings (lib/vllm/, demo/lib/vllm/) from the Python modules"
   @moduledoc """
   Regenerates the generated bindings: reads the Python modules through a worker
-  (`vllm_bridge.introspect`), writes the manifests `priv/bindings/*.json` and the Elixir
-  modules under `lib/vllm/` (the demo's under `demo/lib/vllm/`), and deletes generated files that are no longer produced.
+  (`vllm_bridge.bridge.introspect`), writes the manifests `priv/bindings/*.json` and the
+  Elixir modules under `lib/vllm/` (the demo's under `demo/lib/vllm/`), and deletes
+  generated files that are no longer produced.
   See `VllmBridge.Bindings.Generator`.
 
       mix vllm.gen.bindings                  # regenerate (needs the Python venv)

@@ -29,7 +29,7 @@ defmodule Vllm.Dp.Module do
 
   Besides the per-step agreement, model layers use the group's collectives
   (`dp_all_reduce`, `dp_all_gather`; e.g. the MoE layer of
-  `vllm_bridge.model`). A rank whose peers do not arrive within the timeout, at init or
+  `vllm_bridge.demo.model`). A rank whose peers do not arrive within the timeout, at init or
   at a collective, gets a `DPTimeoutError`; after a failed collective the group is
   unusable until it is torn down and joined again.
 

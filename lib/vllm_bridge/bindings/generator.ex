@@ -1,12 +1,12 @@
 defmodule VllmBridge.Bindings.Generator do
   @moduledoc """
   Generates the bindings (`mix vllm.gen.bindings`): reads each Python module through a
-  worker (`vllm_bridge.introspect.describe_module`), writes what it read as a manifest,
+  worker (`vllm_bridge.bridge.introspect.describe_module`), writes what it read as a manifest,
   `priv/bindings/<python module>.json` (`VllmBridge.Bindings.Json`), and the Elixir code
   under `lib/vllm/` (the demo's under `demo/lib/vllm/`, see `VllmBridge.Bindings.Naming`)
   from those manifests.
 
-  The worker runs in a pool of its own whose allow-list is `vllm_bridge.introspect` alone
+  The worker runs in a pool of its own whose allow-list is `vllm_bridge.bridge.introspect` alone
   (that module imports only modules of `vllm_bridge.PUBLIC_MODULES`, and returns plain
   data, so the worker needs no other module).
 
@@ -22,7 +22,7 @@ defmodule VllmBridge.Bindings.Generator do
   | `vllm_bridge.cudagraph` | |
   | `vllm_bridge.ubatch` | |
   | `vllm_bridge.dp` | |
-  | `vllm_bridge.runner` | (the demo's model runner) |
+  | `vllm_bridge.demo.rank` | (the demo's per-rank entry points) |
   """
 
   alias VllmBridge.Bindings.{Json, Naming}
@@ -37,7 +37,7 @@ defmodule VllmBridge.Bindings.Generator do
     {"vllm_bridge.cudagraph", []},
     {"vllm_bridge.ubatch", []},
     {"vllm_bridge.dp", []},
-    {"vllm_bridge.runner", []}
+    {"vllm_bridge.demo.rank", []}
   ]
 
   @pool :vllm_bindings_gen
@@ -53,10 +53,11 @@ defmodule VllmBridge.Bindings.Generator do
   """
   @spec fetch([{String.t(), [String.t()]}]) :: {:ok, [map()]} | {:error, Error.t()}
   def fetch(modules \\ @modules) do
-    with {:ok, _} <- VllmBridge.start_pool(@pool, size: 1, allow: ["vllm_bridge.introspect"]) do
+    with {:ok, _} <-
+           VllmBridge.start_pool(@pool, size: 1, allow: ["vllm_bridge.bridge.introspect"]) do
       try do
         Enum.reduce_while(modules, {:ok, []}, fn {name, also}, {:ok, acc} ->
-          target = {"vllm_bridge.introspect", "describe_module"}
+          target = {"vllm_bridge.bridge.introspect", "describe_module"}
 
           case VllmBridge.call(target, [name, also], %{}, pool_name: @pool) do
             {:ok, %{"format" => @format} = manifest} ->

@@ -17,16 +17,14 @@ defmodule VllmBridge.Bindings.Naming do
       argument the instance, named after the class (`dp_metadata`).
     * **Files**: one module per file, a root plus the module name underscored
       (`lib/vllm/forward_context/module.ex`, `lib/vllm/forward_context.ex`). The root is
-      `lib/`, except for the demo's modules (`vllm_bridge.demo` and below, and
-      `vllm_bridge.runner`): their bindings are rooted in `demo/lib/`, which is compiled
-      only in dev and test (`mix.exs`), as the rest of the demo.
+      `lib/`, except for the demo's modules (`vllm_bridge.demo` and below): their bindings
+      are rooted in `demo/lib/`, which is compiled only in dev and test (`mix.exs`), as
+      the rest of the demo.
   """
 
   @root "Vllm"
   @package "vllm_bridge"
   @demo_root "demo/lib"
-  # The demo's Python modules whose names do not start with vllm_bridge.demo.
-  @demo_modules ["vllm_bridge.runner"]
 
   @doc "The Elixir module path (as a string) of a Python module."
   @spec base(String.t()) :: String.t()
@@ -81,7 +79,7 @@ defmodule VllmBridge.Bindings.Naming do
   @doc "The folder under which the bindings of `python_module` are written."
   @spec code_root(String.t()) :: String.t()
   def code_root(python_module) do
-    if python_module in @demo_modules or python_module == "#{@package}.demo" or
+    if python_module == "#{@package}.demo" or
          String.starts_with?(python_module, "#{@package}.demo."),
        do: @demo_root,
        else: "lib"

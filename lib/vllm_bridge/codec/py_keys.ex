@@ -3,7 +3,7 @@ defmodule VllmBridge.Codec.PyKeys do
   # How a Python dict sees the keys of an Elixir map, so that the codec can refuse before
   # sending what Python would refuse (a key it cannot hash) or change silently (two keys
   # it holds equal: it would keep one). The worker checks the same again on arrival
-  # (python/vllm_bridge/protocol/decoder.py), with the same words.
+  # (python/vllm_bridge/bridge/protocol/decoder.py), with the same words.
   #
   # Each key maps to its Python identity: two keys with the same identity are one dict
   # key in Python. true/false are the ints 1/0; a float with an integral value is that

@@ -17,7 +17,7 @@ defmodule VllmBridge.Pool.Options do
   | `:cancel_grace` | ms a cancelled call (timed out, or its caller died) may keep running before its worker's Python process is killed and restarted; a cancel interrupts the call in Python, so only one that does not stop (stuck in C code, in an `__enter__`, or catching the interruption) reaches it (see `VllmBridge.Worker`) | 5 000 |
   | `:shutdown_grace` | ms a worker's Python process has to exit on EOF before it is killed | 3 000 |
   | `:max_restarts`, `:max_seconds` | restart intensity of the pool's supervisor | `10 + 3 * size`, 30 |
-  | `:worker_module` | the Python module run with `-m`; it is always passed `--max-frame-bytes N` (and `--allow`, `--max-refs`, `--poll-us` when those are set), so a module of one's own must accept them | `"vllm_bridge.worker"` |
+  | `:worker_module` | the Python module run with `-m`; it is always passed `--max-frame-bytes N` (and `--allow`, `--max-refs`, `--poll-us` when those are set), so a module of one's own must accept them | `"vllm_bridge.bridge.worker"` |
   """
 
   alias VllmBridge.Error
@@ -36,7 +36,7 @@ defmodule VllmBridge.Pool.Options do
     shutdown_grace: 3_000,
     max_restarts: nil,
     max_seconds: 30,
-    worker_module: "vllm_bridge.worker"
+    worker_module: "vllm_bridge.bridge.worker"
   ]
 
   @keys [:python | Keyword.keys(@defaults)]

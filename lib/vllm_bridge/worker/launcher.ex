@@ -1,7 +1,7 @@
 defmodule VllmBridge.Worker.Launcher do
   @moduledoc """
   Starting and ending one Python worker OS process: the port (`{:spawn_executable,
-  python}`, `-m vllm_bridge.worker [--allow M ...] [--max-refs N] [--poll-us N]
+  python}`, `-m vllm_bridge.bridge.worker [--allow M ...] [--max-refs N] [--poll-us N]
   --max-frame-bytes N`, `:stream`, `:binary`, `:nouse_stdio`, `:exit_status`; frames are
   cut by `VllmBridge.Worker.Framer`), the handshake with its version and frame-limit
   checks and start timeout, and making sure the process is gone (EOF first, `kill -9` if
@@ -37,7 +37,7 @@ defmodule VllmBridge.Worker.Launcher do
 
   @doc """
   Opens the port. Options: `:python` (the interpreter; default the `:vllm_bridge, :python`
-  application env), `:worker_module` (default `"vllm_bridge.worker"`), `:allow` (module
+  application env), `:worker_module` (default `"vllm_bridge.bridge.worker"`), `:allow` (module
   allow-list, `[]` for the worker's default), `:max_refs`, `:poll_us` (`--poll-us`: how
   long the worker polls for the next request before it sleeps; 0, the default, sleeps at
   once), `:max_frame_bytes` (`--max-frame-bytes`, default `default_max_frame_bytes/0`),
@@ -57,7 +57,7 @@ defmodule VllmBridge.Worker.Launcher do
 
       true ->
         args =
-          ["-m", Keyword.get(opts, :worker_module, "vllm_bridge.worker")] ++
+          ["-m", Keyword.get(opts, :worker_module, "vllm_bridge.bridge.worker")] ++
             Enum.flat_map(Keyword.get(opts, :allow, []), &["--allow", &1]) ++
             max_refs_args(Keyword.get(opts, :max_refs)) ++
             poll_args(Keyword.get(opts, :poll_us, 0)) ++

@@ -1,7 +1,7 @@
 defmodule VllmBridge.Bench.Tensors do
   @moduledoc """
   Tensor round trips: a float32 tensor of 1, 16 and 64 MiB to a worker and back
-  (`vllm_bridge.diag.echo`, decoded on both sides), beside the raw echo of a frame of the
+  (`vllm_bridge.bridge.diag.echo`, decoded on both sides), beside the raw echo of a frame of the
   same size. The figure is the tensor's bytes divided by the median round-trip time
   (each byte goes out and comes back; counting both directions would double it).
   """
@@ -34,11 +34,11 @@ defmodule VllmBridge.Bench.Tensors do
   defp measure(pool, port, mib, reps) do
     bytes = mib * 1024 * 1024
     tensor = Tensor.new(:binary.copy(<<0, 0, 128, 63>>, div(bytes, 4)), :float32, [div(bytes, 4)])
-    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "echo"}, [tensor], %{})
+    {:ok, parts} = Wire.encode_invoke({"vllm_bridge.bridge.diag", "echo"}, [tensor], %{})
     raw_frame = :binary.copy(<<0>>, IO.iodata_length(parts) + 16)
 
     full = fn ->
-      case VllmBridge.call({"vllm_bridge.diag", "echo"}, [tensor], %{},
+      case VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, [tensor], %{},
              pool_name: pool,
              timeout: 300_000
            ) do

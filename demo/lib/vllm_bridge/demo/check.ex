@@ -5,11 +5,11 @@ defmodule VllmBridge.Demo.Check do
   must get the same token in the same step as in the DP run, and the same logits.
 
   Tokens are compared exactly; logits by their largest absolute difference (0.0 when the
-  runs agree bit for bit, which the model is built to do; see `vllm_bridge.model.moe`).
+  runs agree bit for bit, which the model is built to do; see `vllm_bridge.demo.model.moe`).
   """
 
   alias VllmBridge.Demo.{Ranks, Schedule}
-  alias Vllm.Runner.Module, as: Runner
+  alias Vllm.Demo.Rank.Module, as: Runner
   alias VllmBridge.Tensor
 
   @typedoc "What the check found."
@@ -42,7 +42,7 @@ defmodule VllmBridge.Demo.Check do
 
   @doc """
   Runs one step of a schedule (`VllmBridge.Demo.Schedule`) on the rank whose runtime
-  options `rt` are, through the generated binding of `vllm_bridge.runner.execute_model`.
+  options `rt` are, through the generated binding of `vllm_bridge.demo.rank.execute_model`.
   """
   @spec execute(map(), keyword()) :: {:ok, map()} | {:error, VllmBridge.Error.t()}
   def execute(step, rt) do

@@ -17,7 +17,7 @@ defmodule VllmBridge.Demo.Ranks do
   """
 
   alias VllmBridge.{Error, Pool, Session}
-  alias Vllm.Runner.Module, as: Runner
+  alias Vllm.Demo.Rank.Module, as: Runner
 
   @enforce_keys [:pool, :sessions, :size, :master_port]
   defstruct [:pool, :sessions, :size, :master_port]

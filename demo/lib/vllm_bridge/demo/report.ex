@@ -3,7 +3,7 @@ defmodule VllmBridge.Demo.Report do
   The demo's printed output: one table row per step, the batch-size statistics, and the
   tokens each request got. Pure formatting (strings in, strings out).
 
-  A step's output (from `vllm_bridge.runner.execute_model`) is a map with string keys:
+  A step's output (from `vllm_bridge.demo.rank.execute_model`) is a map with string keys:
   `"num_tokens"`, `"num_tokens_padded"`, `"num_tokens_across_dp"`, `"should_ubatch"`,
   `"ubatch_num_tokens"`, `"cudagraph_mode"`, `"moe_chunks"`, `"forward_ms"`, `"req_ids"`,
   `"sampled_token_ids"`, `"skipped"`, ...

@@ -10,7 +10,7 @@ defmodule VllmBridge.Demo.Schedule do
   and in step 4 rank 1 schedules nothing at all (its requests wait), so it runs a dummy
   pass to keep the other rank company in its collectives.
 
-  A rank's step is the keyword arguments of `vllm_bridge.runner.execute_model`:
+  A rank's step is the keyword arguments of `vllm_bridge.demo.rank.execute_model`:
   `%{"num_scheduled_tokens" => %{id => n}, "new_requests" => %{id => [token]},
   "finished" => [id]}`.
   """

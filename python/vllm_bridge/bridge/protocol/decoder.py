@@ -1,0 +1,349 @@
+"""msgpack bodies -> Python values, in two steps.
+
+1. :meth:`Decoder.decode` turns bytes into values without running any code of the
+   allow-listed modules: atoms, tuples, tensors, big integers and :class:`Ref` come out
+   as they are (the large tensors of a large frame are copied out of it once, see
+   :mod:`~vllm_bridge.bridge.protocol.splice`); dataclass and enum values come out as
+   :class:`PendingStruct` / :class:`PendingEnum` (class name and fields). A value Python
+   cannot take as it was meant - a map whose key cannot be hashed, a map whose keys are
+   equal once decoded (``1`` and ``True``, ``:a`` and ``"a"``), nesting past msgpack's
+   limit, a malformed extension payload - raises
+   :class:`~vllm_bridge.bridge.protocol.errors.BadArgument` naming what and where
+   (:mod:`~vllm_bridge.bridge.protocol.locate` finds where, on that path only); malformed
+   msgpack raises :class:`~vllm_bridge.bridge.protocol.errors.ProtocolError`. A dict never
+   silently keeps one of two colliding keys.
+2. :func:`materialize` builds the registered classes (refusing any other name), turns
+   atoms into enum members where a dataclass field is annotated with an enum, and
+   optionally resolves references. The worker does this on its execution thread, inside
+   the calling session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from vllm_bridge.bridge.protocol import describe, locate
+from vllm_bridge.bridge.protocol.errors import BadArgument, ProtocolError, safe_str, short_repr
+from vllm_bridge.bridge.protocol.registry import TypeRegistry, coerce_atom
+from vllm_bridge.bridge.protocol.splice import Spliced, splice_tensors
+from vllm_bridge.bridge.protocol.tensors import decode_tensor
+from vllm_bridge.bridge.protocol.types import Atom, ExtCode, Ref
+
+#: How deeply extension values (tuples in tuples, ...) may nest inside one another.
+MAX_EXT_DEPTH = 64
+
+
+@dataclass(eq=False)
+class PendingStruct:
+    """An ext 4 value before its class is looked up: qualified name and fields."""
+
+    name: str
+    fields: dict[str, Any]
+
+
+@dataclass(eq=False)
+class PendingEnum:
+    """An ext 5 value before its class is looked up: qualified name and member name."""
+
+    name: str
+    member: str
+
+
+@dataclass
+class Decoded:
+    """A decoded body; ``special`` says whether :func:`materialize` has work to do."""
+
+    value: Any
+    special: bool
+
+
+class Decoder:
+    """Decodes msgpack bodies with the extension types of protocol version 1."""
+
+    def decode(self, data: bytes | bytearray | memoryview) -> Decoded:
+        """Decode one body.
+
+        Raises:
+            BadArgument: a value Python cannot take as it was meant (see the module
+                docstring); the message names what and where (``args[0][:a]``).
+            ProtocolError: the body is not well-formed msgpack.
+        """
+        spliced = splice_tensors(data)  # large frames: large tensors with one copy each
+        p = _Pass(spliced)
+        try:
+            value = p.unpack(spliced.body if spliced is not None else data)
+        except Exception as exc:  # noqa: BLE001 - every failure is named, then re-raised
+            raise _undecodable(data, exc) from None
+        return Decoded(value, p.special)
+
+
+def _undecodable(data: bytes | bytearray | memoryview, exc: Exception) -> BadArgument:
+    """The error for a body that failed to decode with ``exc``: where it went wrong
+    (a second, slower pass over the body, on this path only) and what."""
+    what = locate.describe_failure(exc)
+    where = locate.locate(data, lambda: _Pass(lenient=True), exc)
+    value_error = isinstance(exc, (BadArgument, msgpack.exceptions.StackError))
+    if where is not None:
+        path, found = where
+        message = f"could not decode {path}: {found or what}"
+        # A readable envelope and a bad value inside it: the caller's argument is refused.
+        return BadArgument(message) if value_error or found else ProtocolError(message)
+    if value_error:
+        return BadArgument(f"could not decode the frame: {what}")
+    return ProtocolError(f"undecodable frame: {what}")
+
+
+class Pairs(list):  # type: ignore[type-arg]
+    """A map decoded as its list of ``(key, value)`` pairs, by the lenient pass that
+    :mod:`~vllm_bridge.bridge.protocol.locate` runs to find a bad key (never by the worker)."""
+
+
+class _Pass:
+    def __init__(self, spliced: Spliced | None = None, lenient: bool = False) -> None:
+        self.depth = 0
+        self.special = False
+        self.spliced = spliced
+        self.lenient = lenient
+        self.pairs = Pairs if lenient else _checked_dict
+
+    def unpack(self, data: Any) -> Any:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=False,
+            use_list=True,
+            ext_hook=self.hook,
+            object_pairs_hook=self.pairs,
+        )
+
+    def nested(self, data: bytes, what: str) -> Any:
+        if self.depth >= MAX_EXT_DEPTH:
+            raise BadArgument(f"extension values nest deeper than {MAX_EXT_DEPTH} levels")
+        self.depth += 1
+        try:
+            return self.unpack(data)
+        except BadArgument:
+            raise
+        except Exception as exc:
+            raise BadArgument(f"malformed {what} payload: {safe_str(exc):.200}") from None
+        finally:
+            self.depth -= 1
+
+    def hook(self, code: int, data: bytes) -> Any:  # noqa: C901 - one branch per ext code
+        if code == ExtCode.ATOM:
+            try:
+                return Atom(data.decode())
+            except UnicodeDecodeError:
+                raise BadArgument(f"atom name {short_repr(data)} is not UTF-8") from None
+        if code == ExtCode.TUPLE:
+            items = self.nested(data, "tuple")
+            if type(items) is not list:
+                raise BadArgument(f"tuple payload must be an array, got {short_repr(items)}")
+            return tuple(items)
+        if code == ExtCode.TENSOR:
+            if self.spliced is not None:
+                tensor = self.spliced.lookup(data)
+                if tensor is not None:
+                    return tensor
+            return decode_tensor(data)
+        if code == ExtCode.DATACLASS:
+            value = self.nested(data, "dataclass")
+            if self.lenient and _is_pair(value, Pairs):
+                value[1] = dict(value[1])  # field names are str: nothing to find in them
+            if not (_is_pair(value, dict) and all(isinstance(k, str) for k in value[1])):
+                raise BadArgument(
+                    "dataclass payload must be [class_name, {field: value}], got "
+                    f"{short_repr(value)}"
+                )
+            self.special = True
+            return PendingStruct(value[0], value[1])
+        if code == ExtCode.ENUM:
+            value = self.nested(data, "enum")
+            if not _is_pair(value, str):
+                raise BadArgument(
+                    f"enum payload must be [class_name, member], got {short_repr(value)}"
+                )
+            self.special = True
+            return PendingEnum(value[0], value[1])
+        if code == ExtCode.REF:
+            value = self.nested(data, "reference")
+            if type(value) is not list or len(value) != 4:
+                raise BadArgument(
+                    "reference payload must be [instance, ref_id, session, type_name], "
+                    f"got {short_repr(value)}"
+                )
+            try:
+                ref = Ref(value[0], value[1], value[2], value[3])
+            except (TypeError, ValueError) as exc:
+                raise BadArgument(f"malformed reference: {safe_str(exc):.200}") from None
+            self.special = True
+            return ref
+        if code == ExtCode.BIGINT:
+            if len(data) < 1 or data[0] not in (0, 1):
+                raise BadArgument(
+                    "big integer payload must start with sign byte 0 or 1, got "
+                    f"{short_repr(data, 40)}"
+                )
+            magnitude = int.from_bytes(data[1:], "big")
+            return -magnitude if data[0] else magnitude
+        raise BadArgument(f"unknown extension type code {code}")
+
+
+def _checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """The dict of a decoded map; refuses a key Python cannot hash and keys that are
+    equal once decoded (a plain dict would keep the last of them, silently)."""
+    if not pairs:  # the common empty kwargs: a third of the hook's cost
+        return {}
+    try:
+        d = dict(pairs)
+    except TypeError:
+        bad = next(k for k, _ in pairs if not describe.hashable(k))
+        raise BadArgument(describe.unhashable_key(bad)) from None
+    if len(d) != len(pairs):
+        raise BadArgument(describe.colliding_keys(pairs))
+    return d
+
+
+def _is_pair(value: Any, second: type) -> bool:
+    return (
+        type(value) is list
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], second)
+    )
+
+
+ResolveRef = Callable[[Ref], Any]
+
+
+def materialize(value: Any, registry: TypeRegistry, resolve_ref: ResolveRef | None = None) -> Any:
+    """Replace pending dataclass/enum values by instances of registered classes.
+
+    Args:
+        value: A decoded value.
+        registry: The classes that may be built.
+        resolve_ref: Maps each :class:`Ref` to its object; ``None`` leaves references as
+            they are.
+
+    Raises:
+        BadArgument: an unregistered class name, an unknown member or field, field values
+            the class refuses, or map keys that cannot be hashed or are equal once built
+            (two references to one object, say). ``steps`` on the exception locate the
+            value inside ``value`` (see :func:`materialize_field`).
+    """
+    t = type(value)
+    if t is list or t is tuple:
+        items = []
+        for i, v in enumerate(value):
+            try:
+                items.append(materialize(v, registry, resolve_ref))
+            except BadArgument as exc:
+                raise _step(exc, f"[{i}]") from None
+        return items if t is list else tuple(items)
+    if t is dict:
+        return _build_dict(value, registry, resolve_ref)
+    if t is PendingStruct:
+        return _build_struct(value, registry, resolve_ref)
+    if t is PendingEnum:
+        cls = registry.lookup(value.name)
+        member = cls.__members__.get(value.member) if hasattr(cls, "__members__") else None
+        if member is None:
+            raise BadArgument(f"{value.name:.200} has no member {short_repr(value.member)}")
+        return member
+    if t is Ref and resolve_ref is not None:
+        return resolve_ref(value)
+    return value
+
+
+def _build_dict(
+    value: dict[Any, Any], registry: TypeRegistry, resolve_ref: ResolveRef | None
+) -> Any:
+    """The dict of a decoded map with its keys and values built. Building can make keys
+    collide (two references to one object) or make them unhashable; a built key is an
+    object of the allow-listed code, whose ``__hash__``/``__eq__`` may raise or answer
+    with something that is not a bool: each is a refusal naming the key, never an error
+    of the worker. The key's place is written only when something fails."""
+    built: dict[Any, Any] = {}
+    first: dict[Any, Any] = {}  # each built key, by itself: finds the one a key equals
+    for k, v in value.items():
+        try:
+            key = materialize(k, registry, resolve_ref)
+            try:
+                other = first.get(key, _NONE)
+            except TypeError as exc:
+                if not describe.hashable(key):
+                    raise BadArgument(describe.unhashable_key(key)) from None
+                raise BadArgument(describe.uncomparable_key(key, exc)) from None
+            except Exception as exc:  # noqa: BLE001 - the key's own __hash__ or __eq__
+                raise BadArgument(describe.uncomparable_key(key, exc)) from None
+            if other is not _NONE:
+                raise BadArgument(describe.collision(other, key))
+            first[key] = key
+            built[key] = materialize(v, registry, resolve_ref)
+        except BadArgument as exc:
+            raise _step(exc, f"[{describe.wire_repr(k)}]") from None
+    return built
+
+
+#: No key found (``None`` may be a key).
+_NONE = object()
+
+
+def materialize_field(
+    value: Any, name: str, registry: TypeRegistry, resolve_ref: ResolveRef | None = None
+) -> Any:
+    """:func:`materialize` for one field of a request (``name``: ``"args"``,
+    ``"kwargs"``); a refusal names where in it (``args[1][:a].level``)."""
+    try:
+        return materialize(value, registry, resolve_ref)
+    except RecursionError:
+        raise BadArgument(f"{name} nests too deeply to be built") from None
+    except BadArgument as exc:
+        steps = getattr(exc, "steps", None)
+        if not steps:
+            raise
+        raise type(exc)(f"{name}{''.join(reversed(steps))}: {exc}") from None
+
+
+def _step(exc: BadArgument, step: str) -> BadArgument:
+    # Innermost step first; materialize_field writes them outermost first.
+    steps = getattr(exc, "steps", None)
+    if steps is None:
+        steps = exc.steps = []  # type: ignore[attr-defined]
+    steps.append(step)
+    return exc
+
+
+def _build_struct(
+    value: PendingStruct, registry: TypeRegistry, resolve_ref: ResolveRef | None
+) -> Any:
+    cls = registry.lookup(value.name)
+    if not dataclasses.is_dataclass(cls):
+        raise BadArgument(f"{value.name:.200} is not a dataclass")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in value.fields if k not in fields]
+    if unknown:
+        raise BadArgument(f"{value.name:.200} has no field {short_repr(unknown[0])}")
+    enums = registry.enum_fields(cls)
+    kwargs = {}
+    for name, raw in value.fields.items():
+        if not fields[name].init:
+            continue  # derived in __post_init__; the constructor recomputes it
+        try:
+            v = materialize(raw, registry, resolve_ref)
+        except BadArgument as exc:
+            raise _step(exc, f".{name}") from None
+        if name in enums:
+            v = coerce_atom(v, enums[name], f"{value.name}.{name}")
+        kwargs[str(name)] = v
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise BadArgument(
+            f"cannot build {value.name:.200} from its fields: {safe_str(exc):.500}"
+        ) from None

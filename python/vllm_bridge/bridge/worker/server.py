@@ -1,0 +1,359 @@
+"""The worker process: ``python -m vllm_bridge.bridge.worker [--allow MODULE ...] [--max-refs N]
+[--poll-us N] [--max-frame-bytes N]``.
+
+Threads (see :mod:`~vllm_bridge.bridge.worker.executor` for how they share fd 3):
+
+* the main thread is the *execution* thread: it runs requests one at a time
+  (:mod:`~vllm_bridge.bridge.worker.dispatch`) and, while idle, reads fd 3 itself. It is the main
+  thread because only there can a signal interrupt the running request's code when its
+  caller cancels it (:mod:`~vllm_bridge.bridge.worker.interrupt`);
+* the *watcher* thread: during a long request it reads fd 3, answers ``ping`` (and
+  ``hello``) at once, records ``cancel``\\ s (interrupting the running request) and queues
+  requests;
+* whichever thread reads a frame decodes and checks it, answers what needs no execution
+  and refuses malformed frames (:meth:`Worker.on_frame`);
+* the *lifeline* thread (:mod:`~vllm_bridge.bridge.worker.lifeline`) ends the process when
+  its parent is gone.
+
+On EOF of fd 3 the queue is dropped and the running request (if any) is interrupted, as a
+cancel would; once it is done, every session's contexts are exited and the process exits
+with status 0. When the main thread has not got that far within
+:data:`EXIT_GRACE_SECONDS` of EOF (a request stuck in C code, or one that swallows the
+interruption), the watcher ends the process anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+from typing import Any
+
+from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
+from vllm_bridge.bridge.protocol.decoder import Decoder
+from vllm_bridge.bridge.protocol.encoder import Encoder
+from vllm_bridge.bridge.protocol.errors import BadArgument, ProtocolError, safe_str
+from vllm_bridge.bridge.protocol.flow import STREAM_WINDOW
+from vllm_bridge.bridge.protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_FRAME,
+    MIN_MAX_FRAME_BYTES,
+    FrameReader,
+    enlarge_pipes,
+)
+from vllm_bridge.bridge.protocol.messages import (
+    Abandon,
+    Control,
+    Invoke,
+    Request,
+    RequestError,
+    parse_request,
+    peek_request_id,
+)
+from vllm_bridge.bridge.protocol.registry import TypeRegistry
+from vllm_bridge.bridge.worker.channel import Channel, LogFrameHandler
+from vllm_bridge.bridge.worker.dispatch import Dispatcher
+from vllm_bridge.bridge.worker.executor import Executor
+from vllm_bridge.bridge.worker.interrupt import Interrupter
+from vllm_bridge.bridge.worker.lifeline import watch_parent
+from vllm_bridge.bridge.worker.sessions import Sessions
+from vllm_bridge.bridge.worker.targets import TargetResolver
+
+#: Seconds the main thread has, from EOF, to finish the running request and exit the
+#: sessions' contexts before the watcher exits the process regardless.
+EXIT_GRACE_SECONDS = 2.0
+DEFAULT_MAX_REFS = 10_000
+#: Largest ``--poll-us``: 10 ms of polling after a frame is already a lot of CPU.
+MAX_POLL_US = 10_000
+CAPABILITIES = ("stream", "context", "cancel", "credit", "refs", "log")
+
+_log = logging.getLogger("vllm_bridge.bridge.worker")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line of ``python -m vllm_bridge.bridge.worker``."""
+    parser = argparse.ArgumentParser(prog="python -m vllm_bridge.bridge.worker")
+    parser.add_argument(
+        "--allow",
+        nargs="+",
+        action="extend",
+        metavar="MODULE",
+        help="modules requests may reach (default: vllm_bridge.PUBLIC_MODULES)",
+    )
+    parser.add_argument(
+        "--max-refs",
+        type=int,
+        default=DEFAULT_MAX_REFS,
+        metavar="N",
+        help=f"references this worker may hold at once (default {DEFAULT_MAX_REFS})",
+    )
+    parser.add_argument(
+        "--poll-us",
+        type=int,
+        default=0,
+        metavar="N",
+        help="microseconds to poll for the next request before sleeping (default 0: sleep "
+        f"at once; at most {MAX_POLL_US})",
+    )
+    parser.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        default=DEFAULT_MAX_FRAME_BYTES,
+        metavar="N",
+        help="largest frame body read or written, both ways (default "
+        f"{DEFAULT_MAX_FRAME_BYTES}; from {MIN_MAX_FRAME_BYTES} to {MAX_FRAME})",
+    )
+    opts = parser.parse_args(argv)
+    if not MIN_MAX_FRAME_BYTES <= opts.max_frame_bytes <= MAX_FRAME:
+        parser.error(
+            f"--max-frame-bytes must be from {MIN_MAX_FRAME_BYTES} to {MAX_FRAME}, "
+            f"got {opts.max_frame_bytes}"
+        )
+    if not 0 <= opts.poll_us <= MAX_POLL_US:
+        parser.error(f"--poll-us must be from 0 to {MAX_POLL_US}, got {opts.poll_us}")
+    if opts.max_refs < 1:
+        parser.error(f"--max-refs must be at least 1, got {opts.max_refs}")
+    for name in opts.allow or ():
+        if not all(part.isidentifier() for part in name.split(".")):
+            parser.error(f"--allow {name!r} is not a dotted module name")
+    opts.allow = tuple(dict.fromkeys(opts.allow)) if opts.allow else tuple(PUBLIC_MODULES)
+    return opts
+
+
+def _import_allowed(modules: tuple[str, ...]) -> dict[str, str]:
+    """Import every allow-listed module; the ones that fail, with why (also logged)."""
+    failed = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # announced in the hello, and named again by each call
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            _log.info("allow-listed module %s failed to import: %s", name, failed[name])
+    return failed
+
+
+def hello_device() -> str:
+    """The device this worker computes on, for the hello, without initialising CUDA.
+
+    ``"cuda:N"`` when CUDA is usable, else ``"cpu"``, as
+    :func:`vllm_bridge.bridge.diag.default_device` says, but when nothing has initialised CUDA yet
+    it does not ask CUDA for its current device: ``torch.cuda.current_device()`` runs
+    torch's lazy CUDA initialisation, work that would delay the handshake for a name.
+    Until code picks another device, CUDA's current device is 0; so the answer is
+    ``"cuda:0"``, and the first request that uses the GPU initialises CUDA.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    if torch.cuda.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cuda:0"
+
+
+def _hello(
+    instance: str, modules: tuple[str, ...], import_errors: dict[str, str], max_frame: int
+) -> list[Any]:
+    import torch
+
+    return [
+        "hello",
+        {
+            "protocol": PROTOCOL_VERSION,
+            "pid": os.getpid(),
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "device": hello_device(),
+            "instance": instance,
+            "stream_window": STREAM_WINDOW,
+            "max_frame_bytes": max_frame,
+            "capabilities": list(CAPABILITIES),
+            "modules": list(modules),
+            "import_errors": import_errors,
+        },
+    ]
+
+
+class Worker:
+    """One worker process: the reader loop and everything it feeds."""
+
+    def __init__(
+        self,
+        modules: tuple[str, ...],
+        max_refs: int,
+        poll_us: int = 0,
+        import_errors: dict[str, str] | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.modules = modules
+        self.max_frame = max_frame
+        self.import_errors = dict(import_errors or {})
+        self.instance = secrets.token_hex(8)
+        self.registry = TypeRegistry(modules)
+        self.decoder = Decoder()
+        self.channel = Channel(Encoder(self.registry), max_frame=max_frame)
+        self.sessions = Sessions(self.instance, max_refs)
+        self.interrupter = Interrupter()
+        self.dispatcher = Dispatcher(
+            self.sessions,
+            TargetResolver(modules),
+            self.registry,
+            self.channel,
+            # The executor is made next, with the dispatcher's entry points.
+            lambda request: self.executor.open_flow(request),
+            self.interrupter,
+        )
+        self.executor = Executor(
+            self.dispatcher.handle,
+            self.dispatcher.refuse,
+            self.channel.write,
+            self.on_frame,
+            FrameReader(poll_s=poll_us / 1e6, max_frame=max_frame),
+            # The port is gone: replies and log frames have no reader any more.
+            on_eof=self.channel.close,
+            interrupt=self.interrupter.interrupt,
+            failed=self.dispatcher.failed,
+        )
+        self.interrupter.again = self.executor.interrupt_again
+
+    def serve(self) -> int:
+        """Announce, then serve on this thread (the main thread) until EOF; returns the
+        exit status."""
+        watch_parent()
+        self.interrupter.install()
+        self.channel.send(
+            _hello(self.instance, self.modules, self.import_errors, self.max_frame)
+        )
+        root = logging.getLogger()
+        for handler in root.handlers:
+            # While the port is open records go to the Elixir side as log frames; stderr
+            # gets them only before the handshake and after EOF.
+            handler.addFilter(lambda _record: self.channel.closed)
+        root.addHandler(_HeldLogFrameHandler(self.channel, self.interrupter))
+        threading.Thread(target=self._watch, name="vllm-bridge-watch", daemon=True).start()
+        self.executor.run(final=self._close_sessions)
+        return 0
+
+    def _watch(self) -> None:
+        # The watcher thread. Once the input has ended (the executor has dropped the queue
+        # and interrupted the running request), the main thread has EXIT_GRACE_SECONDS to
+        # finish that request and exit the sessions' contexts; then the process exits.
+        self.executor.watch()
+        if not self.executor.done.wait(EXIT_GRACE_SECONDS):
+            sys.stderr.write(
+                f"vllm_bridge.bridge.worker {os.getpid()}: fd 3 closed while request "
+                f"{self.executor.running_id} runs (it did not stop when interrupted); "
+                f"exiting after {EXIT_GRACE_SECONDS} s without waiting for it\n"
+            )
+            sys.stderr.flush()
+            os._exit(0)
+
+    def on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
+        """Handle one frame on the thread that read it: the request to run, or ``None``
+        when the frame was answered here (a control message, a refusal)."""
+        try:
+            return self._on_frame(body)
+        except Exception as exc:  # a last guard: reading must go on
+            _log.exception("frame of %d bytes could not be handled", len(body))
+            self.channel.error(
+                peek_request_id(body), "protocol", f"frame not handled: {safe_str(exc):.2000}"
+            )
+            return None
+
+    def _on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
+        now = time.monotonic()
+        try:
+            decoded = self.decoder.decode(body)
+        except (BadArgument, ProtocolError) as exc:
+            # Read from the first bytes alone: every request whose header is readable is
+            # answered under its id, whatever its values hold.
+            self.channel.error(peek_request_id(body), exc.error_type, str(exc))
+            return None
+        try:
+            req = parse_request(decoded.value, now)
+        except RequestError as exc:
+            self.channel.error(exc.request_id, "protocol", str(exc))
+            return None
+        if isinstance(req, Control):
+            return self._control(req)
+        if isinstance(req, Invoke):
+            req.special = decoded.special
+        return req
+
+    def _control(self, req: Control) -> Request | None:
+        if req.kind == "ping":
+            status = {
+                "running": self.executor.running_id,
+                "queued": self.executor.queued,
+                "sessions": len(self.sessions),
+                "refs": self.sessions.ref_count,
+            }
+            self.channel.send(["pong", req.id, status])
+        elif req.kind == "cancel":
+            dropped: Request | None = self.executor.cancel(req.id)
+            if dropped is not None:
+                message = f"{dropped.kind} {dropped.id} was cancelled before it started"
+                self.channel.error(dropped.id, "cancelled", message)
+            else:
+                # Running (marked) or already finished: if it is an enter, the context it
+                # entered is exited in turn, before anything that arrived after this
+                # cancel; also when the mark came too late for the enter to see it.
+                return Abandon("abandon", req.id, None, None)
+        elif req.kind == "credit":
+            self.executor.grant(req.id, req.info["n"])
+        elif req.kind == "hello":
+            version = (req.info or {}).get("protocol")
+            if version == PROTOCOL_VERSION:
+                self.channel.send(["ok", req.id, {"protocol": PROTOCOL_VERSION}])
+            else:
+                self.channel.error(
+                    req.id,
+                    "protocol",
+                    f"protocol version {version!r} is not spoken by this worker, which "
+                    f"speaks version {PROTOCOL_VERSION}",
+                )
+        return None
+
+    def _close_sessions(self) -> None:
+        # Last thing the execution thread does, once the stream has ended. Only worth a
+        # line when contexts were still entered (a routine shutdown stays quiet).
+        sessions, contexts = self.dispatcher.close_all()
+        if contexts:
+            sys.stderr.write(
+                f"vllm_bridge.bridge.worker {os.getpid()}: fd 3 closed; exited {contexts} contexts "
+                f"of {sessions} sessions\n"
+            )
+
+
+class _HeldLogFrameHandler(LogFrameHandler):
+    """Log frames that an interruption of the running request cannot cut in half: the
+    request's code may log, and a frame left half-written would end the stream."""
+
+    def __init__(self, channel: Channel, interrupter: Interrupter) -> None:
+        super().__init__(channel)
+        self._interrupter = interrupter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._interrupter.held():
+            super().emit(record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a worker on fds 3 and 4 until fd 3 reaches EOF."""
+    opts = parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s [worker %(process)d] %(message)s",
+    )
+    logging.captureWarnings(True)
+    enlarge_pipes()
+    import_errors = _import_allowed(opts.allow)
+    return Worker(
+        opts.allow, opts.max_refs, opts.poll_us, import_errors, opts.max_frame_bytes
+    ).serve()

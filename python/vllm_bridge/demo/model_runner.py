@@ -1,0 +1,379 @@
+"""The model runner: owns the model on its device and runs one forward pass per step the
+way vLLM's GPU model runner does.
+
+``execute_model(step)``:
+
+1. updates the request states (finished requests leave, new ones get a KV region);
+2. picks the padded size and CUDA-graph mode of the batch (:mod:`vllm_bridge.cudagraph_dispatch`);
+3. calls :func:`~vllm_bridge.dp.coordinate_batch_across_dp` - **every DP rank calls it, every
+   step, even with no tokens of its own** - which agrees on the token counts (padding),
+   micro-batching and the CUDA-graph mode;
+4. prepares the inputs (token ids, positions, KV slots, attention metadata) padded to the
+   agreed count, builds the :class:`~vllm_bridge.forward_context.BatchDescriptor` and, when
+   micro-batching, the micro-batch slices;
+5. runs the model under ``set_forward_context`` with the attention metadata, slot mapping,
+   DP counts, runtime mode, batch descriptor and micro-batch slices; the layers read them;
+6. computes the logits of each request whose known tokens are now all computed, samples
+   greedily, and returns them with the step's facts (:class:`StepOutput`).
+
+CUDA graphs: the runtime mode is decided, agreed across ranks, padded for and carried in the
+forward context and the batch descriptor exactly as vLLM does, but the forward pass always
+runs eagerly: this model's MoE routing is data-dependent and its DP collectives may go
+through the CPU, so there is no graph to capture (the ``cudagraph_mode`` column of a step is
+what a graph-capturing runner would have replayed).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_bridge._checks import check_int
+from vllm_bridge.config import VllmConfig
+from vllm_bridge.cudagraph import CUDAGraphMode
+from vllm_bridge.cudagraph_dispatch import dispatch_cudagraph
+from vllm_bridge.demo.batch import InputBatch, RequestState, SchedulerStep, prepare_inputs
+from vllm_bridge.demo.model import weights as weights_io
+from vllm_bridge.demo.model.config import ModelConfig
+from vllm_bridge.demo.model.transformer import MoETransformer
+from vllm_bridge.dp import coordinate_batch_across_dp
+from vllm_bridge.forward_context import (
+    BatchDescriptor,
+    DPMetadata,
+    create_forward_context,
+    get_forward_context,
+    override_forward_context,
+    set_forward_context,
+)
+from vllm_bridge.platforms import current_platform
+from vllm_bridge.ubatch import maybe_create_ubatch_slices
+
+__all__ = ["ModelRunner", "StepOutput"]
+
+
+@dataclass
+class StepOutput:
+    """What one step did and produced.
+
+    Attributes:
+        num_tokens: This rank's real tokens.
+        num_tokens_padded: Tokens the forward pass ran (real + padding).
+        num_tokens_across_dp: Every DP rank's padded count (``None`` without DP).
+        num_reqs: Requests in the batch.
+        uniform_decode: Every request computes exactly one token.
+        should_ubatch: The ranks agreed to micro-batch.
+        ubatch_num_tokens: Tokens of each micro-batch (padded), when micro-batched.
+        cudagraph_mode: The agreed runtime mode (``"NONE"``, ``"PIECEWISE"``, ``"FULL"``).
+        batch_descriptor: The descriptor the pass ran under (``None`` when skipped).
+        moe_chunks: DP chunks each MoE layer walked (0 without DP).
+        forward_ms: Wall time of the forward pass and sampling.
+        step_ms: Wall time of the whole step, coordination included.
+        req_ids: The requests that got a token, in batch order.
+        sampled_token_ids: The token each of them got (greedy).
+        logits: Their logits, ``(len(req_ids), vocab_size)`` float32 on the CPU.
+        skipped: No rank had a token: nothing ran.
+    """
+
+    num_tokens: int = 0
+    num_tokens_padded: int = 0
+    num_tokens_across_dp: list[int] | None = None
+    num_reqs: int = 0
+    uniform_decode: bool = False
+    should_ubatch: bool = False
+    ubatch_num_tokens: list[int] | None = None
+    cudagraph_mode: str = "NONE"
+    batch_descriptor: BatchDescriptor | None = None
+    moe_chunks: int = 0
+    forward_ms: float = 0.0
+    step_ms: float = 0.0
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logits: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
+    skipped: bool = False
+
+
+class ModelRunner:
+    """Runs :class:`~vllm_bridge.demo.model.MoETransformer` for one DP rank.
+
+    Args:
+        vllm_config: Parallel settings (DP size and rank, expert parallelism,
+            micro-batching) and CUDA-graph settings (mode, capture sizes).
+        model_config: The model's shape; the weights loaded later must match it. ``None``:
+            whatever shape the weights file records.
+        device: Where the model lives; ``None``: CUDA when available, else CPU.
+        max_num_reqs: Requests held at once (KV-cache regions).
+        moe_chunk_size: Most tokens per rank in one DP chunk of an MoE layer.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        model_config: ModelConfig | None = None,
+        device: str | torch.device | None = None,
+        max_num_reqs: int = 64,
+        moe_chunk_size: int = 32,
+    ) -> None:
+        if not isinstance(vllm_config, VllmConfig):
+            raise TypeError(f"vllm_config must be a VllmConfig, got {vllm_config!r}")
+        if model_config is not None and not isinstance(model_config, ModelConfig):
+            raise TypeError(f"model_config must be a ModelConfig or None, got {model_config!r}")
+        check_int("max_num_reqs", max_num_reqs, minimum=1)
+        check_int("moe_chunk_size", moe_chunk_size, minimum=1)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.vllm_config = vllm_config
+        self.parallel_config = vllm_config.parallel_config
+        self.model_config = model_config
+        self.dp_size = self.parallel_config.data_parallel_size
+        self.dp_rank = self.parallel_config.data_parallel_rank
+        self.max_num_reqs = max_num_reqs
+        self.moe_chunk_size = moe_chunk_size
+        self.model: MoETransformer | None = None
+        self.weights: weights_io.WeightsFile | None = None
+        self.requests: dict[str, RequestState] = {}
+        self._free_regions = list(range(max_num_reqs))
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Experts are sharded over the DP ranks."""
+        return self.parallel_config.enable_expert_parallel and self.dp_size > 1
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load_model(self, path: str) -> weights_io.WeightsFile:
+        """Read and check the weights file, build the model on the device, load this rank's
+        shard strictly, allocate the KV caches and register the layers in the config.
+
+        Raises:
+            WeightsError: the file is unreadable, or not made for this runner's model.
+        """
+        if self.model is not None:
+            raise RuntimeError("a model is loaded already; create a new runner to load another")
+        info, state = weights_io.read_weights(path)
+        if self.model_config is None:
+            self.model_config = info.config
+        if info.config != self.model_config:
+            raise weights_io.WeightsError(
+                f"weights file {path!r} was made for {info.config}, this runner's model is "
+                f"{self.model_config}"
+            )
+        ep_size, ep_rank = (self.dp_size, self.dp_rank) if self.expert_parallel else (1, 0)
+        state = weights_io.shard_state_dict(state, info.config, ep_size, ep_rank)
+        with torch.device(self.device):
+            model = MoETransformer(
+                self.model_config,
+                dp_size=self.dp_size,
+                dp_rank=self.dp_rank,
+                expert_parallel=self.expert_parallel,
+                moe_chunk_size=self.moe_chunk_size,
+            ).to(self.model_config.torch_dtype)
+        weights_io.load_into(model, state)
+        model.eval()
+        slots = self.max_num_reqs * self.model_config.max_model_len
+        compilation = self.vllm_config.compilation_config
+        for name, layer in model.attention_layers().items():
+            layer.bind_kv_cache(slots)
+            compilation.static_forward_context[name] = layer
+        compilation.static_all_moe_layers = model.moe_layer_names()
+        self.model, self.weights = model, info
+        return info
+
+    # -- one step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, step: SchedulerStep) -> StepOutput:
+        """Run one step (see the module docstring); every DP rank must call it each step."""
+        if not isinstance(step, SchedulerStep):
+            raise TypeError(f"step must be a SchedulerStep, got {step!r}")
+        if self.model is None or self.model_config is None:
+            raise RuntimeError("no model loaded: call load_model(path) first")
+        started = time.perf_counter()
+        self._update_requests(step)
+        scheduled = [(r, n) for r, n in step.num_scheduled_tokens.items() if n > 0]
+        # Decodes first, then prefills (as vLLM orders a batch); ties by request id.
+        scheduled.sort(key=lambda item: (item[1], item[0]))
+        requests = [self.requests[r] for r, _ in scheduled]
+        counts = [n for _, n in scheduled]
+        num_tokens = sum(counts)
+        uniform = bool(counts) and all(n == 1 for n in counts)
+        configured = self.vllm_config.compilation_config
+        mode, padded = dispatch_cudagraph(configured, num_tokens, uniform)
+        should_ubatch, across, synced = coordinate_batch_across_dp(
+            num_tokens_unpadded=num_tokens,
+            allow_microbatching=self.parallel_config.enable_dbo,
+            allow_dp_padding=configured.cudagraph_mode is not CUDAGraphMode.NONE,
+            parallel_config=self.parallel_config,
+            num_tokens_padded=padded,
+            uniform_decode=uniform,
+            num_scheduled_tokens_per_request=counts,
+            cudagraph_mode=mode.value,
+        )
+        mode = CUDAGraphMode(synced)
+        if across is not None:
+            padded = int(across[self.dp_rank])
+            if int(across.max()) == 0:
+                return StepOutput(num_tokens_across_dp=across.tolist(), skipped=True)
+        elif num_tokens == 0:
+            return StepOutput(skipped=True)
+        batch = prepare_inputs(
+            requests, counts, padded, self.model_config.max_model_len, self.device
+        )
+        descriptor = BatchDescriptor(
+            num_tokens=padded,
+            num_reqs=padded if mode is CUDAGraphMode.FULL else None,
+            uniform=uniform,
+        )
+        _, ubatch_slices = maybe_create_ubatch_slices(
+            should_ubatch, counts, padded, max(len(counts), 1), self.parallel_config.num_ubatches
+        )
+        forward_start = time.perf_counter()
+        hidden = self._forward(batch, across, mode, descriptor, ubatch_slices)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sampled = torch.argmax(logits, dim=-1).tolist()
+        self._after_step(batch, sampled)
+        if current_platform.synchronize is not None:
+            current_platform.synchronize()
+        now = time.perf_counter()
+        return StepOutput(
+            num_tokens=num_tokens,
+            num_tokens_padded=padded,
+            num_tokens_across_dp=across.tolist() if across is not None else None,
+            num_reqs=len(requests),
+            uniform_decode=uniform,
+            should_ubatch=ubatch_slices is not None,
+            ubatch_num_tokens=[s.num_tokens for s in ubatch_slices] if ubatch_slices else None,
+            cudagraph_mode=mode.name,
+            batch_descriptor=descriptor,
+            moe_chunks=self._moe_chunks(across, padded, ubatch_slices),
+            forward_ms=(now - forward_start) * 1e3,
+            step_ms=(now - started) * 1e3,
+            req_ids=batch.sample_req_ids,
+            sampled_token_ids=sampled,
+            logits=logits.cpu(),
+        )
+
+    def _forward(
+        self,
+        batch: InputBatch,
+        across: torch.Tensor | None,
+        mode: CUDAGraphMode,
+        descriptor: BatchDescriptor,
+        ubatch_slices: list | None,
+    ) -> torch.Tensor:
+        model = self.model
+        names = list(self.vllm_config.compilation_config.static_forward_context)
+        with set_forward_context(
+            {name: batch.attn_metadata for name in names},
+            self.vllm_config,
+            num_tokens=batch.num_tokens_padded,
+            num_tokens_across_dp=across,
+            cudagraph_runtime_mode=mode,
+            batch_descriptor=descriptor,
+            ubatch_slices=ubatch_slices,
+            slot_mapping={name: batch.slot_mapping for name in names},
+        ):
+            if get_forward_context().ubatch_slices is None:
+                return model(batch.input_ids, batch.positions)
+            return self._run_ubatches(batch, names, descriptor)
+
+    def _run_ubatches(
+        self, batch: InputBatch, names: list[str], descriptor: BatchDescriptor
+    ) -> torch.Tensor:
+        """Run each micro-batch under its own forward context, one after the other.
+
+        vLLM overlaps micro-batches on two threads and CUDA streams; here they run in turn,
+        which keeps what each sees (its own context, attention metadata, slots and DP
+        counts) without the overlap. The first writes its tokens' keys and values to the
+        cache before the second attends to them. Every rank splits at the same point (the
+        ranks agreed on one padded size), so the MoE collectives stay in lockstep.
+        """
+        outputs = []
+        for ubatch in get_forward_context().ubatch_slices or []:
+            a, b = ubatch.token_slice.start, ubatch.token_slice.stop
+            meta = batch.attn_metadata.slice(a, b)
+            dp_meta = None
+            if self.dp_size > 1:
+                counts = torch.full((self.dp_size,), b - a, dtype=torch.int32)
+                dp_meta = DPMetadata.make(self.parallel_config, b - a, counts)
+            context = create_forward_context(
+                {name: meta for name in names},
+                self.vllm_config,
+                dp_metadata=dp_meta,
+                cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                batch_descriptor=descriptor,
+                slot_mapping={name: batch.slot_mapping[a:b] for name in names},
+            )
+            with override_forward_context(context):
+                outputs.append(self.model(batch.input_ids[a:b], batch.positions[a:b]))
+        return torch.cat(outputs)
+
+    def _moe_chunks(self, across: torch.Tensor | None, padded: int, ubatches: list | None) -> int:
+        """DP chunks one MoE layer walked in this step (summed over micro-batches)."""
+        if across is None:
+            return 0
+        sizes = [u.num_tokens for u in ubatches] if ubatches else [int(across.max())]
+        return sum(max(1, -(-n // self.moe_chunk_size)) for n in sizes)
+
+    # -- request state ---------------------------------------------------------------------
+
+    def _update_requests(self, step: SchedulerStep) -> None:
+        """Apply finished and new requests. Checks everything first (ids, token ids, the
+        tokens each request can compute, the length limit): a refused step changes
+        nothing, and is refused before this rank enters the step's collectives."""
+        vocab = self.model_config.vocab_size
+        staying = set(self.requests) - set(step.finished)
+        for req_id, prompt in step.new_requests.items():
+            if req_id in staying:
+                raise ValueError(f"request {req_id!r} is already running")
+            for token in prompt:
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise ValueError(
+                        f"request {req_id!r}: token id {token!r} is not in 0..{vocab - 1}"
+                    )
+        known = staying | set(step.new_requests)
+        unknown = [r for r in step.num_scheduled_tokens if r not in known]
+        if unknown:
+            raise ValueError(f"scheduled request(s) {unknown} are not running (never added?)")
+        max_len = self.model_config.max_model_len
+        for req_id, n in step.num_scheduled_tokens.items():
+            if req_id in step.new_requests:
+                computed, known_tokens = 0, len(step.new_requests[req_id])
+            else:
+                state = self.requests[req_id]
+                computed, known_tokens = state.num_computed, len(state.token_ids)
+            if n > known_tokens - computed:
+                raise ValueError(
+                    f"request {req_id!r} has {known_tokens - computed} token(s) to compute, "
+                    f"{n} were scheduled"
+                )
+            if computed + n > max_len:
+                raise ValueError(
+                    f"request {req_id!r} would reach {computed + n} tokens, beyond "
+                    f"max_model_len {max_len}"
+                )
+        freed = [self.requests[r].region for r in step.finished if r in self.requests]
+        if len(staying) + len(step.new_requests) > self.max_num_reqs:
+            raise ValueError(
+                f"{len(staying) + len(step.new_requests)} requests would run at once; "
+                f"this runner holds at most max_num_reqs={self.max_num_reqs}"
+            )
+        for req_id in step.finished:
+            self.requests.pop(req_id, None)
+        self._free_regions.extend(freed)
+        for req_id, prompt in step.new_requests.items():
+            region = self._free_regions.pop(0)
+            self.requests[req_id] = RequestState(req_id, list(prompt), len(prompt), 0, region)
+
+    def _after_step(self, batch: InputBatch, sampled: list[int]) -> None:
+        for req_id, n in zip(batch.req_ids, batch.num_scheduled):
+            self.requests[req_id].num_computed += n
+        for req_id, token in zip(batch.sample_req_ids, sampled):
+            self.requests[req_id].token_ids.append(int(token))
+
+    def request_tokens(self, req_id: str) -> list[int]:
+        """Every known token of a running request: its prompt, then the sampled ones."""
+        state = self.requests.get(req_id)
+        if state is None:
+            raise ValueError(f"request {req_id!r} is not running")
+        return list(state.token_ids)

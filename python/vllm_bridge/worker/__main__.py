@@ -1,6 +1,0 @@
-"""Entry point: ``python -m vllm_bridge.worker``."""
-
-from vllm_bridge.worker.server import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())
