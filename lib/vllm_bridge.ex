@@ -40,7 +40,8 @@ defmodule VllmBridge do
   about to go; `VllmBridge.Session.LooseRefs`). `release/2` releases either earlier.
   """
 
-  alias VllmBridge.{Error, Pool, Ref, Request, Route, Runtime, Session, Wire}
+  alias VllmBridge.{Error, Pool, Ref, Session}
+  alias VllmBridge.Call.{Request, Route, Runtime, Wire}
   alias VllmBridge.Session.LooseRefs
 
   @typedoc "What to call: a module attribute path, or an attribute of a referenced object."
@@ -105,7 +106,7 @@ defmodule VllmBridge do
 
   An `enter` that times out leaves nothing entered: `{:error, %Error{type: :timeout}}`,
   and the context is exited again as soon as `__enter__` returns (see
-  `VllmBridge.Request`), so later calls of the session do not run inside it. Making the
+  `VllmBridge.Call.Request`), so later calls of the session do not run inside it. Making the
   context manager (the call of `target`) is interrupted like any call, but `__enter__`
   itself never is (an interruption just after it returned could not be told from one
   inside it, and the context would leak): an `__enter__` still running `cancel_grace` ms

@@ -47,7 +47,8 @@ defmodule VllmBridge.Session do
   next call runs normally (see `VllmBridge.Worker`).
   """
 
-  alias VllmBridge.{Error, Request, Runtime, Wire}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Session.Manager
 

@@ -22,7 +22,8 @@ defmodule VllmBridge.Stream do
   they run after it, and the reader may be waiting for them.
   """
 
-  alias VllmBridge.{Error, Ref, Request, Route, Runtime, Wire}
+  alias VllmBridge.{Error, Ref}
+  alias VllmBridge.Call.{Request, Route, Runtime, Wire}
   alias VllmBridge.Session.LooseRefs
 
   # Python's vllm_bridge.protocol.flow.STREAM_WINDOW, and the credit sent back each time
@@ -138,7 +139,7 @@ defmodule VllmBridge.Stream do
 
   # Chunks already on their way hold references nobody else can reach (outside a session
   # nobody would ever release them; in one, they would hold their objects until it
-  # closes): settle with the worker (as VllmBridge.Request.give_up/2 does) and release,
+  # closes): settle with the worker (as VllmBridge.Call.Request.give_up/2 does) and release,
   # in their session, those of the chunks that came before its :cancelled (it releases
   # those of later ones itself). The answer comes on an alias of its own: the stream's
   # may be gone already (a stream that raised), and the worker's messages keep their

@@ -5,14 +5,14 @@ defmodule VllmBridge.Worker do
 
   Its whole job on the hot path: write a caller's pre-encoded request to the port and
   record `id => caller` in its table of calls in flight; cut the port's bytes into frames
-  (`VllmBridge.Worker.Framer`), read a frame's kind and id (`VllmBridge.Wire.peek/1`, not
+  (`VllmBridge.Worker.Framer`), read a frame's kind and id (`VllmBridge.Call.Wire.peek/1`, not
   a full decode) and send the frame as it is to the caller, who decodes it. Callers wait
   in their own `receive`, on a process alias with a monitor on this process, each with
   its own deadline.
 
     * **Frame size.** A request frame over `:max_frame_bytes` is refused with
       `:bad_argument` instead of being written (a pool's callers are refused earlier,
-      before a slot is reserved: `VllmBridge.Route`). A header from the Python process
+      before a slot is reserved: `VllmBridge.Call.Route`). A header from the Python process
       declaring more means the stream cannot be trusted: the Python process is killed,
       every call in flight gets `:worker_exit` naming the length and the limit, and this
       process stops (its supervisor starts a new one).
@@ -25,7 +25,7 @@ defmodule VllmBridge.Worker do
       `{:error, %VllmBridge.Error{type: :worker_exit}}` saying so at once and this process
       stops; its supervisor starts a new one (a new Python process, a new `instance`).
     * **Timeouts, and callers that die.** A caller that gives up settles its call through
-      here (`VllmBridge.Request.give_up/2`: `:cancelled` comes back after any reply
+      here (`VllmBridge.Call.Request.give_up/2`: `:cancelled` comes back after any reply
       already passed on), and the calls of a caller that dies (each waiting caller is
       monitored) are cancelled the same way: Python drops a queued call and interrupts a
       running one where it is (docs/PROTOCOL.md, "Cancel"), so its slot comes back and
@@ -50,7 +50,8 @@ defmodule VllmBridge.Worker do
 
   require Logger
 
-  alias VllmBridge.{Error, Request, Wire}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.{Request, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Worker.{Calls, Framer, Launcher, PythonLog}
 
@@ -113,7 +114,7 @@ defmodule VllmBridge.Worker do
           {:ok, term()} | {:error, Error.t()}
   def call(worker, module, name, args \\ [], kwargs \\ %{}, timeout \\ 5_000) do
     pid = GenServer.whereis(worker)
-    deadline = VllmBridge.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
+    deadline = VllmBridge.Call.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
 
     with {:ok, parts} <- Wire.encode_invoke({module, name}, args, kwargs) do
       req = Request.new("call", [Wire.value(nil)], true, parts, {module, name})
@@ -127,7 +128,7 @@ defmodule VllmBridge.Worker do
   """
   @spec ping(GenServer.server(), timeout()) :: {:ok, map()} | {:error, Error.t()}
   def ping(worker, timeout \\ 5_000) do
-    deadline = VllmBridge.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
+    deadline = VllmBridge.Call.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
     Request.call(GenServer.whereis(worker), Request.new("ping", [], false, []), deadline, false)
   end
 
@@ -240,7 +241,7 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # A request from a caller (VllmBridge.Request): written to the port and put in the
+  # A request from a caller (VllmBridge.Call.Request): written to the port and put in the
   # table of calls in flight (VllmBridge.Worker.Calls), unless the table refuses it.
   def handle_info({:"$vb_req", id, alias, caller, frame, size, deadline, counted, what}, state) do
     # (A body too long to be framed, frame nil, is over any limit: `max_frame` is capped
@@ -266,7 +267,7 @@ defmodule VllmBridge.Worker do
     {:noreply, state}
   end
 
-  # A caller gives up (VllmBridge.Request.give_up/2, or a stream that stops): cancel as
+  # A caller gives up (VllmBridge.Call.Request.give_up/2, or a stream that stops): cancel as
   # above, then answer, always. A reply already passed on reaches the caller first.
   def handle_info({:"$vb_settle", id, alias}, state) do
     state = cancel(state, id)
@@ -385,7 +386,7 @@ defmodule VllmBridge.Worker do
   # does everything in flight get :worker_exit, so that a caller that retries at once
   # finds it gone (its session lost, saying why) instead of reserving on it. The Python
   # process is closed (and killed if it lingers). Requests still in this mailbox see the
-  # stop reason, `{:shutdown, {:worker_exit, message}}` (VllmBridge.Request.worker_down/1).
+  # stop reason, `{:shutdown, {:worker_exit, message}}` (VllmBridge.Call.Request.worker_down/1).
   defp shut(state, message) do
     if state.meta do
       Directory.worker_down(state.pool, state.index, state.instance, message)

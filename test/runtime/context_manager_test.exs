@@ -8,7 +8,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
   @pool :rt_context
   use VllmBridge.StreamContextCase
 
-  alias VllmBridge.{Request, Wire}
+  alias VllmBridge.Call.{Request, Wire}
 
   # Sends an enter of diag.recorder(name) in session `s` straight to worker `w`, as
   # VllmBridge.enter/4 would, without waiting: the request's handle.

@@ -29,7 +29,8 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
   import Bitwise
   import VllmBridge.RuntimeHelpers
 
-  alias VllmBridge.{Bytes, Error, Object, Ref, Request, Tensor, Wire}
+  alias VllmBridge.{Bytes, Error, Object, Ref, Tensor}
+  alias VllmBridge.Call.{Request, Wire}
   alias VllmBridge.Codec.Msgpack
   alias VllmBridge.Runtime.EchoFuzzTest.Sample
   alias VllmBridge.TestSupport.{TermGen, Unchecked}

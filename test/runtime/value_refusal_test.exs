@@ -14,7 +14,8 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
 
   import VllmBridge.RuntimeHelpers
 
-  alias VllmBridge.{Error, Request, Runtime, Session, Wire}
+  alias VllmBridge.{Error, Session}
+  alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Codec.Msgpack
   alias VllmBridge.TestSupport.Unchecked
 

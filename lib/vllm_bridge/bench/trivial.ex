@@ -6,7 +6,7 @@ defmodule VllmBridge.Bench.Trivial do
   back), so the figures include the binding's argument handling.
   """
 
-  alias VllmBridge.{Request, Wire}
+  alias VllmBridge.Call.{Request, Wire}
 
   @target {"vllm_bridge.forward_context", "is_forward_context_available"}
 

@@ -17,7 +17,8 @@ defmodule VllmBridge.Pool.Checkout do
       how many calls it has or that it is restarting. Never queued.
   """
 
-  alias VllmBridge.{Error, Runtime}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.Runtime
   alias VllmBridge.Pool.{Meta, Slots}
 
   @typedoc "Which workers a call may take."

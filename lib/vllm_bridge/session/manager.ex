@@ -8,7 +8,8 @@ defmodule VllmBridge.Session.Manager do
 
   @spec child_spec(term()) :: Supervisor.child_spec()
 
-  alias VllmBridge.{Error, Request, Session}
+  alias VllmBridge.{Error, Session}
+  alias VllmBridge.Call.Request
   alias VllmBridge.Pool.Directory
 
   @doc false

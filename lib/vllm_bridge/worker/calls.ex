@@ -13,7 +13,8 @@ defmodule VllmBridge.Worker.Calls do
   # and status is :live (a caller waits on `alias`, monitored by `monitor`), :detached
   # (nobody waits) or {:cancelled, since} (cancel sent, `cancel_grace` running).
 
-  alias VllmBridge.{Error, Request, Wire}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.{Request, Wire}
   alias VllmBridge.Pool.Slots
 
   defstruct map: %{}, arrivals: 0, slot: nil, seen: nil, settled: MapSet.new()
@@ -53,7 +54,7 @@ defmodule VllmBridge.Worker.Calls do
   # `{:refused, t}` once its caller has been answered (and its slot given back): its
   # caller gave up while the worker was starting, its id is in use, or its body (`size`,
   # as its caller counted it) is over the frame limit `max`. The limit is checked before a slot is taken on a pool's path
-  # (VllmBridge.Route); this catches the others (Worker.call, a session's close, a
+  # (VllmBridge.Call.Route); this catches the others (Worker.call, a session's close, a
   # release) before Python would see a header over its limit and end the stream.
   @spec admit(
           t(),

@@ -104,7 +104,7 @@ defmodule VllmBridge.Worker.Launcher do
 
   @doc """
   `handshake/3` for the worker process: meanwhile it answers the callers that give up
-  (`{:"$vb_settle", id, alias}`, see `VllmBridge.Request.give_up/2`) with `:cancelled`
+  (`{:"$vb_settle", id, alias}`, see `VllmBridge.Call.Request.give_up/2`) with `:cancelled`
   at once, and returns their ids, whose requests (still in its mailbox) it must drop;
   and what came after the hello: `{framer, frames}` (the framer's state, and whole
   frames read with the hello, to be handled as if they had arrived after it).

@@ -1,4 +1,4 @@
-defmodule VllmBridge.Wire do
+defmodule VllmBridge.Call.Wire do
   @moduledoc """
   The messages of docs/PROTOCOL.md as frames: building requests from pre-encoded parts,
   reading just the kind and id of a worker frame (`peek/1`, what the worker process needs to
@@ -48,7 +48,7 @@ defmodule VllmBridge.Wire do
   def request(kind, id, fields), do: request(kind, id, fields, IO.iodata_length(fields))
 
   @doc """
-  `request/3` when the byte size of `fields` is known already (`VllmBridge.Request`
+  `request/3` when the byte size of `fields` is known already (`VllmBridge.Call.Request`
   counts its encoded arguments once, before anything is reserved), so that they are not
   walked again.
   """

@@ -1,4 +1,4 @@
-defmodule VllmBridge.Request do
+defmodule VllmBridge.Call.Request do
   @moduledoc """
   The caller's side of one request to one worker process: build the frame (fresh id,
   milliseconds left of the deadline), send it to the worker, wait for the reply in the
@@ -33,7 +33,8 @@ defmodule VllmBridge.Request do
       worker its Python process (`VllmBridge.Worker`).
   """
 
-  alias VllmBridge.{Error, Runtime, Wire}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.{Runtime, Wire}
 
   @enforce_keys [:kind]
   defstruct kind: nil, pre: [], timed: true, post: [], size: 0, target: nil
@@ -70,7 +71,7 @@ defmodule VllmBridge.Request do
     %__MODULE__{kind: kind, pre: pre, timed: timed, post: post, size: size, target: target}
   end
 
-  @doc "The most bytes the body of `req`'s frame can take (`VllmBridge.Wire.max_request_size/3`)."
+  @doc "The most bytes the body of `req`'s frame can take (`VllmBridge.Call.Wire.max_request_size/3`)."
   @spec max_size(t()) :: pos_integer()
   def max_size(%__MODULE__{kind: kind, timed: timed, size: size}),
     do: Wire.max_request_size(kind, timed, size)

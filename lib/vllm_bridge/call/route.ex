@@ -1,7 +1,7 @@
-defmodule VllmBridge.Route do
+defmodule VllmBridge.Call.Route do
   @moduledoc """
   Where one request goes, decided in the caller's process from its resolved runtime
-  options (`VllmBridge.Runtime`):
+  options (`VllmBridge.Call.Runtime`):
 
     * bound to a reference (a target `{%Ref{}, path}`, the handle of `exit`, the refs of
       `release`): the worker whose handshake instance the reference carries, whatever the
@@ -17,7 +17,8 @@ defmodule VllmBridge.Route do
   session or reference belongs to.
   """
 
-  alias VllmBridge.{Error, Ref, Request, Runtime, Session, Wire}
+  alias VllmBridge.{Error, Ref, Session}
+  alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Checkout, Directory, Meta, Slots}
 
   @enforce_keys [:meta, :constraint]
