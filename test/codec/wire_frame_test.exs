@@ -38,7 +38,7 @@ defmodule VllmBridge.WireFrameTest do
         timeout <- [nil, 0, 127, 128, 65_536, 4_294_967_296],
         id <- [0, 127, 255, 65_536, 1 <<< 40] do
       {:ok, parts} = Wire.encode_invoke({"vllm_bridge.diag", "echo"}, args, %{})
-      req = VllmBridge.Call.Request.new("call", [Wire.value("s")], true, parts)
+      req = VllmBridge.Call.Request.new("call", pre: [Wire.value("s")], post: parts)
       fields = req.pre ++ [Wire.value(timeout) | req.post]
       frame = Wire.request("call", id, fields)
 

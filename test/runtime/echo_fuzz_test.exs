@@ -184,7 +184,7 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
     args = [0x91 | Msgpack.encode(term, Unchecked, 2000)]
     parts = [Wire.value(["m", "vllm_bridge.diag", "echo"]), args, Wire.value(%{})]
     deadline = System.monotonic_time(:millisecond) + 30_000
-    Request.call(pid, Request.new("call", [Wire.value(nil)], true, parts), deadline, false)
+    Request.call(pid, Request.new("call", pre: [Wire.value(nil)], post: parts), deadline)
   end
 
   # What comes back: %Bytes{} is how Elixir asks for msgpack bin; it returns as a binary;
