@@ -1,25 +1,24 @@
 defmodule VllmBridge.Bindings.Generator do
-  @moduledoc """
-  Generates the bindings (`mix vllm.gen.bindings`): reads each Python module through a
-  worker (`vllm_bridge.introspect.describe_module`), writes what it read as a manifest,
-  `priv/bindings/<python module>.json` (`VllmBridge.Bindings.Json`), and the Elixir code
-  under `lib/vllm/` from those manifests.
-
-  The worker runs in a pool of its own whose allow-list is `vllm_bridge.introspect` alone
-  (that module imports only modules of `vllm_bridge.PUBLIC_MODULES`, and returns plain
-  data, so the worker needs no other module).
-
-  The Python modules bound, and whether their private (`_name`) functions are:
-
-  | module | private functions |
-  |---|---|
-  | `vllm_bridge.forward_context` | yes (vLLM's bindings have `_compute_sp_num_tokens/2..3`, ...) |
-  | `vllm_bridge.config` | no |
-  | `vllm_bridge.cudagraph` | no |
-  | `vllm_bridge.ubatch` | no |
-  | `vllm_bridge.dp` | no |
-  | `vllm_bridge.runner` | no (the demo's model runner) |
-  """
+  @moduledoc false
+  # Generates the bindings (`mix vllm.gen.bindings`): reads each Python module through a
+  # worker (`vllm_bridge.introspect.describe_module`), writes what it read as a manifest,
+  # `priv/bindings/<python module>.json` (`VllmBridge.Bindings.Json`), and the Elixir code
+  # under `lib/vllm/` from those manifests.
+  #
+  # The worker runs in a pool of its own whose allow-list is `vllm_bridge.introspect` alone
+  # (that module imports only modules of `vllm_bridge.PUBLIC_MODULES`, and returns plain
+  # data, so the worker needs no other module).
+  #
+  # The Python modules bound, and whether their private (`_name`) functions are:
+  #
+  # | module | private functions |
+  # |---|---|
+  # | `vllm_bridge.forward_context` | yes (vLLM's bindings have `_compute_sp_num_tokens/2..3`, ...) |
+  # | `vllm_bridge.config` | no |
+  # | `vllm_bridge.cudagraph` | no |
+  # | `vllm_bridge.ubatch` | no |
+  # | `vllm_bridge.dp` | no |
+  # | `vllm_bridge.runner` | no (the demo's model runner) |
 
   alias VllmBridge.Bindings.{Json, Naming}
   alias VllmBridge.Bindings.Gen.{Files, Model}
