@@ -3,9 +3,9 @@ defmodule VllmBridge.Worker.Launcher do
   # Starting and ending one Python worker OS process: the port (`{:spawn_executable,
   # python}`, `-m vllm_bridge.worker [--allow M ...] [--max-refs N] [--poll-us N]
   # --max-frame-bytes N`, `:stream`, `:binary`, `:nouse_stdio`, `:exit_status`; frames are
-  # cut by `VllmBridge.Worker.Framer`), the handshake with its version and frame-limit
-  # checks and start timeout, and making sure the process is gone (EOF first, `kill -9` if
-  # it lingers).
+  # cut by `VllmBridge.Worker.Framer`), and making sure the process is gone (EOF first,
+  # `kill -9` if it lingers). The handshake is the worker process's first state
+  # (VllmBridge.Worker.Starting, checked by VllmBridge.Worker.Hello).
 
   require Logger
 
