@@ -3,8 +3,15 @@ defmodule VllmBridge do
   The public entry of the bridge: call Python functions, read attributes, stream
   generators and use context managers in a pool of Python worker processes.
 
-      {:ok, _} = VllmBridge.start_pool(:default, size: 2)
-      {:ok, 3} = VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2])
+      iex> {:ok, _pid} = VllmBridge.start_pool(:example, size: 1)
+      iex> VllmBridge.call({"vllm_bridge.forward_context", "is_forward_context_available"},
+      ...>   [], %{}, pool_name: :example)
+      {:ok, false}
+      iex> VllmBridge.stop_pool(:example)
+      :ok
+
+  A call that names no `pool_name` goes to the pool `:default` (the examples of the
+  functions below run with one started).
 
   **Targets** are `{"module", "path"}` (a dotted attribute path inside an allow-listed
   module: a function, a class, `"DPMetadata.make"`, a module attribute) or
@@ -24,7 +31,7 @@ defmodule VllmBridge do
   has not stopped `cancel_grace` ms (a pool option, 5 000 by default) after its cancel is
   stuck (in C code, in an `__enter__`, or it caught the interruption and went on): its
   worker's Python process is killed and restarted, and every call and session that loses
-  it says why (`VllmBridge.Worker`). Like Ctrl-C, an interruption can leave the
+  it says why (`:worker_exit`, `:session_lost`). Like Ctrl-C, an interruption can leave the
   interrupted code's own state half-updated if it lands in that code's cleanup.
 
   **Results** are what `VllmBridge.Codec` decodes: plain values, structs for registered
@@ -37,10 +44,11 @@ defmodule VllmBridge do
   session to the session (released when it closes or its owner process exits), those
   made outside any session to the process that made the call or read the stream
   (released when that process exits, so a `Task` that returns one hands over a reference
-  about to go; `VllmBridge.Session.LooseRefs`). `release/2` releases either earlier.
+  about to go). `release/2` releases either earlier.
   """
 
-  alias VllmBridge.{Error, Pool, Ref, Request, Route, Runtime, Session, Wire}
+  alias VllmBridge.{Error, Pool, Ref, Session}
+  alias VllmBridge.Call.{Context, Run, Runtime, Wire}
   alias VllmBridge.Session.LooseRefs
 
   @typedoc "What to call: a module attribute path, or an attribute of a referenced object."
@@ -64,21 +72,37 @@ defmodule VllmBridge do
   @doc """
   Calls `target(*args, **kwargs)` in a worker. `kwargs` is a map or keyword list with
   string or atom keys.
+
+      iex> VllmBridge.call({"vllm_bridge.forward_context", "is_forward_context_available"})
+      {:ok, false}
+      iex> {:error, %VllmBridge.Error{type: type}} =
+      ...>   VllmBridge.call({"vllm_bridge.forward_context", "no_such_function"})
+      iex> type
+      :bad_argument
   """
-  @spec call(target(), list(), map() | keyword(), Runtime.opts()) :: result(term())
+  @spec call(target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) :: result(term())
   def call(target, args \\ [], kwargs \\ %{}, opts \\ []) do
     with {:ok, rt} <- Runtime.resolve(opts),
          {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
-      run(rt, {"call", target}, bound_ref(target), {args, kwargs}, parts, true)
+      Run.run(rt, "call", parts,
+        what: target,
+        bound: Run.bound_ref(target),
+        payload: {args, kwargs}
+      )
     end
   end
 
-  @doc "Reads an attribute: a module attribute, a class attribute, or one of a referenced object."
-  @spec get(target(), Runtime.opts()) :: result(term())
+  @doc """
+  Reads an attribute: a module attribute, a class attribute, or one of a referenced object.
+
+      iex> VllmBridge.get({"vllm_bridge.forward_context", "track_batchsize"})
+      {:ok, false}
+  """
+  @spec get(target(), VllmBridge.Runtime.opts()) :: result(term())
   def get(target, opts \\ []) do
     with {:ok, rt} <- Runtime.resolve(opts),
          {:ok, parts} <- Wire.encode_invoke(target, nil, nil) do
-      run(rt, {"get", target}, bound_ref(target), nil, parts, true)
+      Run.run(rt, "get", parts, what: target, bound: Run.bound_ref(target))
     end
   end
 
@@ -88,7 +112,8 @@ defmodule VllmBridge do
   generator; errors during enumeration raise `VllmBridge.Error`. See `VllmBridge.Stream`
   (`timeout` bounds the wait for each chunk, `stream_timeout` the whole stream).
   """
-  @spec stream(target(), list(), map() | keyword(), Runtime.opts()) :: result(Enumerable.t())
+  @spec stream(target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) ::
+          result(Enumerable.t())
   def stream(target, args \\ [], kwargs \\ %{}, opts \\ []),
     do: VllmBridge.Stream.new(target, args, kwargs, opts)
 
@@ -105,19 +130,21 @@ defmodule VllmBridge do
 
   An `enter` that times out leaves nothing entered: `{:error, %Error{type: :timeout}}`,
   and the context is exited again as soon as `__enter__` returns (see
-  `VllmBridge.Request`), so later calls of the session do not run inside it. Making the
+  `VllmBridge.Session`), so later calls of the session do not run inside it. Making the
   context manager (the call of `target`) is interrupted like any call, but `__enter__`
   itself never is (an interruption just after it returned could not be told from one
   inside it, and the context would leak): an `__enter__` still running `cancel_grace` ms
   after the timeout (5 s by default) has its Python process killed, so the worker
-  restarts and its sessions are lost (`VllmBridge.Worker`).
+  restarts and its sessions are lost (`:session_lost`, saying why).
   """
-  @spec enter(target(), list(), map() | keyword(), Runtime.opts()) :: result({Ref.t(), term()})
+  @spec enter(target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) ::
+          result({Ref.t(), term()})
   def enter(target, args \\ [], kwargs \\ %{}, opts \\ []) do
     with {:ok, rt} <- Runtime.resolve(opts),
          :ok <- in_a_session(rt, target),
          {:ok, parts} <- Wire.encode_invoke(target, args, kwargs),
-         {:ok, [handle, value]} <- run(rt, {"enter", target}, bound_ref(target), nil, parts, true) do
+         {:ok, [handle, value]} <-
+           Run.run(rt, "enter", parts, what: target, bound: Run.bound_ref(target)) do
       {:ok, {handle, value}}
     else
       {:ok, other} -> {:error, Error.new(:protocol, "enter answered #{inspect(other, limit: 5)}")}
@@ -150,15 +177,16 @@ defmodule VllmBridge do
   `{:error, %Error{type: :timeout}}`, but the exit still runs, before any later call of
   the session (a worker runs requests in arrival order). `release/2` likewise.
   """
-  @spec exit(Ref.t(), nil | Exception.t() | String.t(), Runtime.opts()) :: result(boolean())
+  @spec exit(Ref.t(), nil | Exception.t() | String.t(), VllmBridge.Runtime.opts()) ::
+          result(boolean())
   def exit(handle, exc \\ nil, opts \\ [])
 
   def exit(%Ref{} = handle, exc, opts) do
     with {:ok, rt} <- Runtime.resolve(opts),
-         {:ok, exc_map} <- exc_map(exc) do
+         {:ok, exc_map} <- Context.exc_map(exc) do
       parts = [Wire.value(handle), Wire.value(exc_map)]
 
-      with {:ok, _} = ok <- run(rt, {"exit", handle}, handle, nil, parts, true) do
+      with {:ok, _} = ok <- Run.run(rt, "exit", parts, what: handle, bound: handle) do
         LooseRefs.forget([handle])
         ok
       end
@@ -183,111 +211,49 @@ defmodule VllmBridge do
   exit, and closes it after. While `fun` runs, that session is this process's current
   one, so calls from `fun` that name no `session_id` run in it and see the context:
 
-      VllmBridge.with_context({"vllm_bridge.forward_context", "set_forward_context"},
-        [nil, cfg], %{}, [], fn _ ->
-          VllmBridge.call({"vllm_bridge.forward_context", "is_forward_context_available"})
-        end)
-      #=> {:ok, {:ok, true}}
+      iex> cfg = %Vllm.Config.VllmConfig{}
+      iex> VllmBridge.with_context({"vllm_bridge.forward_context", "set_forward_context"},
+      ...>   [nil, cfg], %{}, [], fn _ ->
+      ...>     VllmBridge.call({"vllm_bridge.forward_context", "is_forward_context_available"})
+      ...>   end)
+      {:ok, {:ok, true}}
 
   The generated `with_…` bindings use this.
   """
-  @spec with_context(target(), list(), map() | keyword(), Runtime.opts(), (term() -> result)) ::
+  @spec with_context(
+          target(),
+          list(),
+          map() | keyword(),
+          VllmBridge.Runtime.opts(),
+          (term() -> result)
+        ) ::
           {:ok, result | nil} | {:error, Error.t()}
         when result: term()
   def with_context(target, args, kwargs, opts, fun) when is_function(fun, 1) do
     with {:ok, rt} <- Runtime.resolve(opts) do
       case {rt.session_id, target} do
         {nil, {%Ref{}, _}} ->
-          with_context_in(nil, target, args, kwargs, opts, fun)
+          Context.with_context_in(nil, target, args, kwargs, opts, fun)
 
         {nil, _} ->
           # No session given: a temporary one, in the pool the options name, for the body.
           with_session(
             fn s ->
               opts = Keyword.put(opts || [], :session_id, s.id)
-              with_context_in(s, target, args, kwargs, opts, fun)
+              Context.with_context_in(s, target, args, kwargs, opts, fun)
             end,
             Keyword.take(opts || [], [:pool_name])
           )
 
         {id, _} ->
           with {:ok, s} <- Session.lookup(id),
-               do: with_context_in(s, target, args, kwargs, opts, fun)
+               do: Context.with_context_in(s, target, args, kwargs, opts, fun)
       end
     end
   end
 
   def with_context(_target, _args, _kwargs, _opts, other),
     do: not_a_function("with_context", "the entered value", other)
-
-  # Enter, run `fun` with the session as this process's current one, always exit.
-  defp with_context_in(session, target, args, kwargs, opts, fun) do
-    body = if session, do: fn v -> Session.with_current(session, fn -> fun.(v) end) end, else: fun
-
-    with {:ok, {handle, value}} <- enter(target, args, kwargs, opts) do
-      # The exit must run: it waits for the context's worker whatever the call's affinity
-      # (under :strict_fail_fast a busy worker would otherwise leave the context entered).
-      exit_opts =
-        (opts || []) |> Keyword.drop([:pool_name]) |> Keyword.put(:affinity, :strict_queue)
-
-      try do
-        body.(value)
-      rescue
-        e ->
-          exit_after_failure(handle, e, exit_opts, :error, e, __STACKTRACE__)
-      catch
-        kind, reason ->
-          message = "#{kind}: #{inspect(reason, limit: 8)}"
-          exit_after_failure(handle, message, exit_opts, kind, reason, __STACKTRACE__)
-      else
-        result ->
-          case __MODULE__.exit(handle, nil, exit_opts) do
-            {:ok, _suppressed} -> {:ok, result}
-            {:error, e} -> {:error, e}
-          end
-      end
-    end
-  end
-
-  defp exit_after_failure(handle, exc, opts, kind, reason, stack) do
-    case __MODULE__.exit(handle, exc, opts) do
-      {:ok, true} -> {:ok, nil}
-      _ -> :erlang.raise(kind, reason, stack)
-    end
-  end
-
-  defp exc_map(nil), do: {:ok, nil}
-  defp exc_map(%Error{} = e), do: {:ok, Error.to_wire(e)}
-
-  defp exc_map(e) when is_exception(e),
-    do:
-      {:ok,
-       %{
-         "type" => "python_exception",
-         "message" => Exception.message(e),
-         "python_type" => inspect(e.__struct__),
-         "traceback" => nil,
-         "exc_id" => nil
-       }}
-
-  defp exc_map(message) when is_binary(message),
-    do:
-      {:ok,
-       %{
-         "type" => "python_exception",
-         "message" => message,
-         "python_type" => nil,
-         "traceback" => nil,
-         "exc_id" => nil
-       }}
-
-  defp exc_map(other),
-    do:
-      {:error,
-       Error.new(
-         :bad_argument,
-         "exit's error must be nil, an exception or a message, got #{inspect(other, limit: 5)}"
-       )}
 
   # -- references and sessions ------------------------------------------------------------
 
@@ -297,7 +263,7 @@ defmodule VllmBridge do
   session, the process that made the call (see **References** above). Released refs of
   that process are forgotten, so nothing is released twice.
   """
-  @spec release(Ref.t() | [Ref.t()], Runtime.opts()) :: result(non_neg_integer())
+  @spec release(Ref.t() | [Ref.t()], VllmBridge.Runtime.opts()) :: result(non_neg_integer())
   def release(refs, opts \\ [])
   def release(%Ref{} = ref, opts), do: release([ref], opts)
 
@@ -311,7 +277,11 @@ defmodule VllmBridge do
         # request's message and kept in the worker's table while it is in flight.
         what = "of #{length(group)} reference(s)"
 
-        case run(rt, {"release", what}, hd(group), nil, [Wire.value(group)], false) do
+        case Run.run(rt, "release", [Wire.value(group)],
+               what: what,
+               bound: hd(group),
+               timed: false
+             ) do
           {:ok, k} when is_integer(k) ->
             LooseRefs.forget(group)
             {:cont, {:ok, n + k}}
@@ -350,6 +320,16 @@ defmodule VllmBridge do
   runs the session is this process's current one (`VllmBridge.Session.current/0`): calls
   from `fun` that name no `session_id` (and no other pool) run in it. Tasks started in
   `fun` do not inherit it: pass them `session_id: session.id`.
+
+      iex> fc = "vllm_bridge.forward_context"
+      iex> VllmBridge.with_session(fn _session ->
+      ...>   {:ok, {handle, _context}} =
+      ...>     VllmBridge.enter({fc, "set_forward_context"}, [nil, %Vllm.Config.VllmConfig{}])
+      ...>   {:ok, true} = VllmBridge.call({fc, "is_forward_context_available"})
+      ...>   {:ok, false} = VllmBridge.exit(handle)
+      ...>   VllmBridge.call({fc, "is_forward_context_available"})
+      ...> end)
+      {:ok, false}
   """
   @spec with_session((Session.t() -> result), keyword()) :: result | {:error, Error.t()}
         when result: term()
@@ -374,54 +354,4 @@ defmodule VllmBridge do
        "#{name} needs a function of one argument (#{argument}), got #{inspect(other, limit: 5)}"
      )}
   end
-
-  # -- the common path --------------------------------------------------------------------
-
-  defp bound_ref({%Ref{} = ref, _path}), do: ref
-  defp bound_ref(_), do: nil
-
-  # Route, reserve, send, wait. `timed` says the kind carries a timeout field.
-  #
-  # `exit` and `release` clean up session state: once sent they are never cancelled (not
-  # at the deadline, not when the caller dies) and carry no deadline to the worker, which
-  # runs requests in arrival order. A caller that stops waiting gets :timeout, and the
-  # session's next call still finds the context exited.
-  defp run(rt, {kind, what}, bound, payload, parts, timed) do
-    result =
-      with {:ok, route} <- Route.resolve(rt, kind, bound, payload),
-           req = Request.new(kind, [Wire.value(route.session)], timed, parts, what),
-           {:ok, pid, _index} <- Route.checkout(route, req, rt.deadline) do
-        if kind in ["exit", "release"] do
-          pid
-          |> Request.send_request(req, :infinity, true, :reply_demonitor, false)
-          |> Request.await(rt.deadline, false)
-        else
-          pid |> Request.call(req, rt.deadline, true) |> adopt_loose(route)
-        end
-      end
-
-    case result do
-      {:error, %Error{type: :timeout} = e} -> {:error, timed_out(e, kind, what, rt)}
-      other -> other
-    end
-  end
-
-  # References a call outside any session brought back belong to the calling process
-  # (VllmBridge.Session.LooseRefs): released when it exits.
-  defp adopt_loose({:ok, value} = result, %Route{session: nil}) do
-    LooseRefs.track(self(), Ref.collect(value, session: :none))
-    result
-  end
-
-  defp adopt_loose(result, _route), do: result
-
-  # A timeout names what timed out and the timeout it had.
-  defp timed_out(e, kind, what, rt),
-    do: %{e | message: "#{kind} #{describe(what)}: #{e.message} (timeout #{rt.timeout} ms)"}
-
-  defp describe({module, path}) when is_binary(module), do: "#{module}.#{path}"
-  defp describe({%Ref{} = ref, nil}), do: "reference #{ref.id} (#{ref.type})"
-  defp describe({%Ref{} = ref, path}), do: "reference #{ref.id} (#{ref.type}).#{path}"
-  defp describe(%Ref{} = ref), do: "of reference #{ref.id} (#{ref.type})"
-  defp describe(text) when is_binary(text), do: text
 end

@@ -2,6 +2,22 @@ defmodule VllmBridge.WorkerSkeletonTest do
   use ExUnit.Case, async: true
 
   alias VllmBridge.Worker
+  alias VllmBridge.Worker.{Framer, Hello, Launcher}
+
+  # The hello of a raw port (what a worker process waits for while it starts).
+  defp await_hello(port, framer \\ Framer.new()) do
+    max = Launcher.default_max_frame_bytes()
+
+    receive do
+      {^port, {:data, data}} ->
+        case Framer.feed(framer, data, max) do
+          {:ok, [], framer} -> await_hello(port, framer)
+          {:ok, [hello | _], _framer} -> Hello.check(hello, max)
+        end
+    after
+      60_000 -> flunk("no hello within 60 s")
+    end
+  end
 
   test "the worker announces itself, then answers a call" do
     {:ok, w} = Worker.start_link()
@@ -32,7 +48,7 @@ defmodule VllmBridge.WorkerSkeletonTest do
   test "the Python process exits by itself when its port closes" do
     # A raw port, closed with nothing behind it that would kill a process that stays.
     {:ok, port} = VllmBridge.Worker.Launcher.open([])
-    {:ok, %{"pid" => os_pid}} = VllmBridge.Worker.Launcher.handshake(port, 60_000)
+    {:ok, %{"pid" => os_pid}} = await_hello(port)
     assert alive?(os_pid)
     Port.close(port)
     assert wait_gone(os_pid, 1_000), "python process #{os_pid} still alive 1 s after EOF"
@@ -40,7 +56,7 @@ defmodule VllmBridge.WorkerSkeletonTest do
 
   test "closing a worker reports that its process left by itself" do
     {:ok, port} = VllmBridge.Worker.Launcher.open([])
-    {:ok, %{"pid" => os_pid}} = VllmBridge.Worker.Launcher.handshake(port, 60_000)
+    {:ok, %{"pid" => os_pid}} = await_hello(port)
     assert VllmBridge.Worker.Launcher.close(port, os_pid, 5_000) == :exited
     refute alive?(os_pid)
   end

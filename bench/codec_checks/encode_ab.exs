@@ -29,7 +29,7 @@ for c <- cases do
 
   {o, w} =
     Enum.reduce(1..7, {[], []}, fn _, {o, w} ->
-      {[run.(Old.Wire, c, n) | o], [run.(VllmBridge.Wire, c, n) | w]}
+      {[run.(Old.Wire, c, n) | o], [run.(VllmBridge.Call.Wire, c, n) | w]}
     end)
 
   IO.puts(

@@ -29,7 +29,7 @@ defmodule VllmBridge.Bindings do
   wrong number of arguments.
 
   **Types.** Every argument is checked against its parameter's type hint before anything
-  is sent (`VllmBridge.Bindings.Type`), and a mismatch is `:bad_argument` naming the
+  is sent, and a mismatch is `:bad_argument` naming the
   parameter, the expected type and the value. Python then checks values (ranges,
   consistency) and answers a refusal as `:python_exception` (or `:bad_argument` for a
   dataclass that refuses its fields).

@@ -1,8 +1,7 @@
 defmodule VllmBridge.Codec do
   @moduledoc """
   The bridge's value codec: msgpack plus the extension types of docs/PROTOCOL.md
-  ("Values and extension types"). The engine is `VllmBridge.Codec.Msgpack`; the extension
-  types are `VllmBridge.Codec.Ext`.
+  ("Values and extension types"), written by the bridge's own msgpack engine.
 
   | Elixir | wire | decodes back to |
   |---|---|---|

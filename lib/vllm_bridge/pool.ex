@@ -18,7 +18,7 @@ defmodule VllmBridge.Pool do
   least loaded worker with room (at most `max_in_flight` calls pipelined per worker);
   when every worker is full it waits in the pool's bounded queue, and past `queue_size`
   waiters it gets `{:error, %VllmBridge.Error{type: :queue_full}}`. The choice is made in
-  the caller's process with atomics (`VllmBridge.Pool.Slots`): no pool process sits on
+  the caller's process with atomics: no pool process sits on
   the path of a call unless it has to queue.
 
   A worker whose Python process dies is restarted by the pool's supervisor; until its new

@@ -44,10 +44,11 @@ defmodule VllmBridge.Session do
   when this node knows (it exited with a status, or it was killed because a call did not
   stop within `cancel_grace` of its cancel); close it and open a new one. A call that
   times out does not cost the session: it is interrupted in Python and the session's
-  next call runs normally (see `VllmBridge.Worker`).
+  next call runs normally (see `VllmBridge`, "Timeouts cancel in place").
   """
 
-  alias VllmBridge.{Error, Request, Runtime, Wire}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Session.Manager
 
@@ -109,9 +110,9 @@ defmodule VllmBridge.Session do
         targets
         |> Enum.map(fn {pid, _} ->
           req = close_request(id)
-          Request.send_request(pid, req, :infinity, false, :reply_demonitor, false)
+          Request.send_request(pid, req, :infinity, cancel_on_caller_exit: false)
         end)
-        |> Enum.map(&Request.await(&1, deadline, false))
+        |> Enum.map(&Request.await(&1, deadline, on_timeout: :forget))
         |> Enum.find(:ok, &match?({:error, %Error{type: type}} when type != :worker_exit, &1))
         |> case do
           :ok ->
@@ -163,7 +164,8 @@ defmodule VllmBridge.Session do
     end
   end
 
-  @doc "The open session with this id."
+  @doc false
+  # The open session with this id.
   @spec lookup(String.t()) :: {:ok, t()} | {:error, Error.t()}
   def lookup(id) do
     case :ets.lookup(Directory.table(), {:session, id}) do
@@ -179,10 +181,9 @@ defmodule VllmBridge.Session do
     end
   end
 
-  @doc """
-  The session's worker now, if it is still the process the session was opened on:
-  `{:ok, pid}`, or `:session_lost`.
-  """
+  @doc false
+  # The session's worker now, if it is still the process the session was opened on:
+  # `{:ok, pid}`, or `:session_lost`.
   @spec home(t()) :: {:ok, pid()} | {:error, Error.t()}
   def home(%__MODULE__{pool: pool, worker: index, instance: instance} = s) do
     case Directory.worker(pool, index) do
@@ -217,7 +218,7 @@ defmodule VllmBridge.Session do
 
   @doc false
   @spec close_request(String.t()) :: Request.t()
-  def close_request(id), do: Request.new("close", [Wire.value(id)], false, [])
+  def close_request(id), do: Request.new("close", pre: [Wire.value(id)], timed: false)
 
   defp check_keys(opts) when is_list(opts) do
     case Enum.find(opts, fn

@@ -9,29 +9,29 @@ defmodule VllmBridge.Stream do
   `cancel`: the generator stops at its next chunk boundary and is closed, and the chunks
   still on their way are dropped, with the references in them released in their session,
   also those of chunks that had reached the enumerating process unread (see
-  `VllmBridge.Session.LooseRefs` for what a process that dies takes with it). If the
+  **References** in `VllmBridge` for what a process that dies takes with it). If the
   enumerating process dies, the worker
   (which monitors it) cancels the stream the same way. An error during enumeration (a
   Python exception, a timeout, the worker dying) raises `VllmBridge.Error`. Enumerate a
   stream in one process: its chunks go to the process that began it.
 
-  Flow control: the generator runs at most 32 chunks ahead of what the enumerating
-  process has read (it waits in Python for room), so a fast generator cannot fill a slow
-  consumer's mailbox; reading gives room back. While other requests wait for the same
+  Flow control: the generator runs at most the worker's window of chunks (its hello's
+  `stream_window`, 32 for ours: `window/0`) ahead of what the enumerating process has
+  read (it waits in Python for room), so a fast generator cannot fill a slow consumer's
+  mailbox; reading gives room back, half a window at a time. While other requests wait for the same
   worker (a call made for each chunk, a second stream read in step), it does not wait:
   they run after it, and the reader may be waiting for them.
   """
 
-  alias VllmBridge.{Error, Ref, Request, Route, Runtime, Wire}
+  alias VllmBridge.{Error, Ref}
+  alias VllmBridge.Call.{Request, Route, Run, Runtime, Wire}
   alias VllmBridge.Session.LooseRefs
+  alias VllmBridge.Worker.Messages
 
-  # Python's vllm_bridge.bridge.protocol.flow.STREAM_WINDOW, and the credit sent back each time
-  # half of it has been read.
-  @window 32
-  @credit div(@window, 2)
+  require VllmBridge.Worker.Messages
 
   @doc false
-  @spec new(Wire.target(), list(), map() | keyword(), Runtime.opts()) ::
+  @spec new(Wire.target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) ::
           {:ok, Enumerable.t()} | {:error, Error.t()}
   def new(target, args, kwargs, opts) do
     with {:ok, _checked} <- Runtime.resolve(opts, :stream),
@@ -45,23 +45,23 @@ defmodule VllmBridge.Stream do
     end
   end
 
-  defp bound_ref({%VllmBridge.Ref{} = ref, _}), do: ref
-  defp bound_ref(_), do: nil
-
   defp start(target, args, kwargs, parts, opts) do
     with {:ok, rt} <- Runtime.resolve(opts, :stream),
-         {:ok, route} <- Route.resolve(rt, "stream", bound_ref(target), {args, kwargs}),
+         {:ok, route} <- Route.resolve(rt, "stream", Run.bound_ref(target), {args, kwargs}),
          # The target, for the worker's messages (a stream that costs it its process).
-         req = Request.new("stream", [Wire.value(route.session)], true, parts, target),
+         req =
+           Request.new("stream", pre: [Wire.value(route.session_id)], post: parts, target: target),
          {:ok, pid, _i} <- Route.checkout(route, req, rt.deadline) do
-      handle = Request.send_request(pid, req, rt.deadline, true, :demonitor)
+      handle = Request.send_request(pid, req, rt.deadline, holds_slot: true, replies: :stream)
 
       %{
         handle: handle,
         deadline: rt.deadline,
         idle: rt.timeout,
         done: false,
-        loose: !route.session,
+        loose: !route.session_id,
+        # The worker's window, which it sends before the first chunk.
+        window: nil,
         read: 0
       }
     else
@@ -73,7 +73,7 @@ defmodule VllmBridge.Stream do
 
   defp next(%{handle: {pid, id, mref}} = st) do
     receive do
-      {^mref, :chunk, bin} ->
+      Messages.chunk(^mref, bin) ->
         case Wire.decode_reply(bin) do
           {:ok, value} ->
             # Outside a session, what the chunk references belongs to this process.
@@ -84,10 +84,13 @@ defmodule VllmBridge.Stream do
             raise e
         end
 
-      {^mref, :end, _} ->
+      Messages.window(^mref, window) ->
+        next(%{st | window: window})
+
+      Messages.stream_end(^mref) ->
         {:halt, %{st | done: true}}
 
-      {^mref, :reply, bin} ->
+      Messages.reply(^mref, bin) ->
         finished(st)
 
         case Wire.decode_reply(bin) do
@@ -98,11 +101,11 @@ defmodule VllmBridge.Stream do
             raise Error.new(:protocol, "stream #{id} answered ok #{inspect(other, limit: 5)}")
         end
 
-      {^mref, :worker_exit, message} ->
+      Messages.worker_exit(^mref, message) ->
         finished(st)
         raise Error.new(:worker_exit, message)
 
-      {^mref, :reply_error, %Error{} = e} ->
+      Messages.reply_error(^mref, e) ->
         finished(st)
         raise e
 
@@ -115,15 +118,21 @@ defmodule VllmBridge.Stream do
     end
   end
 
-  # The worker sends at most @window chunks ahead of what this process has read: room
-  # for @credit more every @credit chunks read (docs/PROTOCOL.md, "Flow control").
-  @doc "Chunks a stream may run ahead of its reader (the worker's hello says the same)."
+  # The worker sends at most a window of chunks ahead of what this process has read:
+  # room for half a window more every half window read (docs/PROTOCOL.md, "Flow
+  # control").
+  @doc """
+  The window of our own worker (`vllm_bridge.bridge.protocol.flow.STREAM_WINDOW`): chunks a
+  stream may run ahead of its reader. A stream uses the window its worker announced in
+  its hello (`stream_window`), this one when the hello has none.
+  """
   @spec window() :: pos_integer()
-  def window, do: @window
+  def window, do: VllmBridge.Worker.Hello.default_stream_window()
 
-  defp credit(pid, id, %{read: read} = st) do
+  defp credit(pid, id, %{read: read, window: window} = st) do
     read = read + 1
-    if rem(read, @credit) == 0, do: send(pid, {:"$vb_credit", id, @credit})
+    credit = div(window, 2)
+    if rem(read, credit) == 0, do: Messages.send_credit(pid, id, credit)
     %{st | read: read}
   end
 
@@ -138,14 +147,14 @@ defmodule VllmBridge.Stream do
 
   # Chunks already on their way hold references nobody else can reach (outside a session
   # nobody would ever release them; in one, they would hold their objects until it
-  # closes): settle with the worker (as VllmBridge.Request.give_up/2 does) and release,
+  # closes): settle with the worker (as VllmBridge.Call.Request.give_up/2 does) and release,
   # in their session, those of the chunks that came before its :cancelled (it releases
   # those of later ones itself). The answer comes on an alias of its own: the stream's
   # may be gone already (a stream that raised), and the worker's messages keep their
   # order whatever alias they use.
   defp stop(%{handle: {pid, id, mref}} = st) do
     ack = :erlang.monitor(:process, pid, [{:alias, :demonitor}])
-    send(pid, {:"$vb_settle", id, ack})
+    Messages.send_settle(pid, id, ack)
     refs = drain(mref, ack, [])
     Process.demonitor(ack, [:flush])
     Request.flush(ack)
@@ -155,10 +164,10 @@ defmodule VllmBridge.Stream do
 
   defp drain(mref, ack, refs) do
     receive do
-      {^ack, :cancelled, nil} ->
+      Messages.cancelled(^ack) ->
         refs
 
-      {^mref, :chunk, bin} ->
+      Messages.chunk(^mref, bin) ->
         case Wire.decode_reply(bin) do
           {:ok, value} -> drain(mref, ack, Ref.collect(value) ++ refs)
           {:error, _} -> drain(mref, ack, refs)

@@ -1,58 +1,68 @@
 defmodule VllmBridge.Worker do
-  @moduledoc """
-  One Elixir process per Python worker OS process, and the only process that touches its
-  port (see `VllmBridge.Worker.Launcher` for how the process is started and ended).
-
-  Its whole job on the hot path: write a caller's pre-encoded request to the port and
-  record `id => caller` in its table of calls in flight; cut the port's bytes into frames
-  (`VllmBridge.Worker.Framer`), read a frame's kind and id (`VllmBridge.Wire.peek/1`, not
-  a full decode) and send the frame as it is to the caller, who decodes it. Callers wait
-  in their own `receive`, on a process alias with a monitor on this process, each with
-  its own deadline.
-
-    * **Frame size.** A request frame over `:max_frame_bytes` is refused with
-      `:bad_argument` instead of being written (a pool's callers are refused earlier,
-      before a slot is reserved: `VllmBridge.Route`). A header from the Python process
-      declaring more means the stream cannot be trusted: the Python process is killed,
-      every call in flight gets `:worker_exit` naming the length and the limit, and this
-      process stops (its supervisor starts a new one).
-
-    * **Pipelining.** Several calls may be in flight at once; the Python side runs them one
-      at a time, in order. In a pool, how many is bounded by `VllmBridge.Pool.Slots`, which
-      this process releases as replies come in.
-    * **Death.** When the Python process exits, or the port to it fails (it stopped
-      reading: `:epipe`), every call in flight gets
-      `{:error, %VllmBridge.Error{type: :worker_exit}}` saying so at once and this process
-      stops; its supervisor starts a new one (a new Python process, a new `instance`).
-    * **Timeouts, and callers that die.** A caller that gives up settles its call through
-      here (`VllmBridge.Request.give_up/2`: `:cancelled` comes back after any reply
-      already passed on), and the calls of a caller that dies (each waiting caller is
-      monitored) are cancelled the same way: Python drops a queued call and interrupts a
-      running one where it is (docs/PROTOCOL.md, "Cancel"), so its slot comes back and
-      the worker, its sessions and their state stay. A reply that still comes is dropped
-      here, and the references in it (seen by nobody) are released in their sessions.
-    * **`cancel_grace`.** A cancelled call still running `cancel_grace` ms later did not
-      stop when interrupted: it is stuck in C code (interrupted only once it returns to
-      Python), in an `__enter__` (never interrupted), or it caught the interruption. The
-      Python process is then killed and the worker restarts; every call in flight on it,
-      and every session lost with it, says why (which request, and `cancel_grace`). As
-      with Ctrl-C, an interruption that lands in the interrupted code's own cleanup can
-      leave that code's state half-reset; the worker's own state is never interrupted.
-    * **Logs.** `log` frames go to `Logger` with the Python logger's name.
-
-  Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
-  `:max_frame_bytes`, `:env` (see `VllmBridge.Worker.Launcher.open/1`), `:start_timeout`
-  (ms, default 60 000), `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the
-  Python process is given to exit on EOF before it is killed, default 3 000), and, in a
-  pool, `:pool`, `:index` and `:meta`.
-  """
+  @moduledoc false
+  # One Elixir process per Python worker OS process, and the only process that touches its
+  # port (see `VllmBridge.Worker.Launcher` for how the process is started and ended).
+  #
+  # It starts in the phase :starting: the port is open and the first frame must be the
+  # Python process's hello (`VllmBridge.Worker.Hello`) within `start_timeout`. Requests
+  # that arrive meanwhile wait in the state, in order (a caller that gives up meanwhile
+  # has its own dropped and is answered at once), and so do callers of `hello/1`; the
+  # hello makes it :ready (in a pool: registered, its slots opened) and they are served.
+  # A start that fails stops the process with `{:shutdown, {:start_failed, error}}`,
+  # which `await_ready/2` returns as the error.
+  #
+  # Its whole job on the hot path: write a caller's pre-encoded request to the port and
+  # record `id => caller` in its table of calls in flight; cut the port's bytes into frames
+  # (`VllmBridge.Worker.Framer`), read a frame's kind and id (`VllmBridge.Call.Wire.peek/1`, not
+  # a full decode) and send the frame as it is to the caller, who decodes it. Callers wait
+  # in their own `receive`, on a process alias with a monitor on this process, each with
+  # its own deadline.
+  #
+  #   * **Frame size.** A request frame over `:max_frame_bytes` is refused with
+  #     `:bad_argument` instead of being written (a pool's callers are refused earlier,
+  #     before a slot is reserved: `VllmBridge.Call.Route`). A header from the Python process
+  #     declaring more means the stream cannot be trusted: the Python process is killed,
+  #     every call in flight gets `:worker_exit` naming the length and the limit, and this
+  #     process stops (its supervisor starts a new one).
+  #
+  #   * **Pipelining.** Several calls may be in flight at once; the Python side runs them one
+  #     at a time, in order. In a pool, how many is bounded by `VllmBridge.Pool.Slots`, which
+  #     this process releases as replies come in.
+  #   * **Death.** When the Python process exits, or the port to it fails (it stopped
+  #     reading: `:epipe`), every call in flight gets
+  #     `{:error, %VllmBridge.Error{type: :worker_exit}}` saying so at once and this process
+  #     stops; its supervisor starts a new one (a new Python process, a new `instance`).
+  #   * **Timeouts, and callers that die.** A caller that gives up settles its call through
+  #     here (`VllmBridge.Call.Request.give_up/2`: `:cancelled` comes back after any reply
+  #     already passed on), and the calls of a caller that dies (each waiting caller is
+  #     monitored) are cancelled the same way: Python drops a queued call and interrupts a
+  #     running one where it is (docs/PROTOCOL.md, "Cancel"), so its slot comes back and
+  #     the worker, its sessions and their state stay. A reply that still comes is dropped
+  #     here, and the references in it (seen by nobody) are released in their sessions.
+  #   * **`cancel_grace`.** A cancelled call still running `cancel_grace` ms later did not
+  #     stop when interrupted: it is stuck in C code (interrupted only once it returns to
+  #     Python), in an `__enter__` (never interrupted), or it caught the interruption. The
+  #     Python process is then killed and the worker restarts; every call in flight on it,
+  #     and every session lost with it, says why (which request, and `cancel_grace`). As
+  #     with Ctrl-C, an interruption that lands in the interrupted code's own cleanup can
+  #     leave that code's state half-reset; the worker's own state is never interrupted.
+  #   * **Logs.** `log` frames go to `Logger` with the Python logger's name.
+  #
+  # Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
+  # `:max_frame_bytes`, `:env` (see `VllmBridge.Worker.Launcher.open/1`), `:start_timeout`
+  # (ms, default 60 000), `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the
+  # Python process is given to exit on EOF before it is killed, default 3 000), and, in a
+  # pool, `:pool`, `:index` and `:meta`.
   use GenServer, restart: :permanent
 
   require Logger
+  require VllmBridge.Worker.Messages
 
-  alias VllmBridge.{Error, Request, Wire}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.{Calls, Framer, Launcher, PythonLog}
+  alias VllmBridge.Worker.{Calls, Framer, Hello, Launcher, Messages, PythonLog, Starting}
+  alias VllmBridge.Worker.Messages.Submit
 
   @start_timeout 60_000
   @cancel_grace 5_000
@@ -60,7 +70,7 @@ defmodule VllmBridge.Worker do
   @sweep_every 1_000
 
   @typedoc "What the worker announced in its handshake."
-  @type hello :: %{optional(String.t()) => term()}
+  @type hello :: Hello.t()
 
   @doc """
   Starts a worker linked to the caller (options above). The handshake runs after. The
@@ -113,11 +123,11 @@ defmodule VllmBridge.Worker do
           {:ok, term()} | {:error, Error.t()}
   def call(worker, module, name, args \\ [], kwargs \\ %{}, timeout \\ 5_000) do
     pid = GenServer.whereis(worker)
-    deadline = VllmBridge.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
+    deadline = Runtime.deadline(System.monotonic_time(:millisecond), timeout)
 
     with {:ok, parts} <- Wire.encode_invoke({module, name}, args, kwargs) do
-      req = Request.new("call", [Wire.value(nil)], true, parts, {module, name})
-      Request.call(pid, req, deadline, false)
+      req = Request.new("call", pre: [Wire.value(nil)], post: parts, target: {module, name})
+      Request.call(pid, req, deadline)
     end
   end
 
@@ -127,8 +137,8 @@ defmodule VllmBridge.Worker do
   """
   @spec ping(GenServer.server(), timeout()) :: {:ok, map()} | {:error, Error.t()}
   def ping(worker, timeout \\ 5_000) do
-    deadline = VllmBridge.Runtime.deadline(System.monotonic_time(:millisecond), timeout)
-    Request.call(GenServer.whereis(worker), Request.new("ping", [], false, []), deadline, false)
+    deadline = Runtime.deadline(System.monotonic_time(:millisecond), timeout)
+    Request.call(GenServer.whereis(worker), Request.new("ping", timed: false), deadline)
   end
 
   @doc "Closes the port; the Python process sees EOF and exits. The worker stops."
@@ -139,83 +149,23 @@ defmodule VllmBridge.Worker do
   @spec in_flight(GenServer.server()) :: non_neg_integer()
   def in_flight(worker), do: GenServer.call(worker, :in_flight)
 
-  # -- server ---------------------------------------------------------------------------
+  # -- server ------------------------------------------------------------------
 
   @impl true
   def init(opts) do
-    pool = Keyword.get(opts, :pool)
-    index = Keyword.get(opts, :index, 0)
-    meta = Keyword.get(opts, :meta)
+    defaults = [
+      start_timeout: @start_timeout,
+      cancel_grace: @cancel_grace,
+      shutdown_grace: @shutdown_grace
+    ]
 
-    # The port's failure comes as a message (its callers are then told why), and
-    # shutting down runs terminate/2 (callers told, Python process gone): when a pool's
-    # supervisor stops this process, and when a standalone worker's owner (the process
-    # that started it, linked) exits, whatever its reason.
-    Process.flag(:trap_exit, true)
-
-    if meta do
-      Slots.put_load(meta, index, Slots.down())
-      Directory.clear_worker(pool, index)
-    end
-
-    case Launcher.open(opts) do
-      {:ok, port} ->
-        state = %{
-          port: port,
-          launch: Keyword.take(opts, [:max_frame_bytes]),
-          framer: nil,
-          max_frame: min(Launcher.max_frame_bytes(opts), Wire.max_body_size()),
-          os_pid: Launcher.os_pid(port),
-          hello: nil,
-          instance: nil,
-          pool: pool,
-          index: index,
-          meta: meta,
-          calls: Calls.new(meta, index),
-          # Why the Python process was killed, once this process killed it (cancel_grace).
-          killed: nil,
-          start_timeout: Keyword.get(opts, :start_timeout, @start_timeout),
-          cancel_grace: Keyword.get(opts, :cancel_grace, @cancel_grace),
-          shutdown_grace: Keyword.get(opts, :shutdown_grace, @shutdown_grace)
-        }
-
-        {:ok, state, {:continue, :handshake}}
-
-      {:error, e} ->
-        {:stop, {:shutdown, {:start_failed, e}}}
-    end
+    Starting.init(Keyword.merge(defaults, opts))
   end
 
   @impl true
-  def handle_continue(:handshake, state) do
-    case Launcher.handshake_settling(state.port, state.start_timeout, state.launch) do
-      {:ok, hello, settled, {framer, frames}} ->
-        state = %{
-          state
-          | hello: hello,
-            instance: hello["instance"],
-            os_pid: hello["pid"],
-            calls: Calls.settled(state.calls, settled),
-            framer: framer
-        }
+  def handle_call(request, from, %{phase: :starting} = state),
+    do: Starting.handle_call(request, from, state)
 
-        if state.meta do
-          Directory.worker_up(state.pool, state.index, self(), state.instance)
-          Slots.put_load(state.meta, state.index, 0)
-          Slots.kick(state.meta)
-        end
-
-        Process.send_after(self(), :sweep, @sweep_every)
-        # Frames that came with the hello (a log record, say), as if they came after it.
-        {:noreply, Enum.reduce(frames, state, &route(&2, &1))}
-
-      {:error, e} ->
-        Logger.error("vllm_bridge worker #{label(state)} failed to start: #{e.message}")
-        {:stop, {:shutdown, {:start_failed, e}}, %{state | port: nil}}
-    end
-  end
-
-  @impl true
   def handle_call(:hello, _from, state), do: {:reply, state.hello, state}
   def handle_call(:in_flight, _from, state), do: {:reply, Calls.size(state.calls), state}
 
@@ -224,6 +174,9 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
+  def handle_info(message, %{phase: :starting} = state),
+    do: Starting.handle_info(message, state)
+
   def handle_info({port, {:data, data}}, %{port: port} = state) do
     case Framer.feed(state.framer, data, state.max_frame) do
       {:ok, [frame], framer} ->
@@ -240,41 +193,25 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # A request from a caller (VllmBridge.Request): written to the port and put in the
-  # table of calls in flight (VllmBridge.Worker.Calls), unless the table refuses it.
-  def handle_info({:"$vb_req", id, alias, caller, frame, size, deadline, counted, what}, state) do
-    # (A body too long to be framed, frame nil, is over any limit: `max_frame` is capped
-    # at what a frame's length can say.)
-    case Calls.admit(state.calls, id, alias, counted, size, state.max_frame) do
-      {:ok, calls} ->
-        Port.command(state.port, frame)
-        calls = Calls.add(calls, id, alias, caller, counted, what, deadline)
-        {:noreply, %{state | calls: calls}}
-
-      {:refused, calls} ->
-        {:noreply, %{state | calls: calls}}
-    end
-  end
-
-  def handle_info({:"$vb_cancel", id}, state), do: {:noreply, cancel(state, id)}
+  def handle_info(Messages.submit(s), state), do: {:noreply, submit(state, s)}
 
   # A stream's consumer gives room back (VllmBridge.Stream): passed on while it is live.
-  def handle_info({:"$vb_credit", id, n}, state) do
+  def handle_info(Messages.credit(id, n), state) do
     if Calls.live(state.calls, id),
       do: Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
 
     {:noreply, state}
   end
 
-  # A caller gives up (VllmBridge.Request.give_up/2, or a stream that stops): cancel as
-  # above, then answer, always. A reply already passed on reaches the caller first.
-  def handle_info({:"$vb_settle", id, alias}, state) do
+  # A caller gives up (VllmBridge.Call.Request.give_up/2, or a stream that stops): cancel
+  # as below, then answer, always. A reply already passed on reaches the caller first.
+  def handle_info(Messages.settle(id, alias), state) do
     state = cancel(state, id)
-    send(alias, {alias, :cancelled, nil})
+    Messages.send_cancelled(alias)
     {:noreply, state}
   end
 
-  def handle_info({:"$vb_grace", id}, state) do
+  def handle_info(Messages.grace(id), state) do
     case Calls.overstayed(state.calls, id, state.cancel_grace) do
       nil ->
         {:noreply, state}
@@ -333,10 +270,36 @@ defmodule VllmBridge.Worker do
     :ok
   end
 
-  # -- frames from the worker --------------------------------------------------------------
+  @doc false
+  # How often the table of calls in flight is swept (ms; VllmBridge.Worker.Calls.sweep/3).
+  @spec sweep_every() :: pos_integer()
+  def sweep_every, do: @sweep_every
 
+  # -- requests and frames ---------------------------------------------------------------
+
+  @doc false
+  # A request from a caller (VllmBridge.Call.Request): written to the port and put in the
+  # table of calls in flight (VllmBridge.Worker.Calls), unless the table refuses it. A
+  # stream's reader is told the window first (before any chunk can reach it).
+  @spec submit(map(), Submit.t()) :: map()
+  def submit(state, %Submit{} = s) do
+    # (A body too long to be framed, frame nil, is over any limit: `max_frame` is capped
+    # at what a frame's length can say.)
+    case Calls.admit(state.calls, s, state.max_frame) do
+      {:ok, calls} ->
+        if s.replies == :stream, do: Messages.send_window(s.alias, state.stream_window)
+        Port.command(state.port, s.frame)
+        %{state | calls: Calls.add(calls, s)}
+
+      {:refused, calls} ->
+        %{state | calls: calls}
+    end
+  end
+
+  @doc false
   # One whole frame: a reply or chunk goes to its caller as it is (the caller decodes it).
-  defp route(state, bin) do
+  @spec route(map(), binary()) :: map()
+  def route(state, bin) do
     case Wire.peek(bin) do
       {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
         %{state | calls: Calls.finish(state.calls, id, :reply, bin)}
@@ -344,7 +307,7 @@ defmodule VllmBridge.Worker do
       {:chunk, id} when id != nil ->
         case Calls.live(state.calls, id) do
           nil -> Calls.drop(bin)
-          alias -> send(alias, {alias, :chunk, bin})
+          alias -> Messages.send_chunk(alias, bin)
         end
 
         state
@@ -373,7 +336,7 @@ defmodule VllmBridge.Worker do
     case Calls.cancel(state.calls, id, System.monotonic_time(:millisecond)) do
       {:cancelled, calls} ->
         Port.command(state.port, Wire.request("cancel", id, []))
-        Process.send_after(self(), {:"$vb_grace", id}, state.cancel_grace)
+        Process.send_after(self(), Messages.grace(id), state.cancel_grace)
         %{state | calls: calls}
 
       :not_live ->
@@ -381,12 +344,14 @@ defmodule VllmBridge.Worker do
     end
   end
 
+  @doc false
   # The directory forgets this worker (keeping why) and its slots go down; only then
   # does everything in flight get :worker_exit, so that a caller that retries at once
   # finds it gone (its session lost, saying why) instead of reserving on it. The Python
   # process is closed (and killed if it lingers). Requests still in this mailbox see the
-  # stop reason, `{:shutdown, {:worker_exit, message}}` (VllmBridge.Request.worker_down/1).
-  defp shut(state, message) do
+  # stop reason, `{:shutdown, {:worker_exit, message}}` (Request.worker_down/1).
+  @spec shut(map(), String.t()) :: map()
+  def shut(state, message) do
     if state.meta do
       Directory.worker_down(state.pool, state.index, state.instance, message)
       Slots.put_load(state.meta, state.index, Slots.down())
@@ -411,6 +376,8 @@ defmodule VllmBridge.Worker do
     {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
 
-  defp label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"
-  defp label(%{pool: pool, index: index}), do: "#{inspect(pool)}[#{index}]"
+  @doc false
+  @spec label(map()) :: String.t()
+  def label(%{pool: nil, os_pid: os_pid}), do: "(os pid #{os_pid})"
+  def label(%{pool: pool, index: index}), do: "#{inspect(pool)}[#{index}]"
 end

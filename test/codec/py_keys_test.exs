@@ -10,12 +10,13 @@ defmodule VllmBridge.Codec.PyKeysTest do
   @moduledoc """
   What Python can never take as it was sent is refused by the encoder, naming it: map keys
   Python cannot hash, map keys Python holds equal (it would keep one, silently), nesting
-  past `VllmBridge.Codec.max_depth/0`; and by `VllmBridge.Wire`, naming the argument, with
+  past `VllmBridge.Codec.max_depth/0`; and by `VllmBridge.Call.Wire`, naming the argument, with
   keyword arguments given twice. Everything else still encodes, and round trips.
   """
   use ExUnit.Case, async: true
 
-  alias VllmBridge.{Codec, Object, Ref, Tensor, Wire}
+  alias VllmBridge.{Codec, Object, Ref, Tensor}
+  alias VllmBridge.Call.Wire
   import Bitwise, only: [<<<: 2]
 
   alias VllmBridge.Codec.{Ext, Msgpack, PyKeys}

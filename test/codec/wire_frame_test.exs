@@ -6,7 +6,8 @@ defmodule VllmBridge.WireFrameTest do
   use ExUnit.Case, async: true
   import Bitwise, only: [<<<: 2]
 
-  alias VllmBridge.{Codec, Tensor, Wire}
+  alias VllmBridge.{Codec, Tensor}
+  alias VllmBridge.Call.Wire
 
   test "a small request is one binary that decodes to the message" do
     {:ok, parts} = Wire.encode_invoke({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{})
@@ -37,7 +38,7 @@ defmodule VllmBridge.WireFrameTest do
         timeout <- [nil, 0, 127, 128, 65_536, 4_294_967_296],
         id <- [0, 127, 255, 65_536, 1 <<< 40] do
       {:ok, parts} = Wire.encode_invoke({"vllm_bridge.bridge.diag", "echo"}, args, %{})
-      req = VllmBridge.Request.new("call", [Wire.value("s")], true, parts)
+      req = VllmBridge.Call.Request.new("call", pre: [Wire.value("s")], post: parts)
       fields = req.pre ++ [Wire.value(timeout) | req.post]
       frame = Wire.request("call", id, fields)
 
@@ -45,8 +46,8 @@ defmodule VllmBridge.WireFrameTest do
                IO.iodata_to_binary(frame)
 
       # The bound used before anything is reserved is never below the real size.
-      assert Wire.body_size(frame) <= VllmBridge.Request.max_size(req)
-      assert Wire.body_size(frame) + 18 >= VllmBridge.Request.max_size(req)
+      assert Wire.body_size(frame) <= VllmBridge.Call.Request.max_size(req)
+      assert Wire.body_size(frame) + 18 >= VllmBridge.Call.Request.max_size(req)
     end
   end
 

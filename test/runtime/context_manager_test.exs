@@ -8,14 +8,14 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
   @pool :rt_context
   use VllmBridge.StreamContextCase
 
-  alias VllmBridge.{Request, Wire}
+  alias VllmBridge.Call.{Request, Wire}
 
   # Sends an enter of diag.recorder(name) in session `s` straight to worker `w`, as
   # VllmBridge.enter/4 would, without waiting: the request's handle.
   defp send_enter(w, s, name) do
     {:ok, parts} = Wire.encode_invoke({"vllm_bridge.bridge.diag", "recorder"}, [name], %{})
-    req = Request.new("enter", [Wire.value(s.id)], true, parts)
-    Request.send_request(w, req, :infinity, false, :reply_demonitor)
+    req = Request.new("enter", pre: [Wire.value(s.id)], post: parts)
+    Request.send_request(w, req, :infinity)
   end
 
   describe "context managers" do
@@ -259,7 +259,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       # wait in its mailbox): it answers :cancelled, and the reply, ok, is dropped.
       :sys.suspend(w)
       {_, id, mref} = send_enter(w, s, "orphan")
-      send(w, {:"$vb_settle", id, mref})
+      VllmBridge.Worker.Messages.send_settle(w, id, mref)
       :sys.resume(w)
 
       assert_receive {^mref, :cancelled, nil}, 5_000

@@ -29,7 +29,8 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
   import Bitwise
   import VllmBridge.RuntimeHelpers
 
-  alias VllmBridge.{Bytes, Error, Object, Ref, Request, Tensor, Wire}
+  alias VllmBridge.{Bytes, Error, Object, Ref, Tensor}
+  alias VllmBridge.Call.{Request, Wire}
   alias VllmBridge.Codec.Msgpack
   alias VllmBridge.Runtime.EchoFuzzTest.Sample
   alias VllmBridge.TestSupport.{TermGen, Unchecked}
@@ -188,7 +189,7 @@ defmodule VllmBridge.Runtime.EchoFuzzTest do
     args = [0x91 | Msgpack.encode(term, Unchecked, 2000)]
     parts = [Wire.value(["m", "vllm_bridge.bridge.diag", "echo"]), args, Wire.value(%{})]
     deadline = System.monotonic_time(:millisecond) + 30_000
-    Request.call(pid, Request.new("call", [Wire.value(nil)], true, parts), deadline, false)
+    Request.call(pid, Request.new("call", pre: [Wire.value(nil)], post: parts), deadline)
   end
 
   # What comes back: %Bytes{} is how Elixir asks for msgpack bin; it returns as a binary;

@@ -291,7 +291,7 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
 
     assert Enum.any?(
              entries,
-             &match?({_, {_counted, {"release", "of 3 reference(s)"}}, _, _, _}, &1)
+             &match?(%VllmBridge.Worker.Calls.Entry{what: {"release", "of 3 reference(s)"}}, &1)
            )
 
     Process.exit(busy, :kill)

@@ -1,6 +1,6 @@
 defmodule VllmBridge.Runtime.RuntimeOptionsTest do
   @moduledoc """
-  `VllmBridge.Runtime.resolve/2`: each timeout profile, the precedence of the sources of
+  `VllmBridge.Call.Runtime.resolve/2`: each timeout profile, the precedence of the sources of
   a timeout, defaults from the application config, refusals naming the bad value and the
   deadline fixed at entry; then, through a real pool, options that bound real calls.
   """
@@ -9,7 +9,8 @@ defmodule VllmBridge.Runtime.RuntimeOptionsTest do
 
   import VllmBridge.RuntimeHelpers
 
-  alias VllmBridge.{Error, Runtime}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.Runtime
 
   @pool :rt_opts
 
@@ -70,7 +71,7 @@ defmodule VllmBridge.Runtime.RuntimeOptionsTest do
         streaming: {120_000, 1_800_000}
       }
 
-      assert Runtime.profiles() == expected
+      assert VllmBridge.Runtime.profiles() == expected
 
       for {name, {timeout, stream_timeout}} <- expected do
         rt = resolve!(timeout_profile: name)

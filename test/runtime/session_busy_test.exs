@@ -155,14 +155,17 @@ defmodule VllmBridge.Runtime.SessionBusyTest do
 
       # Had that caller's request come after all, its reply takes the count below zero.
       req =
-        VllmBridge.Request.new("call", [VllmBridge.Wire.value(nil)], true, [
-          VllmBridge.Wire.value(["m", "vllm_bridge.bridge.diag", "add"]),
-          VllmBridge.Wire.value([1, 1]),
-          VllmBridge.Wire.value(%{})
-        ])
+        VllmBridge.Call.Request.new("call",
+          pre: [VllmBridge.Call.Wire.value(nil)],
+          post: [
+            VllmBridge.Call.Wire.value(["m", "vllm_bridge.bridge.diag", "add"]),
+            VllmBridge.Call.Wire.value([1, 1]),
+            VllmBridge.Call.Wire.value(%{})
+          ]
+        )
 
       deadline = System.monotonic_time(:millisecond) + 30_000
-      assert {:ok, 2} = VllmBridge.Request.call(w0.pid, req, deadline, true)
+      assert {:ok, 2} = VllmBridge.Call.Request.call(w0.pid, req, deadline, holds_slot: true)
       assert Slots.load(meta, 0) in [-1, 0]
 
       # The worker is idle: a fail-fast call runs, and gives its slot back.

@@ -31,7 +31,15 @@ defmodule VllmBridge.Runtime.SlotCountTest do
   defp sweep(calls), do: elem(Calls.sweep(calls, System.monotonic_time(:millisecond), 1_000), 1)
 
   # A call in the table, as the worker adds it when its request arrives.
-  defp arrived(calls, id, counted \\ true), do: Calls.add(calls, id, nil, nil, counted, nil, nil)
+  defp arrived(calls, id, counted \\ true),
+    do:
+      Calls.add(calls, %VllmBridge.Worker.Messages.Submit{
+        id: id,
+        frame: nil,
+        size: 0,
+        holds_slot: counted,
+        deadline: nil
+      })
 
   describe "reserve_idle/2" do
     test "takes a count of 0 or below as idle, and adds one to it" do

@@ -14,7 +14,8 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
 
   import VllmBridge.RuntimeHelpers
 
-  alias VllmBridge.{Error, Request, Runtime, Session, Wire}
+  alias VllmBridge.{Error, Session}
+  alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Codec.Msgpack
   alias VllmBridge.TestSupport.Unchecked
 
@@ -46,8 +47,8 @@ defmodule VllmBridge.Runtime.ValueRefusalTest do
     [w] = workers!(@pool)
     args = [0x91 | Msgpack.encode(value, Unchecked, 2000)]
     parts = [Wire.value(["m", "vllm_bridge.bridge.diag", "echo"]), args, Wire.value(%{})]
-    req = Request.new("call", [Wire.value(rt.session_id)], true, parts)
-    Request.call(w.pid, req, rt.deadline, false)
+    req = Request.new("call", pre: [Wire.value(rt.session_id)], post: parts)
+    Request.call(w.pid, req, rt.deadline)
   end
 
   defp nest(n, leaf), do: Enum.reduce(1..n, leaf, fn _, acc -> [acc] end)

@@ -19,6 +19,12 @@ handshake or to send a frame header over the limit, so this one does, on purpose
   ("second"); then answer every request with ``["ok", id, "served"]`` until EOF.
 * ``deaf``    - a valid hello, then close fd 3 (a write to the port then fails with
   ``EPIPE``) and wait to be killed.
+* ``window``  - a hello announcing ``stream_window`` ``FAKE_WORKER_WINDOW`` (default 4);
+  then answer each ``stream`` request with ``FAKE_WORKER_CHUNKS`` chunks (default 20,
+  the integers from 0), never more than the window ahead of the credits it has read,
+  then a last chunk (also within the window): the list of the credits it read, and the
+  end. Other requests are
+  ignored. A reader that does not take the window from the hello stalls it.
 """
 
 from __future__ import annotations
@@ -59,6 +65,38 @@ def _request_id() -> int:
     (length,) = struct.unpack(">I", _read_exact(4))
     request = msgpack.unpackb(_read_exact(length), raw=False, strict_map_key=False)
     return int(request[1])
+
+
+def _request() -> list[object]:
+    """Read one request frame (raises ``EOFError`` at EOF)."""
+    (length,) = struct.unpack(">I", _read_exact(4))
+    return list(msgpack.unpackb(_read_exact(length), raw=False, strict_map_key=False))
+
+
+def _serve_windowed() -> int:
+    """The ``window`` mode: streams that keep to the window they announce."""
+    window = int(os.environ.get("FAKE_WORKER_WINDOW", "4"))
+    chunks = int(os.environ.get("FAKE_WORKER_CHUNKS", "20"))
+    _write(msgpack.packb(["hello", _hello(stream_window=window)]))
+    try:
+        while True:
+            request = _request()
+            if request[0] != "stream":
+                continue
+            stream_id = int(request[1])
+            room, credits = window, []
+            for i in range(chunks + 1):
+                while room == 0:
+                    credit = _request()
+                    if credit[0] == "credit" and credit[1] == stream_id:
+                        room += int(credit[2])
+                        credits.append(int(credit[2]))
+                value: object = i if i < chunks else credits
+                _write(msgpack.packb(["chunk", stream_id, value]))
+                room -= 1
+            _write(msgpack.packb(["end", stream_id]))
+    except EOFError:
+        return 0
 
 
 def _hello(**extra: object) -> dict[str, object]:
@@ -117,6 +155,8 @@ def main() -> int:
         os.close(3)
         time.sleep(120)  # killed long before (Launcher.close, after shutdown_grace)
         return 0
+    if mode == "window":
+        return _serve_windowed()
     sys.stderr.write(f"runtime_fake_worker: unknown FAKE_WORKER_MODE {mode!r}\n")
     return 2
 

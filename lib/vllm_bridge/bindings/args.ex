@@ -1,20 +1,19 @@
 defmodule VllmBridge.Bindings.Args do
-  @moduledoc """
-  How a generated function's Elixir arguments become the Python call's positional
-  arguments, keyword arguments and runtime options (the rule of `VllmBridge.Bindings`).
-
-  A function is described by a map (generated into its module as an attribute):
-
-    * `name` - the Elixir function, `"Vllm.ForwardContext.Module.set_forward_context"`;
-    * `target` - `{python_module, attribute_path}`;
-    * `params` - `{python_name, mode, type}` in Elixir argument order, where `mode` is
-      `:required` (positional), `:required_keyword` (positional in Elixir, sent by name:
-      a keyword-only Python parameter without default), `:optional` (positionally or by
-      name), `:positional_only` (optional, positionally only) or `:keyword` (optional,
-      by name only); `type` a `VllmBridge.Bindings.Type` descriptor;
-    * `var_keyword` - whether the Python function takes `**kwargs` (then any option name
-      is passed on).
-  """
+  @moduledoc false
+  # How a generated function's Elixir arguments become the Python call's positional
+  # arguments, keyword arguments and runtime options (the rule of `VllmBridge.Bindings`).
+  #
+  # A function is described by a map (generated into its module as an attribute):
+  #
+  #   * `name` - the Elixir function, `"Vllm.ForwardContext.Module.set_forward_context"`;
+  #   * `target` - `{python_module, attribute_path}`;
+  #   * `params` - `{python_name, mode, type}` in Elixir argument order, where `mode` is
+  #     `:required` (positional), `:required_keyword` (positional in Elixir, sent by name:
+  #     a keyword-only Python parameter without default), `:optional` (positionally or by
+  #     name), `:positional_only` (optional, positionally only) or `:keyword` (optional,
+  #     by name only); `type` a `VllmBridge.Bindings.Type` descriptor;
+  #   * `var_keyword` - whether the Python function takes `**kwargs` (then any option name
+  #     is passed on).
 
   alias VllmBridge.Bindings.Type
   alias VllmBridge.Error

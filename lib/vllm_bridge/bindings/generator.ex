@@ -1,29 +1,28 @@
 defmodule VllmBridge.Bindings.Generator do
-  @moduledoc """
-  Generates the bindings (`mix vllm.gen.bindings`): reads each Python module through a
-  worker (`vllm_bridge.bridge.introspect.describe_module`), writes what it read as a manifest,
-  `priv/bindings/<python module>.json` (`VllmBridge.Bindings.Json`), and the Elixir code
-  under `lib/vllm/` (the demo's under `demo/lib/vllm/`, see `VllmBridge.Bindings.Naming`)
-  from those manifests.
-
-  The worker runs in a pool of its own whose allow-list is `vllm_bridge.bridge.introspect` alone
-  (that module imports only modules of `vllm_bridge.PUBLIC_MODULES`, and returns plain
-  data, so the worker needs no other module).
-
-  **What is bound of a module is what it exports**: the names of its `__all__` (a module
-  without `__all__`: the public names it defines itself, not those it imports), plus the
-  names listed here beside it. Private helpers and imported names it does not export are
-  not bound. The Python modules bound, and the names added to their exports:
-
-  | module | also bound |
-  |---|---|
-  | `vllm_bridge.forward_context` | `_compute_sp_num_tokens`, `_compute_chunked_local_num_tokens`, `_forward_context`, `logger`: vLLM's bindings have them (seeds/elixir_bindings_forward_context.txt) |
-  | `vllm_bridge.config` | |
-  | `vllm_bridge.cudagraph` | |
-  | `vllm_bridge.ubatch` | |
-  | `vllm_bridge.dp` | |
-  | `vllm_bridge.demo.rank` | (the demo's per-rank entry points) |
-  """
+  @moduledoc false
+  # Generates the bindings (`mix vllm.gen.bindings`): reads each Python module through a
+  # worker (`vllm_bridge.bridge.introspect.describe_module`), writes what it read as a manifest,
+  # `priv/bindings/<python module>.json` (`VllmBridge.Bindings.Json`), and the Elixir code
+  # under `lib/vllm/` (the demo's under `demo/lib/vllm/`, see `VllmBridge.Bindings.Naming`)
+  # from those manifests.
+  #
+  # The worker runs in a pool of its own whose allow-list is `vllm_bridge.bridge.introspect` alone
+  # (that module imports only modules of `vllm_bridge.PUBLIC_MODULES`, and returns plain
+  # data, so the worker needs no other module).
+  #
+  # **What is bound of a module is what it exports**: the names of its `__all__` (a module
+  # without `__all__`: the public names it defines itself, not those it imports), plus the
+  # names listed here beside it. Private helpers and imported names it does not export are
+  # not bound. The Python modules bound, and the names added to their exports:
+  #
+  # | module | also bound |
+  # |---|---|
+  # | `vllm_bridge.forward_context` | `_compute_sp_num_tokens`, `_compute_chunked_local_num_tokens`, `_forward_context`, `logger`: vLLM's bindings have them (seeds/elixir_bindings_forward_context.txt) |
+  # | `vllm_bridge.config` | |
+  # | `vllm_bridge.cudagraph` | |
+  # | `vllm_bridge.ubatch` | |
+  # | `vllm_bridge.dp` | |
+  # | `vllm_bridge.demo.rank` | (the demo's per-rank entry points) |
 
   alias VllmBridge.Bindings.{Json, Naming}
   alias VllmBridge.Bindings.Gen.{Files, Model}

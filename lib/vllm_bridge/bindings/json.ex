@@ -1,17 +1,16 @@
 defmodule VllmBridge.Bindings.Json do
-  @moduledoc """
-  A small JSON encoder and decoder for the binding manifests (`priv/bindings/*.json`).
-
-  Encoding is deterministic and meant for reading and diffing: object keys sorted, two
-  spaces of indentation, one member or element per line, empty containers as `{}` / `[]`,
-  non-ASCII characters written as they are (UTF-8), a final newline. It takes `nil`,
-  booleans, integers, floats, strings (valid UTF-8), lists, and maps with string keys;
-  anything else raises `ArgumentError` naming it.
-
-  Decoding takes standard JSON (RFC 8259): objects become maps with string keys, numbers
-  with a fraction or an exponent become floats, others integers. It returns
-  `{:error, message}` naming the byte offset of the first problem.
-  """
+  @moduledoc false
+  # A small JSON encoder and decoder for the binding manifests (`priv/bindings/*.json`).
+  #
+  # Encoding is deterministic and meant for reading and diffing: object keys sorted, two
+  # spaces of indentation, one member or element per line, empty containers as `{}` / `[]`,
+  # non-ASCII characters written as they are (UTF-8), a final newline. It takes `nil`,
+  # booleans, integers, floats, strings (valid UTF-8), lists, and maps with string keys;
+  # anything else raises `ArgumentError` naming it.
+  #
+  # Decoding takes standard JSON (RFC 8259): objects become maps with string keys, numbers
+  # with a fraction or an exponent become floats, others integers. It returns
+  # `{:error, message}` naming the byte offset of the first problem.
 
   @typedoc "A JSON value as Elixir holds it."
   @type value :: nil | boolean() | number() | String.t() | [value()] | %{String.t() => value()}

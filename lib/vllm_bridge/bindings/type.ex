@@ -1,33 +1,32 @@
 defmodule VllmBridge.Bindings.Type do
-  @moduledoc """
-  Python type hints as the generated bindings use them: read from a manifest, written as a
-  typespec, and checked against an argument before it is sent.
-
-  | Python hint (manifest `kind`) | descriptor | typespec |
-  |---|---|---|
-  | `Any`, no hint (`any`) | `:any` | `term()` |
-  | `None` (`none`) | `:none` | `nil` |
-  | `bool`, `int`, `float`, `str`, `bytes` | `:bool`, `:int`, `:float`, `:str`, `:bytes` | `boolean()`, `integer()`, `float()`, `String.t()`, `binary()` |
-  | `torch.Tensor`, `numpy.ndarray` (`tensor`) | `:tensor` | `VllmBridge.Tensor.t()` |
-  | `list[T]` | `{:list, t}` | `[t]` |
-  | `dict[K, V]` | `{:dict, k, v}` | `%{optional(k) => v}` |
-  | `tuple[A, B]` | `{:tuple, [a, b]}` | `{a, b}` |
-  | `tuple[T, ...]` | `{:tuple_of, t}` | `tuple()` |
-  | `A \\| B`, `Optional[A]` (`union`) | `{:union, [a, b]}` | `a \\| b` |
-  | a dataclass with a generated struct | `{:struct, module}` | `module.t()` |
-  | a dataclass without one | `{:object, class}` | `VllmBridge.Object.t()` |
-  | an enum | `{:enum, module, atoms}` | `module.t()` (a union of atoms) |
-  | `slice` | `:slice` | `{integer(), integer()} \\| VllmBridge.Ref.t()` |
-  | any other class (`ref`) | `{:ref, class}` | `VllmBridge.Ref.t()` |
-
-  Checks (`check/2`) follow the typespec, with three allowances that Python makes too:
-  a `float` also takes an integer (and `:nan`, `:infinity`, `:neg_infinity`, the codec's
-  non-finite floats); a `slice` is sent as a `{start, stop}` pair (the worker's
-  `UBatchSlice` turns it into a slice) and comes back as one (a slice with a step comes
-  back as a reference); and any argument may
-  be a `%VllmBridge.Ref{}`, an object the worker holds, whose Python type only the worker
-  can check.
-  """
+  @moduledoc false
+  # Python type hints as the generated bindings use them: read from a manifest, written as a
+  # typespec, and checked against an argument before it is sent.
+  #
+  # | Python hint (manifest `kind`) | descriptor | typespec |
+  # |---|---|---|
+  # | `Any`, no hint (`any`) | `:any` | `term()` |
+  # | `None` (`none`) | `:none` | `nil` |
+  # | `bool`, `int`, `float`, `str`, `bytes` | `:bool`, `:int`, `:float`, `:str`, `:bytes` | `boolean()`, `integer()`, `float()`, `String.t()`, `binary()` |
+  # | `torch.Tensor`, `numpy.ndarray` (`tensor`) | `:tensor` | `VllmBridge.Tensor.t()` |
+  # | `list[T]` | `{:list, t}` | `[t]` |
+  # | `dict[K, V]` | `{:dict, k, v}` | `%{optional(k) => v}` |
+  # | `tuple[A, B]` | `{:tuple, [a, b]}` | `{a, b}` |
+  # | `tuple[T, ...]` | `{:tuple_of, t}` | `tuple()` |
+  # | `A \\| B`, `Optional[A]` (`union`) | `{:union, [a, b]}` | `a \\| b` |
+  # | a dataclass with a generated struct | `{:struct, module}` | `module.t()` |
+  # | a dataclass without one | `{:object, class}` | `VllmBridge.Object.t()` |
+  # | an enum | `{:enum, module, atoms}` | `module.t()` (a union of atoms) |
+  # | `slice` | `:slice` | `{integer(), integer()} \\| VllmBridge.Ref.t()` |
+  # | any other class (`ref`) | `{:ref, class}` | `VllmBridge.Ref.t()` |
+  #
+  # Checks (`check/2`) follow the typespec, with three allowances that Python makes too:
+  # a `float` also takes an integer (and `:nan`, `:infinity`, `:neg_infinity`, the codec's
+  # non-finite floats); a `slice` is sent as a `{start, stop}` pair (the worker's
+  # `UBatchSlice` turns it into a slice) and comes back as one (a slice with a step comes
+  # back as a reference); and any argument may
+  # be a `%VllmBridge.Ref{}`, an object the worker holds, whose Python type only the worker
+  # can check.
 
   alias VllmBridge.{Object, Ref, Tensor}
 

@@ -1,17 +1,16 @@
 defmodule VllmBridge.Codec.Dataclass do
-  @moduledoc """
-  The dataclass extension (ext 4 of docs/PROTOCOL.md): `[qualified_class_name, {field:
-  value, ...}]` with the fields in declaration order.
-
-  Encoding: a struct whose module declares `__python_class__/0` and `__python_fields__/0`
-  (see `VllmBridge.Codec.Registry`) emits its fields in the declared order, byte for byte
-  what Python emits; a `VllmBridge.Object` emits its fields in the order they arrived.
-
-  Decoding: a class registered in `VllmBridge.Codec.Registry` becomes its struct (a field
-  the struct does not declare is a decode error; a field not sent keeps the struct's
-  default); any other class becomes a `VllmBridge.Object`. No atom is created and no
-  module is loaded from wire data.
-  """
+  @moduledoc false
+  # The dataclass extension (ext 4 of docs/PROTOCOL.md): `[qualified_class_name, {field:
+  # value, ...}]` with the fields in declaration order.
+  #
+  # Encoding: a struct whose module declares `__python_class__/0` and `__python_fields__/0`
+  # (see `VllmBridge.Codec.Registry`) emits its fields in the declared order, byte for byte
+  # what Python emits; a `VllmBridge.Object` emits its fields in the order they arrived.
+  #
+  # Decoding: a class registered in `VllmBridge.Codec.Registry` becomes its struct (a field
+  # the struct does not declare is a decode error; a field not sent keeps the struct's
+  # default); any other class becomes a `VllmBridge.Object`. No atom is created and no
+  # module is loaded from wire data.
 
   alias VllmBridge.Codec.{Msgpack, Registry}
   alias VllmBridge.Codec.Msgpack.Decoder

@@ -1,15 +1,14 @@
 defmodule VllmBridge.Codec.Ext do
-  @moduledoc """
-  The extension types of docs/PROTOCOL.md, as the `VllmBridge.Codec.Msgpack` handler that
-  `VllmBridge.Codec` uses: atoms (1), tuples (2), tensors (3, `VllmBridge.Codec.TensorExt`),
-  dataclasses (4, `VllmBridge.Codec.Dataclass`), enum members (5, decode only), object
-  references (6), big integers (7), plus the special floats and `VllmBridge.Bytes`.
-
-  Map keys are checked against Python's dict (`check_keys/1`, `VllmBridge.Codec.PyKeys`):
-  a key Python cannot hash, or two keys that are equal there (`1` and `true`, `1` and
-  `1.0`, `:a` and `"a"`), is refused with an `ArgumentError` naming them, since Python
-  would refuse the first and silently keep one of the others.
-  """
+  @moduledoc false
+  # The extension types of docs/PROTOCOL.md, as the `VllmBridge.Codec.Msgpack` handler that
+  # `VllmBridge.Codec` uses: atoms (1), tuples (2), tensors (3, `VllmBridge.Codec.TensorExt`),
+  # dataclasses (4, `VllmBridge.Codec.Dataclass`), enum members (5, decode only), object
+  # references (6), big integers (7), plus the special floats and `VllmBridge.Bytes`.
+  #
+  # Map keys are checked against Python's dict (`check_keys/1`, `VllmBridge.Codec.PyKeys`):
+  # a key Python cannot hash, or two keys that are equal there (`1` and `true`, `1` and
+  # `1.0`, `:a` and `"a"`), is refused with an `ArgumentError` naming them, since Python
+  # would refuse the first and silently keep one of the others.
 
   @behaviour VllmBridge.Codec.Msgpack
 

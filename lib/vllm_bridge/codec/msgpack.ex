@@ -1,27 +1,26 @@
 defmodule VllmBridge.Codec.Msgpack do
-  @moduledoc """
-  The msgpack engine (https://github.com/msgpack/msgpack/blob/master/spec.md) under
-  `VllmBridge.Codec`.
-
-  Plain msgpack: `nil`, booleans, integers of the 64-bit range, floats (always float 64),
-  binaries (str when valid UTF-8, else bin), lists (array) and maps (map, keys in Erlang
-  term order, so equal maps always give equal bytes). Every other term is handed to a
-  *handler* module (this behaviour), which is how `VllmBridge.Codec` adds the extension
-  types of docs/PROTOCOL.md. Used on its own (`encode/1`, `decode/1`), the handler is this
-  module: extension values travel as `{:msgpack_ext, type, payload}` and any other term is
-  refused.
-
-  Encoding refuses a term nested deeper than a depth budget (`max_depth/0` levels by
-  default: each list, map, and each extension value that nests others, counts one) with
-  an `ArgumentError`, and hands the keys of every map whose keys are not all binaries to
-  the handler's `check_keys/1`, which may refuse them (`VllmBridge.Codec.Ext` refuses keys
-  Python cannot hash or would merge).
-
-  Decoding never raises and never allocates from a declared length: every length is
-  checked against the bytes actually present (binaries come out as sub-binaries of the
-  input, no copy), nesting is limited to 1024 levels, and malformed input is
-  `{:error, reason}`.
-  """
+  @moduledoc false
+  # The msgpack engine (https://github.com/msgpack/msgpack/blob/master/spec.md) under
+  # `VllmBridge.Codec`.
+  #
+  # Plain msgpack: `nil`, booleans, integers of the 64-bit range, floats (always float 64),
+  # binaries (str when valid UTF-8, else bin), lists (array) and maps (map, keys in Erlang
+  # term order, so equal maps always give equal bytes). Every other term is handed to a
+  # *handler* module (this behaviour), which is how `VllmBridge.Codec` adds the extension
+  # types of docs/PROTOCOL.md. Used on its own (`encode/1`, `decode/1`), the handler is this
+  # module: extension values travel as `{:msgpack_ext, type, payload}` and any other term is
+  # refused.
+  #
+  # Encoding refuses a term nested deeper than a depth budget (`max_depth/0` levels by
+  # default: each list, map, and each extension value that nests others, counts one) with
+  # an `ArgumentError`, and hands the keys of every map whose keys are not all binaries to
+  # the handler's `check_keys/1`, which may refuse them (`VllmBridge.Codec.Ext` refuses keys
+  # Python cannot hash or would merge).
+  #
+  # Decoding never raises and never allocates from a declared length: every length is
+  # checked against the bytes actually present (binaries come out as sub-binaries of the
+  # input, no copy), nesting is limited to 1024 levels, and malformed input is
+  # `{:error, reason}`.
 
   alias VllmBridge.Codec.Msgpack.Decoder
 

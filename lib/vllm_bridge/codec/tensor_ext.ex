@@ -1,14 +1,13 @@
 defmodule VllmBridge.Codec.TensorExt do
-  @moduledoc """
-  The tensor extension (ext 3 of docs/PROTOCOL.md): a binary header (dtype code, ndim,
-  device name, the shape as big-endian u64s), then the raw little-endian data.
-
-  Zero-copy both ways: encoding puts the tensor's data binary into the iodata as it is,
-  decoding returns the data as a sub-binary of the payload. The header is checked against
-  the bytes present before anything is built: an unknown dtype code, a shape that does not
-  fit, data of the wrong size, or bool data with a byte other than 0 and 1 is a decode
-  error.
-  """
+  @moduledoc false
+  # The tensor extension (ext 3 of docs/PROTOCOL.md): a binary header (dtype code, ndim,
+  # device name, the shape as big-endian u64s), then the raw little-endian data.
+  #
+  # Zero-copy both ways: encoding puts the tensor's data binary into the iodata as it is,
+  # decoding returns the data as a sub-binary of the payload. The header is checked against
+  # the bytes present before anything is built: an unknown dtype code, a shape that does not
+  # fit, data of the wrong size, or bool data with a byte other than 0 and 1 is a decode
+  # error.
 
   alias VllmBridge.Codec.Msgpack
   alias VllmBridge.Codec.Msgpack.Decoder

@@ -1,23 +1,23 @@
 defmodule VllmBridge.Pool.Checkout do
-  @moduledoc """
-  How a caller gets room on a worker, in its own process: reserve a slot with atomics
-  (`VllmBridge.Pool.Slots`) when one is free and nobody waits; otherwise wait in the
-  pool's queue (`VllmBridge.Pool.Queue`) until it hands over a slot, the deadline passes
-  (`:timeout`) or the queue is full (`:queue_full`).
+  @moduledoc false
+  # How a caller gets room on a worker, in its own process: reserve a slot with atomics
+  # (`VllmBridge.Pool.Slots`) when one is free and nobody waits; otherwise wait in the
+  # pool's queue (`VllmBridge.Pool.Queue`) until it hands over a slot, the deadline passes
+  # (`:timeout`) or the queue is full (`:queue_full`).
+  #
+  # Constraints:
+  #
+  #   * `:any` - any worker, the least loaded with room;
+  #   * `{:prefer, i}` (affinity `:hint`) - worker `i` when it is idle (nothing in flight),
+  #     else the least loaded worker with room, `i` winning ties: a call that may move does
+  #     not wait behind a running call while another worker could run it now;
+  #   * `{:only, i}` - wait for room on worker `i`;
+  #   * `{:fail_fast, i}` - worker `i` only if it is idle (nothing running and nothing
+  #     queued on it, whatever `max_in_flight` allows), else `:pool_busy` at once, saying
+  #     how many calls it has or that it is restarting. Never queued.
 
-  Constraints:
-
-    * `:any` - any worker, the least loaded with room;
-    * `{:prefer, i}` (affinity `:hint`) - worker `i` when it is idle (nothing in flight),
-      else the least loaded worker with room, `i` winning ties: a call that may move does
-      not wait behind a running call while another worker could run it now;
-    * `{:only, i}` - wait for room on worker `i`;
-    * `{:fail_fast, i}` - worker `i` only if it is idle (nothing running and nothing
-      queued on it, whatever `max_in_flight` allows), else `:pool_busy` at once, saying
-      how many calls it has or that it is restarting. Never queued.
-  """
-
-  alias VllmBridge.{Error, Runtime}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.Runtime
   alias VllmBridge.Pool.{Meta, Slots}
 
   @typedoc "Which workers a call may take."
@@ -52,7 +52,15 @@ defmodule VllmBridge.Pool.Checkout do
   defp wait(%Meta{queue: queue} = meta, constraint, deadline) do
     alias = :erlang.alias()
     mon = Process.monitor(queue)
-    send(queue, {:wait, alias, self(), constraint, deadline})
+
+    wait = %VllmBridge.Pool.Queue.Wait{
+      alias: alias,
+      caller: self(),
+      constraint: constraint,
+      deadline: deadline
+    }
+
+    send(queue, {:wait, wait})
 
     result =
       receive do

@@ -1,21 +1,20 @@
 defmodule VllmBridge.Pool.Directory do
-  @moduledoc """
-  Where callers look things up without sending a message: one public ETS table (owned by
-  this process, started by the application) holding
-
-    * `{{:pool, name}, %VllmBridge.Pool.Meta{}}` - each started pool;
-    * `{{:worker, name, index}, pid, instance}` - each worker that finished its handshake
-      (removed when it goes down);
-    * `{{:instance, instance}, name, index, pid}` - the same, by handshake instance (how a
-      `%VllmBridge.Ref{}` finds its worker);
-    * `{{:session, id}, %VllmBridge.Session{}}` and `{{:touch, id, index}}` - open sessions
-      and the other workers a session's `:hint` calls ran on;
-    * `{{:down, name, index}, instance, why}` - why the last process at that index went
-      down (one row per index, overwritten), so that a session lost with it can say why.
-
-  Reads are concurrent; each writer owns its rows (a pool's queue its `:pool` row, a
-  worker its `:worker`/`:instance` rows, the session manager the session rows).
-  """
+  @moduledoc false
+  # Where callers look things up without sending a message: one public ETS table (owned by
+  # this process, started by the application) holding
+  #
+  #   * `{{:pool, name}, %VllmBridge.Pool.Meta{}}` - each started pool;
+  #   * `{{:worker, name, index}, pid, instance}` - each worker that finished its handshake
+  #     (removed when it goes down);
+  #   * `{{:instance, instance}, name, index, pid}` - the same, by handshake instance (how a
+  #     `%VllmBridge.Ref{}` finds its worker);
+  #   * `{{:session, id}, %VllmBridge.Session{}}` and `{{:touch, id, index}}` - open sessions
+  #     and the other workers a session's `:hint` calls ran on;
+  #   * `{{:down, name, index}, instance, why}` - why the last process at that index went
+  #     down (one row per index, overwritten), so that a session lost with it can say why.
+  #
+  # Reads are concurrent; each writer owns its rows (a pool's queue its `:pool` row, a
+  # worker its `:worker`/`:instance` rows, the session manager the session rows).
   use GenServer
 
   @spec child_spec(term()) :: Supervisor.child_spec()

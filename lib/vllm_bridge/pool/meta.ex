@@ -1,9 +1,8 @@
 defmodule VllmBridge.Pool.Meta do
-  @moduledoc """
-  What a caller needs to know of a pool, read from `VllmBridge.Pool.Directory` on every
-  call: its size, its slot counters (`VllmBridge.Pool.Slots`), the in-flight bound per
-  worker, the frame limit (`max_frame_bytes`), the queue process and its bound.
-  """
+  @moduledoc false
+  # What a caller needs to know of a pool, read from `VllmBridge.Pool.Directory` on every
+  # call: its size, its slot counters (`VllmBridge.Pool.Slots`), the in-flight bound per
+  # worker, the frame limit (`max_frame_bytes`), the queue process and its bound.
 
   @enforce_keys [:name, :size, :slots, :max_in_flight, :max_frame_bytes, :queue_size]
   defstruct [:name, :size, :slots, :max_in_flight, :max_frame_bytes, :queue_size, :queue]

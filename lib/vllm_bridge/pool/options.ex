@@ -14,7 +14,7 @@ defmodule VllmBridge.Pool.Options do
   | `:max_frame_bytes` | the largest frame body either way (`--max-frame-bytes`): a request over it is `:bad_argument` before it is sent, a reply over it is an error from the worker, a header declaring more ends the stream (the worker restarts); 65 536 to 4 294 967 295 | 1 073 741 824 (1 GiB) |
   | `:queue_size` | callers that may wait for a worker; one more gets `:queue_full` | 1024 |
   | `:start_timeout` | ms for a worker's handshake | 60 000 |
-  | `:cancel_grace` | ms a cancelled call (timed out, or its caller died) may keep running before its worker's Python process is killed and restarted; a cancel interrupts the call in Python, so only one that does not stop (stuck in C code, in an `__enter__`, or catching the interruption) reaches it (see `VllmBridge.Worker`) | 5 000 |
+  | `:cancel_grace` | ms a cancelled call (timed out, or its caller died) may keep running before its worker's Python process is killed and restarted; a cancel interrupts the call in Python, so only one that does not stop (stuck in C code, in an `__enter__`, or catching the interruption) reaches it (see `VllmBridge`) | 5 000 |
   | `:shutdown_grace` | ms a worker's Python process has to exit on EOF before it is killed | 3 000 |
   | `:max_restarts`, `:max_seconds` | restart intensity of the pool's supervisor | `10 + 3 * size`, 30 |
   | `:worker_module` | the Python module run with `-m`; it is always passed `--max-frame-bytes N` (and `--allow`, `--max-refs`, `--poll-us` when those are set), so a module of one's own must accept them | `"vllm_bridge.bridge.worker"` |

@@ -1,18 +1,17 @@
 defmodule VllmBridge.Pool.Queue do
-  @moduledoc """
-  A pool's bounded queue of callers waiting for a slot; only on the path of a caller that
-  found no room (`VllmBridge.Pool.Checkout`). It also publishes the pool's
-  `VllmBridge.Pool.Meta` in the directory (and removes it when it stops).
-
-  A waiter names what it may take: `:any` worker, `{:prefer, i}` (worker `i` when idle,
-  else the least loaded; see `VllmBridge.Pool.Checkout`) or `{:only, i}`. When a slot frees (a worker sends `:kick`), waiters are served in
-  arrival order, each on a worker it may use; a waiter that cannot be served yet keeps its
-  place and does not hold up those behind it that can. The queue reserves the slot
-  itself and tells the waiter which worker it got (`{alias, :granted, index}`); the
-  waiter then sends its request as on the fast path. A waiter whose deadline passed, that
-  withdrew, or that died is dropped. Past `queue_size` waiters, a new one is answered
-  `{alias, :full}` at once.
-  """
+  @moduledoc false
+  # A pool's bounded queue of callers waiting for a slot; only on the path of a caller that
+  # found no room (`VllmBridge.Pool.Checkout`). It also publishes the pool's
+  # `VllmBridge.Pool.Meta` in the directory (and removes it when it stops).
+  #
+  # A waiter names what it may take: `:any` worker, `{:prefer, i}` (worker `i` when idle,
+  # else the least loaded; see `VllmBridge.Pool.Checkout`) or `{:only, i}`. When a slot frees (a worker sends `:kick`), waiters are served in
+  # arrival order, each on a worker it may use; a waiter that cannot be served yet keeps its
+  # place and does not hold up those behind it that can. The queue reserves the slot
+  # itself and tells the waiter which worker it got (`{alias, :granted, index}`); the
+  # waiter then sends its request as on the fast path. A waiter whose deadline passed, that
+  # withdrew, or that died is dropped. Past `queue_size` waiters, a new one is answered
+  # `{alias, :full}` at once.
   use GenServer
 
   @spec child_spec(term()) :: Supervisor.child_spec()
@@ -22,6 +21,22 @@ defmodule VllmBridge.Pool.Queue do
   @doc false
   @spec start_link(Meta.t()) :: GenServer.on_start()
   def start_link(%Meta{} = meta), do: GenServer.start_link(__MODULE__, meta)
+
+  defmodule Wait do
+    @moduledoc false
+    # A caller asks for a slot: replies go to `alias`; `caller` is monitored (its death
+    # drops the wait); `constraint` says which workers may serve it; past `deadline`
+    # (monotonic ms) its caller has given up by itself.
+    @enforce_keys [:alias, :caller, :constraint, :deadline]
+    defstruct [:alias, :caller, :constraint, :deadline]
+
+    @type t :: %__MODULE__{
+            alias: reference(),
+            caller: pid(),
+            constraint: VllmBridge.Pool.Checkout.constraint(),
+            deadline: integer() | :infinity
+          }
+  end
 
   @impl true
   def init(meta) do
@@ -33,13 +48,13 @@ defmodule VllmBridge.Pool.Queue do
   end
 
   @impl true
-  def handle_info({:wait, alias, pid, constraint, deadline}, state) do
+  def handle_info({:wait, %Wait{alias: alias, caller: pid} = wait}, state) do
     if map_size(state.entries) >= state.meta.queue_size do
       send(alias, {alias, :full})
       {:noreply, state}
     else
       mref = Process.monitor(pid)
-      entries = Map.put(state.entries, alias, {constraint, deadline, mref})
+      entries = Map.put(state.entries, alias, {wait.constraint, wait.deadline, mref})
       monitors = Map.put(state.monitors, mref, alias)
 
       state = %{

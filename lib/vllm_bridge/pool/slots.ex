@@ -1,29 +1,28 @@
 defmodule VllmBridge.Pool.Slots do
-  @moduledoc """
-  Capacity of a pool's workers, kept in one `:atomics` array so that a caller can pick a
-  worker and reserve room on it without sending a message.
-
-  Element `i + 1` counts the calls in flight on worker `i` (reserved by a caller, released
-  by the worker when the reply is in); element `size + 1` is how many callers wait in the
-  pool's queue (published by `VllmBridge.Pool.Queue`). A worker that is not serving (still
-  starting, or gone) holds a count of `down/0`, so no reservation on it succeeds; it
-  resets its count to 0 once its handshake is done.
-
-  A reservation is `add_get`; one that overshoots `max_in_flight` is undone at once. A
-  reservation that needs the worker idle (`reserve_idle/2`, for `:strict_fail_fast` and
-  the first choice of `:hint`) is a `compare_exchange` from the count found to one more,
-  and only from a count of 0 or below. When callers are waiting, a new caller does not
-  take a freed slot ahead of them: it queues too (`waiting/1`), so the queue is served in
-  order.
-
-  A count can be left wrong: a caller that dies between reserving and sending leaves one
-  reservation nobody gives back, and the worker's sweep that sets that right can take back
-  a reservation whose request was merely slow to arrive, which then leaves the count below
-  zero once it is answered. The worker's sweep (`VllmBridge.Worker.Calls`) sets a count
-  below what it holds right at once, and a count above it only when it has seen it
-  unchanged over a whole sweep with nothing in flight and nothing arriving; until then, a
-  count below zero means idle.
-  """
+  @moduledoc false
+  # Capacity of a pool's workers, kept in one `:atomics` array so that a caller can pick a
+  # worker and reserve room on it without sending a message.
+  #
+  # Element `i + 1` counts the calls in flight on worker `i` (reserved by a caller, released
+  # by the worker when the reply is in); element `size + 1` is how many callers wait in the
+  # pool's queue (published by `VllmBridge.Pool.Queue`). A worker that is not serving (still
+  # starting, or gone) holds a count of `down/0`, so no reservation on it succeeds; it
+  # resets its count to 0 once its handshake is done.
+  #
+  # A reservation is `add_get`; one that overshoots `max_in_flight` is undone at once. A
+  # reservation that needs the worker idle (`reserve_idle/2`, for `:strict_fail_fast` and
+  # the first choice of `:hint`) is a `compare_exchange` from the count found to one more,
+  # and only from a count of 0 or below. When callers are waiting, a new caller does not
+  # take a freed slot ahead of them: it queues too (`waiting/1`), so the queue is served in
+  # order.
+  #
+  # A count can be left wrong: a caller that dies between reserving and sending leaves one
+  # reservation nobody gives back, and the worker's sweep that sets that right can take back
+  # a reservation whose request was merely slow to arrive, which then leaves the count below
+  # zero once it is answered. The worker's sweep (`VllmBridge.Worker.Calls`) sets a count
+  # below what it holds right at once, and a count above it only when it has seen it
+  # unchanged over a whole sweep with nothing in flight and nothing arriving; until then, a
+  # count below zero means idle.
 
   import Bitwise, only: [<<<: 2]
 

@@ -1,10 +1,9 @@
 defmodule VllmBridge.Pool.Supervisor do
-  @moduledoc """
-  The supervisor of one pool: its queue (`VllmBridge.Pool.Queue`, which publishes the
-  pool in the directory) and its workers (`VllmBridge.Worker`, `:permanent`, one per
-  index). A worker whose Python process dies is started again by this supervisor, with
-  the same index and environment. The slot counters live as long as the pool.
-  """
+  @moduledoc false
+  # The supervisor of one pool: its queue (`VllmBridge.Pool.Queue`, which publishes the
+  # pool in the directory) and its workers (`VllmBridge.Worker`, `:permanent`, one per
+  # index). A worker whose Python process dies is started again by this supervisor, with
+  # the same index and environment. The slot counters live as long as the pool.
   use Supervisor
 
   alias VllmBridge.Pool.{Meta, Queue, Slots}

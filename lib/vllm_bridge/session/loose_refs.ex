@@ -1,23 +1,22 @@
 defmodule VllmBridge.Session.LooseRefs do
-  @moduledoc """
-  Owners of the references that calls made outside any session bring back.
-
-  Such a reference lives in its worker's default session, which no process owns, so
-  nothing would ever release it. Instead it belongs to the process that made the call,
-  as a session belongs to its owner: when that process exits, its loose references are
-  released (in a task of their own, so a busy worker never holds this process up);
-  `VllmBridge.release/2` releases them earlier and forgets them here, and so does
-  `VllmBridge.exit/3` for the handle of a context entered outside any session. A
-  process that hands such a reference to a longer-lived one (a `Task` returning one to
-  its caller, say) should make the call in a session the longer-lived process owns
-  instead: the reference goes when the task ends.
-
-  A limit: a process that dies with chunks of a stream (or a reply) still unread in its
-  mailbox takes their references with it, unreleased until the worker restarts (at most
-  a stream's window of chunks, `VllmBridge.Stream.window/0`); so does a stream halted by
-  a process other than the one that enumerates it. Within a session, closing the session
-  frees them.
-  """
+  @moduledoc false
+  # Owners of the references that calls made outside any session bring back.
+  #
+  # Such a reference lives in its worker's default session, which no process owns, so
+  # nothing would ever release it. Instead it belongs to the process that made the call,
+  # as a session belongs to its owner: when that process exits, its loose references are
+  # released (in a task of their own, so a busy worker never holds this process up);
+  # `VllmBridge.release/2` releases them earlier and forgets them here, and so does
+  # `VllmBridge.exit/3` for the handle of a context entered outside any session. A
+  # process that hands such a reference to a longer-lived one (a `Task` returning one to
+  # its caller, say) should make the call in a session the longer-lived process owns
+  # instead: the reference goes when the task ends.
+  #
+  # A limit: a process that dies with chunks of a stream (or a reply) still unread in its
+  # mailbox takes their references with it, unreleased until the worker restarts (at most
+  # a stream's window of chunks, `VllmBridge.Stream.window/0`); so does a stream halted by
+  # a process other than the one that enumerates it. Within a session, closing the session
+  # frees them.
   use GenServer
 
   @spec child_spec(term()) :: Supervisor.child_spec()

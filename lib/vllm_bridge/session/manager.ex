@@ -1,14 +1,14 @@
 defmodule VllmBridge.Session.Manager do
-  @moduledoc """
-  Keeps the table of open sessions (rows of `VllmBridge.Pool.Directory`) and watches
-  their owners: when an owner process dies, each of its sessions is forgotten and a
-  `close` is sent to every worker the session ran on, so its state there is released.
-  """
+  @moduledoc false
+  # Keeps the table of open sessions (rows of `VllmBridge.Pool.Directory`) and watches
+  # their owners: when an owner process dies, each of its sessions is forgotten and a
+  # `close` is sent to every worker the session ran on, so its state there is released.
   use GenServer
 
   @spec child_spec(term()) :: Supervisor.child_spec()
 
-  alias VllmBridge.{Error, Request, Session}
+  alias VllmBridge.{Error, Session}
+  alias VllmBridge.Call.Request
   alias VllmBridge.Pool.Directory
 
   @doc false

@@ -1,8 +1,7 @@
 defmodule VllmBridge.Tensor.Elements do
-  @moduledoc """
-  Tensor elements to and from their little-endian bytes, per dtype (see
-  `VllmBridge.Tensor` for how elements look in Elixir).
-  """
+  @moduledoc false
+  # Tensor elements to and from their little-endian bytes, per dtype (see
+  # `VllmBridge.Tensor` for how elements look in Elixir).
 
   alias VllmBridge.Tensor
   alias VllmBridge.Tensor.Half

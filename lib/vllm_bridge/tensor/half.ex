@@ -1,13 +1,12 @@
 defmodule VllmBridge.Tensor.Half do
-  @moduledoc """
-  IEEE 754 binary16 (`:float16`) and bfloat16 conversions, done on the bits.
-
-  From a float: round to the nearest representable value, ties to even; beyond the
-  largest finite value, an infinity; below the smallest subnormal, a zero of the same
-  sign. NaN becomes the canonical quiet NaN (`0x7E00`, `0x7FC0`). To a float: exact (every
-  half value is a float 64), with `:nan`, `:infinity` and `:neg_infinity` for the
-  specials.
-  """
+  @moduledoc false
+  # IEEE 754 binary16 (`:float16`) and bfloat16 conversions, done on the bits.
+  #
+  # From a float: round to the nearest representable value, ties to even; beyond the
+  # largest finite value, an infinity; below the smallest subnormal, a zero of the same
+  # sign. NaN becomes the canonical quiet NaN (`0x7E00`, `0x7FC0`). To a float: exact (every
+  # half value is a float 64), with `:nan`, `:infinity` and `:neg_infinity` for the
+  # specials.
 
   import Bitwise
 

@@ -8,29 +8,46 @@ defmodule VllmBridge.Worker.Calls do
   # port and writes to it; this module keeps the table, answers the callers, gives pool
   # slots back and keeps the pool's slot count right (`sweep/3`).
   #
-  # An entry: `id => {alias, {counted, what}, deadline, status, monitor}`, where `counted`
-  # says the call holds a pool slot, `what` is `{kind, target}` or nil (for messages),
-  # and status is :live (a caller waits on `alias`, monitored by `monitor`), :detached
-  # (nobody waits) or {:cancelled, since} (cancel sent, `cancel_grace` running).
+  # An entry is a `VllmBridge.Worker.Calls.Entry`.
 
-  alias VllmBridge.{Error, Request, Wire}
+  alias VllmBridge.Error
+  alias VllmBridge.Call.{Request, Wire}
   alias VllmBridge.Pool.Slots
+  alias VllmBridge.Worker.Messages
+  alias VllmBridge.Worker.Messages.Submit
 
-  defstruct map: %{}, arrivals: 0, slot: nil, seen: nil, settled: MapSet.new()
+  defmodule Entry do
+    @moduledoc false
+    # One call in flight: `alias`, where its replies go; `holds_slot`, whether it holds
+    # a pool slot; `what`, `{kind, target}` or nil (for messages); its `deadline`;
+    # `status`, :live (a caller waits on `alias`, monitored by `monitor` when the
+    # caller's death must cancel it), :detached (nobody waits) or {:cancelled, since}
+    # (cancel sent, `cancel_grace` running).
+    defstruct [:alias, :holds_slot, :what, :deadline, :status, :monitor]
+
+    @type t :: %__MODULE__{
+            alias: reference() | nil,
+            holds_slot: boolean(),
+            what: {String.t(), term()} | nil,
+            deadline: integer() | :infinity,
+            status: :live | :detached | {:cancelled, integer()},
+            monitor: reference() | nil
+          }
+  end
+
+  defstruct map: %{}, arrivals: 0, slot: nil, seen: nil
 
   @typedoc """
   `map` the calls by id; `arrivals` how many were added since the last sweep; `slot`
   the pool's meta and this worker's index (nil for a worker outside a pool); `seen` the
   slot count the last sweep found above what the table holds, with the table empty and
-  nothing arriving (see `sweep/3`); `settled` the ids of requests whose callers gave up
-  while the worker was starting (answered then, see `settled/2`).
+  nothing arriving (see `sweep/3`).
   """
   @type t :: %__MODULE__{
-          map: %{optional(non_neg_integer()) => tuple()},
+          map: %{optional(non_neg_integer()) => Entry.t()},
           arrivals: non_neg_integer(),
           slot: {VllmBridge.Pool.Meta.t(), non_neg_integer()} | nil,
-          seen: integer() | nil,
-          settled: MapSet.t(non_neg_integer())
+          seen: integer() | nil
         }
 
   @doc false
@@ -43,61 +60,44 @@ defmodule VllmBridge.Worker.Calls do
   def size(%__MODULE__{map: map}), do: map_size(map)
 
   @doc false
-  # The requests whose callers gave up while the worker was starting: they were answered
-  # then (VllmBridge.Worker.Launcher.handshake_settling/3), and are dropped on arrival.
-  @spec settled(t(), MapSet.t(non_neg_integer())) :: t()
-  def settled(t, ids), do: %{t | settled: ids}
-
-  @doc false
   # Whether a request that just arrived may be written to the port: `{:ok, t}`, or
   # `{:refused, t}` once its caller has been answered (and its slot given back): its
-  # caller gave up while the worker was starting, its id is in use, or its body (`size`,
-  # as its caller counted it) is over the frame limit `max`. The limit is checked before a slot is taken on a pool's path
-  # (VllmBridge.Route); this catches the others (Worker.call, a session's close, a
+  # id is in use, or its body (`size`, as its caller counted it) is over the frame
+  # limit `max`. The limit is checked before a slot is taken on a pool's path
+  # (VllmBridge.Call.Route); this catches the others (Worker.call, a session's close, a
   # release) before Python would see a header over its limit and end the stream.
-  @spec admit(
-          t(),
-          non_neg_integer(),
-          reference() | nil,
-          boolean(),
-          non_neg_integer() | nil,
-          pos_integer()
-        ) ::
-          {:ok, t()} | {:refused, t()}
-  def admit(t, id, alias, counted, size, max) do
+  @spec admit(t(), Submit.t(), pos_integer()) :: {:ok, t()} | {:refused, t()}
+  def admit(t, %Submit{id: id, size: size} = s, max) do
     cond do
-      MapSet.member?(t.settled, id) ->
-        if counted, do: release(t)
-        {:refused, %{t | settled: MapSet.delete(t.settled, id)}}
-
       Map.has_key?(t.map, id) ->
-        refuse(t, alias, counted, Error.new(:protocol, "request id #{id} is in use"))
+        refuse(t, s, Error.new(:protocol, "request id #{id} is in use"))
 
       size > max ->
-        refuse(t, alias, counted, Wire.too_large(size, max, "max_frame_bytes"))
+        refuse(t, s, Wire.too_large(size, max, "max_frame_bytes"))
 
       true ->
         {:ok, t}
     end
   end
 
-  defp refuse(t, alias, counted, error) do
-    if alias, do: send(alias, {alias, :reply_error, error})
-    if counted, do: release(t)
+  defp refuse(t, %Submit{alias: alias, holds_slot: holds_slot}, error) do
+    if alias, do: Messages.send_reply_error(alias, error)
+    if holds_slot, do: release(t)
     {:refused, t}
   end
 
   @doc false
   # A request just written to the port: its caller (if any) is monitored, so that a
   # caller that dies has its call cancelled (`abandon/2`).
-  @spec add(t(), non_neg_integer(), reference() | nil, pid() | nil, boolean(), term(), term()) ::
-          t()
-  def add(t, id, alias, caller, counted, what, deadline) do
+  @spec add(t(), Submit.t()) :: t()
+  def add(t, %Submit{id: id, alias: alias, caller: caller} = s) do
+    entry = %Entry{alias: alias, holds_slot: s.holds_slot, what: s.what, deadline: s.deadline}
+
     entry =
       cond do
-        caller -> {alias, {counted, what}, deadline, :live, Process.monitor(caller)}
-        alias -> {alias, {counted, what}, deadline, :live, nil}
-        true -> {nil, {counted, what}, deadline, :detached, nil}
+        caller -> %{entry | status: :live, monitor: Process.monitor(caller)}
+        alias -> %{entry | status: :live}
+        true -> %{entry | status: :detached}
       end
 
     %{t | map: Map.put(t.map, id, entry), arrivals: t.arrivals + 1}
@@ -108,7 +108,7 @@ defmodule VllmBridge.Worker.Calls do
   @spec live(t(), non_neg_integer()) :: reference() | nil
   def live(%__MODULE__{map: map}, id) do
     case map do
-      %{^id => {alias, _, _, :live, _}} -> alias
+      %{^id => %Entry{alias: alias, status: :live}} -> alias
       _ -> nil
     end
   end
@@ -120,13 +120,13 @@ defmodule VllmBridge.Worker.Calls do
   @spec finish(t(), non_neg_integer(), :reply | :end, binary() | nil) :: t()
   def finish(t, id, tag, bin) do
     case Map.pop(t.map, id) do
-      {{alias, {counted, _}, _, status, mon}, map} ->
+      {%Entry{} = e, map} ->
         # The slot first: a caller that has its reply and calls again at once must find
         # the worker idle (`:strict_fail_fast` and `:hint` look for an idle count).
-        if counted, do: release(t)
-        if status == :live, do: send(alias, {alias, tag, bin}), else: drop(bin)
+        if e.holds_slot, do: release(t)
+        if e.status == :live, do: Messages.send_finish(e.alias, tag, bin), else: drop(bin)
         # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
-        if mon, do: Process.demonitor(mon)
+        if e.monitor, do: Process.demonitor(e.monitor)
         %{t | map: map}
 
       {nil, _} ->
@@ -165,9 +165,9 @@ defmodule VllmBridge.Worker.Calls do
   @spec cancel(t(), non_neg_integer(), integer()) :: {:cancelled, t()} | :not_live
   def cancel(t, id, now) do
     case t.map do
-      %{^id => {alias, slot, deadline, :live, mon}} ->
-        if mon, do: Process.demonitor(mon)
-        entry = {alias, slot, deadline, {:cancelled, now}, nil}
+      %{^id => %Entry{status: :live} = e} ->
+        if e.monitor, do: Process.demonitor(e.monitor)
+        entry = %{e | status: {:cancelled, now}, monitor: nil}
         {:cancelled, %{t | map: Map.put(t.map, id, entry)}}
 
       _ ->
@@ -179,7 +179,7 @@ defmodule VllmBridge.Worker.Calls do
   # The live call whose caller's monitor is `mon` (the caller died), if any.
   @spec abandoned(t(), reference()) :: non_neg_integer() | nil
   def abandoned(%__MODULE__{map: map}, mon) do
-    case Enum.find(map, &match?({_id, {_, _, _, :live, ^mon}}, &1)) do
+    case Enum.find(map, &match?({_id, %Entry{status: :live, monitor: ^mon}}, &1)) do
       {id, _entry} -> id
       nil -> nil
     end
@@ -191,7 +191,7 @@ defmodule VllmBridge.Worker.Calls do
   @spec overstayed(t(), non_neg_integer(), non_neg_integer()) :: String.t() | nil
   def overstayed(%__MODULE__{map: map}, id, grace) do
     case map do
-      %{^id => {_, {_, what}, _, {:cancelled, since}, _}} ->
+      %{^id => %Entry{what: what, status: {:cancelled, since}}} ->
         "request #{id}#{describe(what)} was still running " <>
           "#{System.monotonic_time(:millisecond) - since} ms after it was cancelled " <>
           "(cancel_grace #{grace} ms: it did not stop when interrupted)"
@@ -208,7 +208,7 @@ defmodule VllmBridge.Worker.Calls do
   @spec sweep(t(), integer(), non_neg_integer()) :: {[non_neg_integer()], t()}
   def sweep(t, now, slack) do
     overdue =
-      for {id, {_, _, deadline, :live, _}} <- t.map,
+      for {id, %Entry{deadline: deadline, status: :live}} <- t.map,
           is_integer(deadline) and deadline + slack < now,
           do: id
 
@@ -226,7 +226,7 @@ defmodule VllmBridge.Worker.Calls do
 
   defp correct(%__MODULE__{slot: {meta, index}} = t) do
     load = Slots.load(meta, index)
-    held = Enum.count(t.map, fn {_id, {_, {counted, _}, _, _, _}} -> counted end)
+    held = Enum.count(t.map, fn {_id, %Entry{holds_slot: holds_slot}} -> holds_slot end)
 
     cond do
       # Not serving (a successor's start, or this worker's end): not this sweep's to fix.
@@ -255,8 +255,8 @@ defmodule VllmBridge.Worker.Calls do
   # the table is emptied.
   @spec fail_all(t(), String.t()) :: t()
   def fail_all(t, message) do
-    for {_id, {alias, _, _, :live, _}} <- t.map do
-      send(alias, {alias, :worker_exit, message})
+    for {_id, %Entry{alias: alias, status: :live}} <- t.map do
+      Messages.send_worker_exit(alias, message)
     end
 
     %{t | map: %{}}

@@ -1,21 +1,17 @@
 defmodule VllmBridge.Worker.Launcher do
-  @moduledoc """
-  Starting and ending one Python worker OS process: the port (`{:spawn_executable,
-  python}`, `-m vllm_bridge.bridge.worker [--allow M ...] [--max-refs N] [--poll-us N]
-  --max-frame-bytes N`, `:stream`, `:binary`, `:nouse_stdio`, `:exit_status`; frames are
-  cut by `VllmBridge.Worker.Framer`), the handshake with its version and frame-limit
-  checks and start timeout, and making sure the process is gone (EOF first, `kill -9` if
-  it lingers).
-  """
+  @moduledoc false
+  # Starting and ending one Python worker OS process: the port (`{:spawn_executable,
+  # python}`, `-m vllm_bridge.bridge.worker [--allow M ...] [--max-refs N] [--poll-us N]
+  # --max-frame-bytes N`, `:stream`, `:binary`, `:nouse_stdio`, `:exit_status`; frames are
+  # cut by `VllmBridge.Worker.Framer`), and making sure the process is gone (EOF first,
+  # `kill -9` if it lingers). The handshake is the worker process's first state
+  # (VllmBridge.Worker.Starting, checked by VllmBridge.Worker.Hello).
 
   require Logger
 
-  alias VllmBridge.{Codec, Error}
-  alias VllmBridge.Worker.Framer
+  alias VllmBridge.Error
 
   import Bitwise, only: [<<<: 2]
-
-  @protocol_version 1
 
   # The frame limit, both ways, unless the pool says otherwise (`max_frame_bytes`); the
   # worker's own default (`--max-frame-bytes`) is the same.
@@ -30,10 +26,6 @@ defmodule VllmBridge.Worker.Launcher do
   @doc "The range a frame limit must lie in: the handshake and error replies must fit."
   @spec max_frame_range() :: Range.t()
   def max_frame_range, do: @min_frame_bytes..@packet_max
-
-  @doc "The protocol version this side speaks (docs/PROTOCOL.md)."
-  @spec protocol_version() :: pos_integer()
-  def protocol_version, do: @protocol_version
 
   @doc """
   Opens the port. Options: `:python` (the interpreter; default the `:vllm_bridge, :python`
@@ -92,75 +84,6 @@ defmodule VllmBridge.Worker.Launcher do
   defp poll_args(us), do: ["--poll-us", Integer.to_string(us)]
 
   @doc """
-  Waits up to `timeout` ms for the worker's `hello` and checks it: protocol version,
-  pid, instance and frame limit. On failure the port is closed and the process killed.
-  `opts` are those the port was opened with (`open/1`).
-  """
-  @spec handshake(port(), timeout(), keyword()) :: {:ok, map()} | {:error, Error.t()}
-  def handshake(port, timeout, opts \\ []) do
-    with {:ok, hello, _settled, _rest} <- handshake_settling(port, timeout, opts),
-         do: {:ok, hello}
-  end
-
-  @doc """
-  `handshake/3` for the worker process: meanwhile it answers the callers that give up
-  (`{:"$vb_settle", id, alias}`, see `VllmBridge.Request.give_up/2`) with `:cancelled`
-  at once, and returns their ids, whose requests (still in its mailbox) it must drop;
-  and what came after the hello: `{framer, frames}` (the framer's state, and whole
-  frames read with the hello, to be handled as if they had arrived after it).
-  """
-  @spec handshake_settling(port(), timeout(), keyword()) ::
-          {:ok, map(), MapSet.t(non_neg_integer()), {Framer.t(), [binary()]}}
-          | {:error, Error.t()}
-  def handshake_settling(port, timeout, opts \\ []) do
-    os_pid = os_pid(port)
-    deadline = System.monotonic_time(:millisecond) + timeout
-    max = max_frame_bytes(opts)
-
-    case await_hello(port, {os_pid, timeout, deadline, max}, Framer.new(), MapSet.new()) do
-      {{:ok, hello}, settled, rest} ->
-        case check_limit(hello, max) do
-          :ok -> {:ok, hello, settled, rest}
-          error -> failed(error, port, os_pid)
-        end
-
-      {other, _settled, _rest} ->
-        failed(other, port, os_pid)
-    end
-  end
-
-  defp await_hello(port, {os_pid, timeout, deadline, max} = how, framer, settled) do
-    receive do
-      {^port, {:data, data}} ->
-        case Framer.feed(framer, data, max) do
-          {:ok, [], framer} ->
-            await_hello(port, how, framer, settled)
-
-          {:ok, [hello | frames], framer} ->
-            {check_hello(Codec.decode(hello)), settled, {framer, frames}}
-
-          {:too_large, len, _frames} ->
-            {{:error, Error.new(:protocol, too_large_message(os_pid, len, max))}, settled, nil}
-        end
-
-      {^port, {:exit_status, status}} ->
-        {{:exited, status}, settled, nil}
-
-      {:"$vb_settle", id, alias} ->
-        send(alias, {alias, :cancelled, nil})
-        await_hello(port, how, framer, MapSet.put(settled, id))
-    after
-      max(deadline - System.monotonic_time(:millisecond), 0) ->
-        {{:error,
-          Error.new(
-            :worker_exit,
-            "the Python worker (os pid #{os_pid}) sent no handshake within #{timeout} ms " <>
-              "(start_timeout)"
-          )}, settled, nil}
-    end
-  end
-
-  @doc """
   What a worker process says when the Python process sends a frame header declaring
   `len` bytes, over the limit `max`.
   """
@@ -171,70 +94,6 @@ defmodule VllmBridge.Worker.Launcher do
       "over the limit of #{max} bytes (max_frame_bytes); a length-prefixed stream cannot " <>
       "be trusted after that, so the worker is killed"
   end
-
-  # A worker that announces a frame limit must use the one it was given (a worker module
-  # of a user's may announce none).
-  defp check_limit(%{"max_frame_bytes" => n}, max) when n != max do
-    {:error,
-     Error.new(
-       :protocol,
-       "the worker announced max_frame_bytes #{inspect(n)}, but was started with #{max}"
-     )}
-  end
-
-  defp check_limit(_hello, _max), do: :ok
-
-  defp failed(result, port, os_pid) do
-    case result do
-      {:exited, status} ->
-        {:error,
-         Error.new(
-           :worker_exit,
-           "the Python worker exited with status #{status} before its handshake " <>
-             "(see its stderr above)"
-         )}
-
-      {:error, e} ->
-        close(port, os_pid, 0)
-        {:error, e}
-    end
-  end
-
-  defp check_hello({:ok, ["hello", %{"protocol" => @protocol_version} = hello]}) do
-    case hello do
-      %{"import_errors" => failed} when is_map(failed) and map_size(failed) > 0 ->
-        list = Enum.map_join(Enum.sort(failed), "; ", fn {m, why} -> "#{m} (#{why})" end)
-
-        {:error,
-         Error.new(
-           :bad_argument,
-           "the worker could not import allow-listed module(s): #{list}; " <>
-             "fix the module or the pool's :allow option"
-         )}
-
-      %{"pid" => pid, "instance" => inst} when is_integer(pid) and is_binary(inst) ->
-        {:ok, hello}
-
-      _ ->
-        {:error,
-         Error.new(:protocol, "the worker's hello lacks pid or instance: #{inspect(hello)}")}
-    end
-  end
-
-  defp check_hello({:ok, ["hello", %{"protocol" => other}]}) do
-    {:error,
-     Error.new(
-       :protocol,
-       "the worker speaks protocol version #{inspect(other)}, this side speaks " <>
-         "#{@protocol_version}; refusing it"
-     )}
-  end
-
-  defp check_hello({:ok, other}),
-    do: {:error, Error.new(:protocol, "expected a hello, got #{inspect(other, limit: 8)}")}
-
-  defp check_hello({:error, reason}),
-    do: {:error, Error.new(:protocol, "undecodable handshake: #{reason}")}
 
   @doc "The OS pid behind a port (nil once it is closed)."
   @spec os_pid(port()) :: non_neg_integer() | nil

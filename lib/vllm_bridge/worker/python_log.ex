@@ -1,9 +1,8 @@
 defmodule VllmBridge.Worker.PythonLog do
-  @moduledoc """
-  The `log` frames of a worker (docs/PROTOCOL.md): Python logging records of level
-  warning and above, forwarded to `Logger` with the Python logger's name as a prefix and
-  as the `python_logger` metadata (`vllm_worker` names the worker).
-  """
+  @moduledoc false
+  # The `log` frames of a worker (docs/PROTOCOL.md): Python logging records of level
+  # warning and above, forwarded to `Logger` with the Python logger's name as a prefix and
+  # as the `python_logger` metadata (`vllm_worker` names the worker).
 
   require Logger
 

@@ -7,7 +7,8 @@ defmodule VllmBridge.Bench.Tensors do
   """
 
   alias VllmBridge.Bench.{RawEcho, Stats}
-  alias VllmBridge.{Tensor, Wire}
+  alias VllmBridge.Tensor
+  alias VllmBridge.Call.Wire
 
   @doc """
   Measures each size: a list of `%{mib: n, full_ms: median, raw_ms: median, reps: r}`.

@@ -6,7 +6,7 @@ defmodule VllmBridge.Bench.Trivial do
   back), so the figures include the binding's argument handling.
   """
 
-  alias VllmBridge.{Request, Wire}
+  alias VllmBridge.Call.{Request, Wire}
 
   @target {"vllm_bridge.forward_context", "is_forward_context_available"}
 
@@ -22,7 +22,7 @@ defmodule VllmBridge.Bench.Trivial do
   @spec request_frame() :: binary()
   def request_frame do
     {:ok, parts} = Wire.encode_invoke(@target, [], %{})
-    req = Request.new("call", [Wire.value(nil)], true, parts)
+    req = Request.new("call", pre: [Wire.value(nil)], post: parts)
 
     <<_length::32, body::binary>> =
       IO.iodata_to_binary(

@@ -1,16 +1,15 @@
 defmodule VllmBridge.Bindings.Gen.Docs do
-  @moduledoc """
-  Python docstrings as ExDoc markdown, and markdown as Elixir heredoc source.
-
-    * reST inline markup: ``` ``code`` ``` -> `` `code` ``, `` :func:`name` `` -> `` `name` ``;
-    * Google-style sections: `Args:` / `Arguments:` / `Parameters:` / `Attributes:` are
-      taken out and returned by name (the generator puts each description next to its
-      parameter or field); other sections (`Returns:`, `Raises:`, `Yields:`, ...) are
-      returned apart (`parts/1`) or as `## ` headings after the prose (`convert/1`), their
-      `name: text` items a list;
-    * reST simple tables (`=== ===` rules) are kept verbatim in a code block; `::` ending a
-      paragraph becomes `:` (the indented block after it is markdown code already).
-  """
+  @moduledoc false
+  # Python docstrings as ExDoc markdown, and markdown as Elixir heredoc source.
+  #
+  #   * reST inline markup: ``` ``code`` ``` -> `` `code` ``, `` :func:`name` `` -> `` `name` ``;
+  #   * Google-style sections: `Args:` / `Arguments:` / `Parameters:` / `Attributes:` are
+  #     taken out and returned by name (the generator puts each description next to its
+  #     parameter or field); other sections (`Returns:`, `Raises:`, `Yields:`, ...) are
+  #     returned apart (`parts/1`) or as `## ` headings after the prose (`convert/1`), their
+  #     `name: text` items a list;
+  #   * reST simple tables (`=== ===` rules) are kept verbatim in a code block; `::` ending a
+  #     paragraph becomes `:` (the indented block after it is markdown code already).
 
   @item_sections ~w(Args Arguments Parameters Attributes)
   @sections ~w(Returns Yields Raises Note Notes Example Examples Warning Warnings See)

@@ -1,10 +1,9 @@
 defmodule VllmBridge.Bindings.Gen.Files do
-  @moduledoc """
-  The generated Elixir files of one manifest: `<Base>.Module` (functions, module
-  attributes, type aliases) and one file per dataclass (a struct) or enum (a type of
-  atoms), each with its methods. Sources are formatted with `Code.format_string!/1` and
-  start with a header naming the command that wrote them.
-  """
+  @moduledoc false
+  # The generated Elixir files of one manifest: `<Base>.Module` (functions, module
+  # attributes, type aliases) and one file per dataclass (a struct) or enum (a type of
+  # atoms), each with its methods. Sources are formatted with `Code.format_string!/1` and
+  # start with a header naming the command that wrote them.
 
   alias VllmBridge.Bindings.{Naming, Type}
   alias VllmBridge.Bindings.Gen.{Docs, Functions, Model, Values}

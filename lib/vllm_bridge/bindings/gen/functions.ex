@@ -1,10 +1,9 @@
 defmodule VllmBridge.Bindings.Gen.Functions do
-  @moduledoc """
-  Elixir source of one bound function: its spec attribute, options type, and one clause
-  per arity (required parameters, then each optional one positionally, then the options,
-  the rule of `VllmBridge.Bindings`), each with `@doc` and `@spec`; for a context manager
-  also the `with_…` clauses.
-  """
+  @moduledoc false
+  # Elixir source of one bound function: its spec attribute, options type, and one clause
+  # per arity (required parameters, then each optional one positionally, then the options,
+  # the rule of `VllmBridge.Bindings`), each with `@doc` and `@spec`; for a context manager
+  # also the `with_…` clauses.
 
   alias VllmBridge.Bindings.Gen.{Docs, Model, Values}
   alias VllmBridge.Bindings.Type

@@ -1,13 +1,12 @@
 defmodule VllmBridge.Bindings.Gen.Model do
-  @moduledoc """
-  The generator's view of a manifest: the functions, attributes and classes of one Python
-  module with Elixir names, type descriptors (`VllmBridge.Bindings.Type`) and markdown
-  docs, ready to be written out.
-
-  Parameters take the mode of `VllmBridge.Bindings.Args` from their Python kind and
-  default. A `*args` parameter is left out (the binding passes no extra positional
-  arguments); `**kwargs` lets any option name through.
-  """
+  @moduledoc false
+  # The generator's view of a manifest: the functions, attributes and classes of one Python
+  # module with Elixir names, type descriptors (`VllmBridge.Bindings.Type`) and markdown
+  # docs, ready to be written out.
+  #
+  # Parameters take the mode of `VllmBridge.Bindings.Args` from their Python kind and
+  # default. A `*args` parameter is left out (the binding passes no extra positional
+  # arguments); `**kwargs` lets any option name through.
 
   alias VllmBridge.Bindings.{Naming, Type}
   alias VllmBridge.Bindings.Gen.Docs

@@ -1,11 +1,10 @@
 defmodule VllmBridge.Bindings.Gen.Values do
-  @moduledoc """
-  Manifest values (Python defaults, see `vllm_bridge.bridge.introspect.hints`) as Elixir source:
-  `None` -> `nil`, a tuple -> a tuple, a dict -> a map, an enum member -> its atom, a
-  dataclass instance -> its struct (fields that differ from the struct's defaults only).
-  A value with no data form (`{"repr": text}`) has no Elixir value: `source/2` gives
-  `:error`, and `doc/2` shows the Python text.
-  """
+  @moduledoc false
+  # Manifest values (Python defaults, see `vllm_bridge.bridge.introspect.hints`) as Elixir source:
+  # `None` -> `nil`, a tuple -> a tuple, a dict -> a map, an enum member -> its atom, a
+  # dataclass instance -> its struct (fields that differ from the struct's defaults only).
+  # A value with no data form (`{"repr": text}`) has no Elixir value: `source/2` gives
+  # `:error`, and `doc/2` shows the Python text.
 
   alias VllmBridge.Bindings.Gen.Model
   alias VllmBridge.Bindings.Type

@@ -1,17 +1,16 @@
-defmodule VllmBridge.Wire do
-  @moduledoc """
-  The messages of docs/PROTOCOL.md as frames: building requests from pre-encoded parts,
-  reading just the kind and id of a worker frame (`peek/1`, what the worker process needs to
-  route it) and decoding a reply into a result (done by the caller).
-
-  Values go through `VllmBridge.Codec.encode/1` and `decode/1` only. The pieces of
-  msgpack written here are the array and map headers of a request and of its arguments
-  (`VllmBridge.Codec.Msgpack`'s header encoders) so that the parts of a request can be
-  encoded at different times: the arguments in the caller before anything is reserved,
-  the id and the milliseconds left just before the frame is sent. `peek/1` reads the first two elements of a reply by hand
-  (fixarray, short str, unsigned int or nil) and falls back to the full decoder for any
-  other shape.
-  """
+defmodule VllmBridge.Call.Wire do
+  @moduledoc false
+  # The messages of docs/PROTOCOL.md as frames: building requests from pre-encoded parts,
+  # reading just the kind and id of a worker frame (`peek/1`, what the worker process needs to
+  # route it) and decoding a reply into a result (done by the caller).
+  #
+  # Values go through `VllmBridge.Codec.encode/1` and `decode/1` only. The pieces of
+  # msgpack written here are the array and map headers of a request and of its arguments
+  # (`VllmBridge.Codec.Msgpack`'s header encoders) so that the parts of a request can be
+  # encoded at different times: the arguments in the caller before anything is reserved,
+  # the id and the milliseconds left just before the frame is sent. `peek/1` reads the first two elements of a reply by hand
+  # (fixarray, short str, unsigned int or nil) and falls back to the full decoder for any
+  # other shape.
 
   alias VllmBridge.{Codec, Error, Ref}
   alias VllmBridge.Codec.Msgpack
@@ -35,7 +34,8 @@ defmodule VllmBridge.Wire do
 
   @doc """
   One request frame: the 4-byte big-endian length, then the body: `kind`, `id`, then the
-  already encoded `fields` (at most 14, which covers every message of the protocol).
+  already encoded `fields`: at most 13, so that with the kind and the id the body is a
+  fixarray (15 elements, a one-byte header), which covers every message of the protocol.
 
   A frame of up to 64 KiB is one binary (one cheap copy, then a single refc binary moves
   between processes); a larger one stays iodata, `[<<length::32>> | body]`, so that a
@@ -48,7 +48,7 @@ defmodule VllmBridge.Wire do
   def request(kind, id, fields), do: request(kind, id, fields, IO.iodata_length(fields))
 
   @doc """
-  `request/3` when the byte size of `fields` is known already (`VllmBridge.Request`
+  `request/3` when the byte size of `fields` is known already (`VllmBridge.Call.Request`
   counts its encoded arguments once, before anything is reserved), so that they are not
   walked again.
   """
@@ -95,11 +95,11 @@ defmodule VllmBridge.Wire do
 
   @doc """
   The most bytes the body of a request of `kind` can take when its encoded fields take
-  `fields_size` bytes: the id (and the timeout, when `timed`) counted at their largest
+  `fields_size` bytes: the id (and the timeout, when `timed:` true) counted at their largest
   encoding (9 bytes each), since neither is fixed until the request is sent.
   """
-  @spec max_request_size(String.t(), boolean(), non_neg_integer()) :: pos_integer()
-  def max_request_size(kind, timed, fields_size),
+  @spec max_request_size(String.t(), non_neg_integer(), timed: boolean()) :: pos_integer()
+  def max_request_size(kind, fields_size, timed: timed),
     do: 1 + IO.iodata_length(Codec.encode(kind)) + 9 + if(timed, do: 9, else: 0) + fields_size
 
   @doc """
@@ -253,7 +253,7 @@ defmodule VllmBridge.Wire do
   def peek(<<0x93, 0xA4, "pong", rest::binary>>), do: {:pong, id(rest)}
   def peek(<<0x94, 0xA3, "log", _::binary>>), do: {:log, nil}
   def peek(<<0x92, 0xA5, "hello", _::binary>>), do: {:hello, nil}
-  def peek(other), do: slow_peek(other)
+  def peek(other), do: peek_general(other)
 
   defp id(<<0::1, n::7, _::binary>>), do: n
   defp id(<<0xCC, n::8, _::binary>>), do: n
@@ -272,7 +272,14 @@ defmodule VllmBridge.Wire do
     "hello" => :hello
   }
 
-  defp slow_peek(bin) do
+  @doc """
+  `peek/1`'s general path: the kind and id read from a full decode. `peek/1` answers as
+  this does for every well-formed frame (test/codec/peek_property_test.exs); a frame
+  whose head is well-formed but whose tail is not is read by its head there (its caller
+  then finds the tail undecodable), and is `{:unknown, nil}` here.
+  """
+  @spec peek_general(binary()) :: head()
+  def peek_general(bin) do
     case Codec.decode(bin) do
       {:ok, [kind | rest]} when is_map_key(@kinds, kind) ->
         id =

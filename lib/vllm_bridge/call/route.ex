@@ -1,38 +1,38 @@
-defmodule VllmBridge.Route do
-  @moduledoc """
-  Where one request goes, decided in the caller's process from its resolved runtime
-  options (`VllmBridge.Runtime`):
+defmodule VllmBridge.Call.Route do
+  @moduledoc false
+  # Where one request goes, decided in the caller's process from its resolved runtime
+  # options (`VllmBridge.Call.Runtime`):
+  #
+  #   * bound to a reference (a target `{%Ref{}, path}`, the handle of `exit`, the refs of
+  #     `release`): the worker whose handshake instance the reference carries, whatever the
+  #     affinity (`:strict_fail_fast` still fails at once unless it is idle). A reference from a
+  #     worker process that is gone is `:session_lost`;
+  #   * in a session (`session_id:`): the session's worker, under the affinity of
+  #     `VllmBridge.Session`; a session whose worker restarted is `:session_lost`;
+  #   * otherwise: any worker of the pool `pool_name:` names.
+  #
+  # `checkout/3` then checks the request against the pool's frame limit (`max_frame_bytes`;
+  # a request over it is `:bad_argument`, and nothing is reserved), reserves room
+  # (`VllmBridge.Pool.Checkout`) and checks that the worker it got is still the process the
+  # session or reference belongs to.
 
-    * bound to a reference (a target `{%Ref{}, path}`, the handle of `exit`, the refs of
-      `release`): the worker whose handshake instance the reference carries, whatever the
-      affinity (`:strict_fail_fast` still fails at once unless it is idle). A reference from a
-      worker process that is gone is `:session_lost`;
-    * in a session (`session_id:`): the session's worker, under the affinity of
-      `VllmBridge.Session`; a session whose worker restarted is `:session_lost`;
-    * otherwise: any worker of the pool `pool_name:` names.
-
-  `checkout/3` then checks the request against the pool's frame limit (`max_frame_bytes`;
-  a request over it is `:bad_argument`, and nothing is reserved), reserves room
-  (`VllmBridge.Pool.Checkout`) and checks that the worker it got is still the process the
-  session or reference belongs to.
-  """
-
-  alias VllmBridge.{Error, Ref, Request, Runtime, Session, Wire}
+  alias VllmBridge.{Error, Ref, Session}
+  alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Checkout, Directory, Meta, Slots}
 
   @enforce_keys [:meta, :constraint]
-  defstruct [:meta, :constraint, session: nil, expect: nil, sess: nil]
+  defstruct [:meta, :constraint, session_id: nil, expect: nil, session: nil]
 
   @typedoc """
-  `session` is the session id sent on the wire; `expect` the instance a reference-bound
-  request needs; `sess` the open session, when there is one.
+  `session_id` is the session id sent on the wire; `expect` the instance a
+  reference-bound request needs; `session` the open session, when there is one.
   """
   @type t :: %__MODULE__{
           meta: Meta.t(),
           constraint: Checkout.constraint(),
-          session: String.t() | nil,
+          session_id: String.t() | nil,
           expect: String.t() | nil,
-          sess: Session.t() | nil
+          session: Session.t() | nil
         }
 
   @doc """
@@ -54,7 +54,7 @@ defmodule VllmBridge.Route do
            %__MODULE__{
              meta: meta,
              constraint: constraint,
-             session: bound_session(rt, ref),
+             session_id: bound_session(rt, ref),
              expect: ref.instance
            }}
         end
@@ -83,7 +83,7 @@ defmodule VllmBridge.Route do
               else: {:only, s.worker}
         end
 
-      {:ok, %__MODULE__{meta: meta, constraint: constraint, session: id, sess: s}}
+      {:ok, %__MODULE__{meta: meta, constraint: constraint, session_id: id, session: s}}
     end
   end
 
@@ -141,7 +141,7 @@ defmodule VllmBridge.Route do
   defp verify(%{expect: expect}, _i, instance) when is_binary(expect) and expect != instance,
     do: {:error, Error.new(:session_lost, "the worker of instance #{expect} is gone")}
 
-  defp verify(%{sess: %Session{worker: home} = s}, i, instance) do
+  defp verify(%{session: %Session{worker: home} = s}, i, instance) do
     cond do
       i == home and instance != s.instance -> {:error, Session.lost(s)}
       i != home -> Session.touched(s, i, instance)

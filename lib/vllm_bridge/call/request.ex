@@ -1,0 +1,296 @@
+defmodule VllmBridge.Call.Request do
+  @moduledoc false
+  # The caller's side of one request to one worker process: build the frame (fresh id,
+  # milliseconds left of the deadline), send it to the worker, wait for the reply in the
+  # caller's own `receive` with the caller's own deadline.
+  #
+  # The caller waits on a process alias that is also a monitor of the worker
+  # (`:erlang.monitor/3` with `{:alias, ...}`): a reply is sent to the alias, a worker
+  # that dies is seen as `:DOWN`, and once the caller gives up the alias is deactivated,
+  # so a late reply is dropped by the runtime instead of lingering in the caller's
+  # mailbox. The messages on the alias are VllmBridge.Worker.Messages'.
+  #
+  # A caller that gives up loses nothing. A reply may carry the only handle of an
+  # entered context, or references nobody else has, so it must not be dropped unseen.
+  # Instead of deactivating the alias at once, the caller settles with the worker
+  # process (`give_up/2`): it asks for the cancel and waits for whichever the worker
+  # sends first, in order:
+  #
+  #   * the reply, which the worker had already passed on: the call succeeded, a little
+  #     late, and the caller has its result (`{:ok, ...}` as usual);
+  #   * `cancelled`: the cancel went on to Python, and whatever reply still comes stops
+  #     at the worker process, which releases the references in it, whatever their
+  #     session (VllmBridge.Worker). Python drops the call if it is still queued,
+  #     interrupts its code if it runs (the worker and the session's state stay; the
+  #     caller's next call runs at once), and exits the context of a cancelled `enter`
+  #     (once `__enter__` returns if it still runs, else at once), before any request
+  #     that reaches it after the cancel, such as the caller's next call. The call
+  #     answers `:timeout`. A call still running `cancel_grace` ms after its cancel
+  #     (stuck in C code) costs the worker its Python process (VllmBridge.Worker).
+
+  require VllmBridge.Worker.Messages
+
+  alias VllmBridge.Error
+  alias VllmBridge.Call.{Runtime, Wire}
+  alias VllmBridge.Worker.Messages
+
+  @enforce_keys [:kind]
+  defstruct kind: nil, pre: [], timed: true, post: [], size: 0, target: nil
+
+  # A request before it has an id: `kind`, the encoded fields before the timeout (`pre`,
+  # usually the session), whether the kind carries a timeout field (`timed`), the
+  # encoded fields after it (`post`), the bytes `pre` and `post` take (`size`, counted
+  # once), and the `target` it runs, if any, or a short description of what it does
+  # (only for messages: the worker names it when the call costs the Python process, see
+  # VllmBridge.Worker; it is copied into the request's message and kept while the
+  # request is in flight, so it stays small).
+  @type t :: %__MODULE__{
+          kind: String.t(),
+          pre: [iodata()],
+          timed: boolean(),
+          post: [iodata()],
+          size: non_neg_integer(),
+          target: term()
+        }
+
+  # A request in flight: worker pid, id and the alias/monitor.
+  @type handle :: {pid(), non_neg_integer(), reference()}
+
+  # What `new/2` takes: `pre:` and `post:` (encoded fields, default []), `timed:`
+  # (default true), `target:` (default nil).
+  @type new_opts :: [pre: [iodata()], post: [iodata()], timed: boolean(), target: term()]
+
+  # How `send_request/4` sends: `holds_slot:` the request holds a pool slot (the worker
+  # gives it back; default false); `replies:` `:one` (the alias goes once the reply
+  # came) or `:stream` (chunks, then an end; default :one); `cancel_on_caller_exit:`
+  # the worker cancels the request if the calling process dies first (default true;
+  # false: it runs to its end whatever becomes of its caller, as a session's close).
+  @type send_opts :: [
+          holds_slot: boolean(),
+          replies: :one | :stream,
+          cancel_on_caller_exit: boolean()
+        ]
+
+  # What `await/3` does past the deadline: `on_timeout:` `:cancel` (`give_up/2`, the
+  # default), `:cancel_enter` (the same, for an enter: its message says the context is
+  # not left entered), or `:forget` (the request still runs, its reply is dropped).
+  @type await_opts :: [on_timeout: :cancel | :cancel_enter | :forget]
+
+  @doc """
+  A request of `kind` (see `t:new_opts/0`). The size of its fields is counted here, once:
+  the frame limit is checked with it before anything is reserved (`max_size/1`), and
+  the frame is built with it, without walking them again.
+  """
+  @spec new(String.t(), new_opts()) :: t()
+  def new(kind, opts \\ []) do
+    pre = Keyword.get(opts, :pre, [])
+    post = Keyword.get(opts, :post, [])
+
+    %__MODULE__{
+      kind: kind,
+      pre: pre,
+      timed: Keyword.get(opts, :timed, true),
+      post: post,
+      size: IO.iodata_length(pre) + IO.iodata_length(post),
+      target: Keyword.get(opts, :target)
+    }
+  end
+
+  @doc "The most bytes the body of `req`'s frame can take (`VllmBridge.Call.Wire.max_request_size/3`)."
+  @spec max_size(t()) :: pos_integer()
+  def max_size(%__MODULE__{kind: kind, timed: timed, size: size}),
+    do: Wire.max_request_size(kind, size, timed: timed)
+
+  @doc """
+  Sends `req` to `pid` and waits for its one reply until `deadline` (`holds_slot:` as
+  in `send_request/4`).
+  """
+  @spec call(pid() | nil, t(), integer() | :infinity, holds_slot: boolean()) ::
+          {:ok, term()} | {:error, Error.t()}
+  def call(pid, req, deadline, opts \\ [])
+
+  def call(nil, _req, _deadline, _opts),
+    do: {:error, Error.new(:worker_exit, "the worker process is not running")}
+
+  def call(pid, req, deadline, opts) do
+    handle = send_request(pid, req, deadline, holds_slot: Keyword.get(opts, :holds_slot, false))
+    # An enter's reply holds the only handle of its context: settled, not dropped.
+    await(handle, deadline, on_timeout: if(req.kind == "enter", do: :cancel_enter, else: :cancel))
+  end
+
+  @doc "Sends `req` and returns at once (`t:send_opts/0`)."
+  @spec send_request(pid(), t(), integer() | :infinity, send_opts()) :: handle()
+  def send_request(pid, %__MODULE__{} = req, deadline, opts \\ []) do
+    id = :erlang.unique_integer([:positive])
+
+    replies = Keyword.get(opts, :replies, :one)
+    mode = if replies == :stream, do: :demonitor, else: :reply_demonitor
+
+    mref = :erlang.monitor(:process, pid, [{:alias, mode}])
+    {frame, size} = frame(req, id, deadline)
+
+    Messages.send_submit(pid, %Messages.Submit{
+      id: id,
+      alias: mref,
+      caller: if(Keyword.get(opts, :cancel_on_caller_exit, true), do: self()),
+      frame: frame,
+      size: size,
+      deadline: deadline,
+      holds_slot: Keyword.get(opts, :holds_slot, false),
+      replies: replies,
+      what: what(req)
+    })
+
+    {pid, id, mref}
+  end
+
+  @doc "Sends `req` and forgets it (no reply is wanted; the worker drops it)."
+  @spec cast(pid(), t(), integer() | :infinity) :: :ok
+  def cast(pid, %__MODULE__{} = req, deadline) do
+    id = :erlang.unique_integer([:positive])
+    {frame, size} = frame(req, id, deadline)
+
+    Messages.send_submit(pid, %Messages.Submit{
+      id: id,
+      frame: frame,
+      size: size,
+      deadline: deadline,
+      what: what(req)
+    })
+  end
+
+  defp what(%{target: nil}), do: nil
+  defp what(%{kind: kind, target: target}), do: {kind, target}
+
+  # The frame and its body's size; no frame (nil) when the body is longer than a frame's
+  # length can say: the worker refuses it by its size, as one over its frame limit.
+  defp frame(%{kind: kind, pre: pre, timed: true, post: post, size: size}, id, deadline) do
+    ms =
+      case Runtime.remaining(deadline) do
+        :infinity -> Wire.value(nil)
+        left -> Wire.value(left)
+      end
+
+    framed(Wire.frame_request(kind, id, pre ++ [ms | post], size + IO.iodata_length(ms)))
+  end
+
+  defp frame(%{kind: kind, pre: pre, post: post, size: size}, id, _deadline),
+    do: framed(Wire.frame_request(kind, id, pre ++ post, size))
+
+  defp framed({:ok, frame, size}), do: {frame, size}
+  defp framed({:too_large, size}), do: {nil, size}
+
+  @doc """
+  Waits until `deadline` for the one reply of a request sent with `send_request/4`;
+  past it, what `t:await_opts/0` says.
+  """
+  @spec await(handle(), integer() | :infinity, await_opts()) ::
+          {:ok, term()} | {:error, Error.t()}
+  def await({pid, id, mref}, deadline, opts \\ []) do
+    receive do
+      Messages.reply(^mref, bin) -> Wire.decode_reply(bin)
+      Messages.worker_exit(^mref, message) -> worker_exit(message)
+      Messages.reply_error(^mref, e) -> {:error, e}
+      {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
+    after
+      Runtime.remaining(deadline) ->
+        case Keyword.get(opts, :on_timeout, :cancel) do
+          :cancel ->
+            give_up({pid, id, mref}, "no reply to request #{id} before its deadline")
+
+          :forget ->
+            forget({pid, id, mref})
+
+          :cancel_enter ->
+            give_up(
+              {pid, id, mref},
+              "no reply to enter #{id} before its deadline; the context is not left entered"
+            )
+        end
+    end
+  end
+
+  defp forget({_pid, id, mref}),
+    do: late_reply(mref, "no reply to request #{id} before its deadline; it still runs")
+
+  @doc """
+  Gives up on a request, settling it with the worker process: asks it to cancel the
+  request, then takes the reply, if the worker had passed it on already (a late success,
+  returned as one), or else the worker's `cancelled` (a `:timeout` with `message`).
+  The worker sends `cancelled` always, after anything it passed on, so the wait ends
+  (or it goes down: `:worker_exit`); and no reply is dropped on the way to a caller that
+  no longer listens, so nothing it carries is lost unseen.
+  """
+  @spec give_up(handle(), String.t()) :: {:ok, term()} | {:error, Error.t()}
+  def give_up({pid, id, mref}, message) do
+    Messages.send_settle(pid, id, mref)
+
+    result =
+      receive do
+        Messages.reply(^mref, bin) -> Wire.decode_reply(bin)
+        Messages.cancelled(^mref) -> {:error, Error.new(:timeout, message)}
+        Messages.worker_exit(^mref, worker_message) -> worker_exit(worker_message)
+        Messages.reply_error(^mref, e) -> {:error, e}
+        {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
+      end
+
+    Process.demonitor(mref, [:flush])
+    flush(mref)
+    result
+  end
+
+  @doc """
+  Casts to `pid` the release of `refs`, one `release` request per session they belong to
+  (`nil`: the default session). A release never brings a session into being in the
+  worker, so one closed meanwhile stays closed.
+  """
+  @spec cast_release(pid(), [VllmBridge.Ref.t()]) :: :ok
+  def cast_release(pid, refs) do
+    for {session, refs} <- Enum.group_by(refs, & &1.session) do
+      req = new("release", pre: [Wire.value(session)], post: [Wire.value(refs)], timed: false)
+      cast(pid, req, :infinity)
+    end
+
+    :ok
+  end
+
+  # Deactivates the alias, then takes a reply that made it in before that, else drops
+  # whatever else arrived and answers :timeout with `message`.
+  defp late_reply(mref, message) do
+    Process.demonitor(mref, [:flush])
+
+    receive do
+      Messages.reply(^mref, bin) -> Wire.decode_reply(bin)
+    after
+      0 ->
+        flush(mref)
+        {:error, Error.new(:timeout, message)}
+    end
+  end
+
+  @doc "Drops every message that arrived on `mref` (after the alias is deactivated)."
+  @spec flush(reference()) :: :ok
+  def flush(mref) do
+    receive do
+      Messages.any(^mref) -> flush(mref)
+    after
+      0 -> :ok
+    end
+  end
+
+  @doc "The `:worker_exit` error of `message`."
+  @spec worker_exit(String.t()) :: {:error, Error.t()}
+  def worker_exit(message), do: {:error, Error.new(:worker_exit, message)}
+
+  @doc """
+  The error of a worker that went down with a request still in its mailbox: its stop
+  reason says why when it knows (VllmBridge.Worker stops with `{:shutdown,
+  {:worker_exit, message}}`).
+  """
+  @spec worker_down(term()) :: {:error, Error.t()}
+  def worker_down({:shutdown, {:worker_exit, message}}) when is_binary(message),
+    do: worker_exit(message)
+
+  def worker_down(reason),
+    do: worker_exit("the worker process exited (#{inspect(reason, limit: 5)}) during the call")
+end

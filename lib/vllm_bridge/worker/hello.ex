@@ -1,0 +1,129 @@
+defmodule VllmBridge.Worker.Hello do
+  @moduledoc false
+  # The worker's handshake, as VllmBridge.Worker checks it while it is starting: the
+  # first frame must be a `hello` (docs/PROTOCOL.md) of this side's protocol version,
+  # naming the Python process's pid and instance, with no allow-listed module that failed
+  # to import, and announcing (if at all) the frame limit the worker was started with.
+  # Also the errors of a start that ends before a hello: the Python process exited, it
+  # sent nothing within `start_timeout`, or a frame header over the limit.
+
+  alias VllmBridge.Codec
+  alias VllmBridge.Error
+
+  @protocol_version 1
+
+  # A worker module of a user's may leave `stream_window` out of its hello: then the
+  # window of our own worker (vllm_bridge.bridge.protocol.flow.STREAM_WINDOW).
+  @default_stream_window 32
+
+  @typedoc "What the worker announced in its handshake."
+  @type t :: %{optional(String.t()) => term()}
+
+  @doc "The stream window of a hello that announces none (our worker's)."
+  @spec default_stream_window() :: pos_integer()
+  def default_stream_window, do: @default_stream_window
+
+  @doc "The protocol version this side speaks (docs/PROTOCOL.md)."
+  @spec protocol_version() :: pos_integer()
+  def protocol_version, do: @protocol_version
+
+  @doc """
+  Checks the first frame of a worker started with frame limit `max`: `{:ok, hello}` or
+  the error that ends its start.
+  """
+  @spec check(binary(), pos_integer()) :: {:ok, t()} | {:error, Error.t()}
+  def check(frame, max) do
+    with {:ok, hello} <- check_hello(Codec.decode(frame)),
+         :ok <- check_limit(hello, max),
+         :ok <- check_window(hello) do
+      {:ok, hello}
+    end
+  end
+
+  @doc """
+  The chunks a stream of this worker may run ahead of its reader (docs/PROTOCOL.md,
+  "Flow control"): the hello's `stream_window`, or our worker's when it has none.
+  """
+  @spec stream_window(t()) :: pos_integer()
+  def stream_window(hello), do: Map.get(hello, "stream_window", @default_stream_window)
+
+  @doc "The error of a Python process that exited with `status` before its hello."
+  @spec exited(integer()) :: Error.t()
+  def exited(status) do
+    Error.new(
+      :worker_exit,
+      "the Python worker exited with status #{status} before its handshake " <>
+        "(see its stderr above)"
+    )
+  end
+
+  @doc "The error of a Python process that sent no hello within `timeout` ms."
+  @spec timed_out(non_neg_integer() | nil, timeout()) :: Error.t()
+  def timed_out(os_pid, timeout) do
+    Error.new(
+      :worker_exit,
+      "the Python worker (os pid #{os_pid}) sent no handshake within #{timeout} ms " <>
+        "(start_timeout)"
+    )
+  end
+
+  # A worker that announces a frame limit must use the one it was given (a worker module
+  # of a user's may announce none).
+  defp check_limit(%{"max_frame_bytes" => n}, max) when n != max do
+    {:error,
+     Error.new(
+       :protocol,
+       "the worker announced max_frame_bytes #{inspect(n)}, but was started with #{max}"
+     )}
+  end
+
+  defp check_limit(_hello, _max), do: :ok
+
+  # A window the stream's reader could not give credit for (it sends room back each
+  # time half of it has been read) would stall every stream.
+  defp check_window(%{"stream_window" => n}) when not (is_integer(n) and n >= 2) do
+    {:error,
+     Error.new(
+       :protocol,
+       "the worker announced stream_window #{inspect(n)}; it must be an integer of at least 2"
+     )}
+  end
+
+  defp check_window(_hello), do: :ok
+
+  defp check_hello({:ok, ["hello", %{"protocol" => @protocol_version} = hello]}) do
+    case hello do
+      %{"import_errors" => failed} when is_map(failed) and map_size(failed) > 0 ->
+        list = Enum.map_join(Enum.sort(failed), "; ", fn {m, why} -> "#{m} (#{why})" end)
+
+        {:error,
+         Error.new(
+           :bad_argument,
+           "the worker could not import allow-listed module(s): #{list}; " <>
+             "fix the module or the pool's :allow option"
+         )}
+
+      %{"pid" => pid, "instance" => inst} when is_integer(pid) and is_binary(inst) ->
+        {:ok, hello}
+
+      _ ->
+        {:error,
+         Error.new(:protocol, "the worker's hello lacks pid or instance: #{inspect(hello)}")}
+    end
+  end
+
+  defp check_hello({:ok, ["hello", %{"protocol" => other}]}) do
+    {:error,
+     Error.new(
+       :protocol,
+       "the worker speaks protocol version #{inspect(other)}, this side speaks " <>
+         "#{@protocol_version}; refusing it"
+     )}
+  end
+
+  defp check_hello({:ok, other}),
+    do: {:error, Error.new(:protocol, "expected a hello, got #{inspect(other, limit: 8)}")}
+
+  defp check_hello({:error, reason}),
+    do: {:error, Error.new(:protocol, "undecodable handshake: #{reason}")}
+end
