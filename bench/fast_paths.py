@@ -6,7 +6,7 @@ Each is timed against its general path (``parse_checked``, ``Dispatcher._encode_
 on the same input, and the whole call in this process (decode and check the frame, run
 the call, encode the reply, write it to ``/dev/null``, as ``worker_alone.py`` does) is
 timed with both fast paths, without each, and without both, in alternating rounds; the
-median round counts. python/tests/bridge/test_protocol_fast_paths.py checks that each
+median round counts. python/tests/bridge/test_fast_paths.py checks that each
 fast path answers exactly as its general path. From the repository root::
 
     .venv/bin/python bench/fast_paths.py [--calls N] [--rounds R]

@@ -8,7 +8,10 @@ cd "$(dirname "$0")/../.."
 base=${1:-807b8d1}
 old=$(mktemp -d)
 trap 'rm -rf "$old"' EXIT
-git show "$base:python/vllm_bridge/bridge/protocol/decoder.py" >"$old/old_decoder.py"
+git show "$base:python/vllm_bridge/protocol/decoder.py" >"$old/old_decoder.py"
+# The base's decoder imports its siblings from where they were then (vllm_bridge.protocol,
+# before the bridge became its own subpackage): today's, unchanged since in what it uses.
+sed -i 's/vllm_bridge\.protocol\./vllm_bridge.bridge.protocol./' "$old/old_decoder.py"
 for f in codec.ex codec/msgpack.ex codec/ext.ex codec/dataclass.ex wire.ex; do
   git show "$base:lib/vllm_bridge/$f" >"$old/old_$(basename "$f")"
 done

@@ -83,8 +83,14 @@ defmodule VllmBridge.Bindings do
   alias VllmBridge.Bindings.Args
   alias VllmBridge.{Error, Session}
 
+  @typedoc """
+  What a generated function passes to describe one Python function or attribute: its
+  target, name and parameters (built by the generated code; not written by hand).
+  """
+  @type spec :: Args.spec()
+
   @doc "Calls the Python function of `spec` with the Elixir `args` of a generated function."
-  @spec call(Args.spec(), list()) :: {:ok, term()} | {:error, Error.t()}
+  @spec call(spec(), list()) :: {:ok, term()} | {:error, Error.t()}
   def call(spec, args) do
     with {:ok, py_args, kwargs, runtime} <- Args.split(spec, args) do
       VllmBridge.call(spec.target, py_args, kwargs, runtime)
@@ -92,7 +98,7 @@ defmodule VllmBridge.Bindings do
   end
 
   @doc "Reads the Python module attribute of `spec` (`args`: `[]` or `[options]`)."
-  @spec get(Args.spec(), list()) :: {:ok, term()} | {:error, Error.t()}
+  @spec get(spec(), list()) :: {:ok, term()} | {:error, Error.t()}
   def get(spec, args) do
     with {:ok, [], kwargs, runtime} when kwargs == %{} <- Args.split(spec, args) do
       VllmBridge.get(spec.target, runtime)
@@ -100,7 +106,7 @@ defmodule VllmBridge.Bindings do
   end
 
   @doc "Enters the context manager of `spec`: `{:ok, {handle, value}}`."
-  @spec enter(Args.spec(), list()) ::
+  @spec enter(spec(), list()) ::
           {:ok, {VllmBridge.Ref.t(), term()}} | {:error, Error.t()}
   def enter(spec, args) do
     with {:ok, py_args, kwargs, runtime} <- Args.split(spec, args) do
@@ -112,7 +118,7 @@ defmodule VllmBridge.Bindings do
   The `with_…` form of the context manager of `spec`: enters in a session, runs `fun`,
   always exits (see the moduledoc).
   """
-  @spec with_context(Args.spec(), list(), function()) :: {:ok, term()} | {:error, Error.t()}
+  @spec with_context(spec(), list(), function()) :: {:ok, term()} | {:error, Error.t()}
   def with_context(spec, args, fun) when is_function(fun, 1) or is_function(fun, 2) do
     with {:ok, py_args, kwargs, runtime} <- Args.split(with_spec(spec), args, 1),
          :ok <- runtime_list(spec, args, runtime) do

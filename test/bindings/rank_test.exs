@@ -1,6 +1,6 @@
 Code.require_file("../support/bindings_helpers.exs", __DIR__)
 
-defmodule VllmBridge.Bindings.RunnerTest do
+defmodule VllmBridge.Bindings.RankTest do
   @moduledoc """
   `Vllm.Demo.Rank.Module`, the bindings of the demo's model runner (`vllm_bridge.demo.rank`),
   on a real worker without DP: every function, several arity forms, and bad arguments.
@@ -20,7 +20,7 @@ defmodule VllmBridge.Bindings.RunnerTest do
     # of the worker process) is the same for calls with and without the session.
     start_default_pool!()
     s = session!()
-    dir = Path.join(System.tmp_dir!(), "vb_runner_#{System.unique_integer([:positive])}")
+    dir = Path.join(System.tmp_dir!(), "vb_rank_#{System.unique_integer([:positive])}")
     on_exit(fn -> File.rm_rf(dir) end)
     %{rt: [session_id: s.id, timeout_profile: :ml_inference], dir: dir}
   end

@@ -5,7 +5,14 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
   (`vllm_bridge.bridge.introspect`), writes the manifests `priv/bindings/*.json` and the
   Elixir modules under `lib/vllm/` (the demo's under `demo/lib/vllm/`), and deletes
   generated files that are no longer produced.
-  See `VllmBridge.Bindings.Generator`.
+
+  **What is bound of a module is what it exports**: the names of its `__all__` (a module
+  without `__all__`: the public names it defines itself, not those it imports), plus, for
+  `vllm_bridge.forward_context`, the names vLLM's own bindings have beyond its exports
+  (`_compute_sp_num_tokens`, `_compute_chunked_local_num_tokens`, `_forward_context`,
+  `logger`; seeds/elixir_bindings_forward_context.txt). Private helpers and imported names
+  a module does not export are not bound. The modules bound: `vllm_bridge.forward_context`,
+  `.config`, `.cudagraph`, `.ubatch`, `.dp`, and the demo's `vllm_bridge.demo.rank`.
 
       mix vllm.gen.bindings                  # regenerate (needs the Python venv)
       mix vllm.gen.bindings --check          # fail when the committed files are stale
