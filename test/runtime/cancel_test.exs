@@ -28,17 +28,7 @@ defmodule VllmBridge.Runtime.CancelTest do
       max_in_flight: 4,
       cancel_grace: @grace,
       allow: ["vllm_bridge.bridge.diag", "cancel_support"],
-      # python/tests/bridge (cancel_support) first, whatever PYTHONPATH already holds after.
-      worker_env: [
-        {"PYTHONPATH",
-         Enum.join(
-           [
-             Path.expand("../../python/tests/bridge", __DIR__)
-             | List.wrap(System.get_env("PYTHONPATH"))
-           ],
-           ":"
-         )}
-      ]
+      worker_env: [python_path([python_support_dir()])]
     )
 
     :ok

@@ -23,17 +23,7 @@ defmodule VllmBridge.Runtime.PoolFailureTest do
       queue_size: 2,
       cancel_grace: 1_500,
       allow: ["vllm_bridge.bridge.diag", "cancel_support"],
-      # python/tests/bridge (cancel_support) first, whatever PYTHONPATH already holds after.
-      worker_env: [
-        {"PYTHONPATH",
-         Enum.join(
-           [
-             Path.expand("../../python/tests/bridge", __DIR__)
-             | List.wrap(System.get_env("PYTHONPATH"))
-           ],
-           ":"
-         )}
-      ]
+      worker_env: [python_path([python_support_dir()])]
     )
 
     :ok

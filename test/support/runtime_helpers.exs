@@ -68,6 +68,16 @@ defmodule VllmBridge.RuntimeHelpers do
   @doc "The absolute path of test/support (for PYTHONPATH)."
   def support_dir, do: Path.expand(".", __DIR__)
 
+  @doc "The Python tests' support modules' folder (cancel_support, ...), for PYTHONPATH."
+  def python_support_dir, do: Path.expand("../../python/tests/bridge", __DIR__)
+
+  @doc """
+  A `worker_env` entry putting `dirs` first on the worker's PYTHONPATH, whatever the
+  environment's PYTHONPATH already holds after them.
+  """
+  def python_path(dirs),
+    do: {"PYTHONPATH", Enum.join(dirs ++ List.wrap(System.get_env("PYTHONPATH")), ":")}
+
   @doc """
   Occupies one slot of a worker until `unhold/1`: a task enumerating a slow stream (one
   chunk every 20 ms). Returns once the pool's load has gone up by one, i.e. the slot is

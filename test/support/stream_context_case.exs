@@ -19,11 +19,7 @@ defmodule VllmBridge.StreamContextCase do
           size: 1,
           max_in_flight: 2,
           allow: ["vllm_bridge.bridge.diag", "rt_stream_support"],
-          # test/support first, whatever the environment's PYTHONPATH already holds after.
-          worker_env: [
-            {"PYTHONPATH",
-             Enum.join([support_dir() | List.wrap(System.get_env("PYTHONPATH"))], ":")}
-          ]
+          worker_env: [python_path([support_dir()])]
         )
 
         :ok

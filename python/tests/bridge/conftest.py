@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import itertools
 import os
+import signal
 import select
 import struct
 import subprocess
@@ -27,6 +28,7 @@ import torch
 
 from vllm_bridge.bridge.protocol import Atom, Ref, packb, unpackb
 from vllm_bridge.bridge.protocol.framing import read_frame, write_frame
+from vllm_bridge.bridge.worker.interrupt import INTERRUPT_SIGNAL, Interrupter
 
 #: Seconds a test waits for any one frame before it fails.
 FRAME_WAIT = 60.0
@@ -210,9 +212,20 @@ def wire_fds(r_in: int, w_out: int) -> Callable[[], None]:
     return wire
 
 
-def spawn_worker(extra_args: list[str] | None = None, stderr: int | None = None) -> WorkerProc:
+def spawn_worker(
+    extra_args: list[str] | None = None,
+    stderr: int | None = None,
+    support: bool = False,
+    env: dict[str, str] | None = None,
+) -> WorkerProc:
     """Start ``python -m vllm_bridge.bridge.worker`` with its fds 3 and 4 wired to pipes
-    (``stderr=subprocess.PIPE`` captures its log output)."""
+    (``stderr=subprocess.PIPE`` captures its log output). ``support``: this directory is
+    on the worker's PYTHONPATH, so that it can import (and allow-list) the test-support
+    modules kept here; ``env``: more variables of the worker's environment."""
+    worker_env = {**os.environ, **(env or {})}
+    if support:
+        paths = [str(Path(__file__).resolve().parent), worker_env.get("PYTHONPATH")]
+        worker_env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     r_in, w_in = os.pipe()  # test -> worker
     r_out, w_out = os.pipe()  # worker -> test
     proc = subprocess.Popen(
@@ -221,6 +234,7 @@ def spawn_worker(extra_args: list[str] | None = None, stderr: int | None = None)
         pass_fds=(3, 4),
         close_fds=True,
         stderr=stderr,
+        env=worker_env,
     )
     os.close(r_in)
     os.close(w_out)
@@ -312,3 +326,16 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, (enum.Enum, Atom, Ref, str, bytes, int, bool)) or a is None:
         return a == b
     raise TypeError(f"same() does not know how to compare {type(a)}")
+
+
+@pytest.fixture
+def interrupter() -> Iterator[Interrupter]:
+    """This process's interrupter installed (the worker's cancel-in-place, tested in
+    process), the signal's handler before it put back after."""
+    before = signal.getsignal(INTERRUPT_SIGNAL)
+    it = Interrupter()
+    it.install()
+    try:
+        yield it
+    finally:
+        signal.signal(INTERRUPT_SIGNAL, before)

@@ -5,15 +5,12 @@ was refused."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import WorkerCallError, WorkerProc, spawn_worker
 
-HERE = Path(__file__).resolve().parent
 P = "security_probe"
 D = "vllm_bridge.bridge.diag"
 FC = "vllm_bridge.forward_context"
@@ -23,17 +20,7 @@ ALLOW = [D, FC, P]
 def spawn_probe_worker(env: dict[str, str] | None = None) -> WorkerProc:
     """A worker allowing :data:`ALLOW`, with this directory on its PYTHONPATH (and
     ``env`` set while it starts)."""
-    saved = {k: os.environ.get(k) for k in ["PYTHONPATH", *(env or {})]}
-    paths = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
-    os.environ.update({"PYTHONPATH": os.pathsep.join(paths), **(env or {})})
-    try:
-        return spawn_worker(["--allow", *ALLOW])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return spawn_worker(["--allow", *ALLOW], support=True, env=env)
 
 
 def refused(attempt: Callable[[], Any]) -> str:

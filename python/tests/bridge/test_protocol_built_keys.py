@@ -6,7 +6,6 @@ serves on (decoder.materialize)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,20 +13,11 @@ import pytest
 from conftest import WorkerCallError, WorkerProc, spawn_worker
 D = "vllm_bridge.bridge.diag"
 K = "keys_support"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def w() -> Iterator[WorkerProc]:
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, saved]))
-    try:
-        wp = spawn_worker(["--allow", D, K])
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = saved
+    wp = spawn_worker(["--allow", D, K], support=True)
     try:
         yield wp
     finally:

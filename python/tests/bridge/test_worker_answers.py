@@ -22,20 +22,11 @@ from vllm_bridge.bridge.worker.executor import Executor
 
 D = "vllm_bridge.bridge.diag"
 A = "answer_support"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def w() -> Iterator[WorkerProc]:
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, saved]))
-    try:
-        wp = spawn_worker(["--allow", D, A])
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = saved
+    wp = spawn_worker(["--allow", D, A], support=True)
     try:
         yield wp
     finally:

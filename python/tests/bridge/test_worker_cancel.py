@@ -5,7 +5,6 @@ when it returns; code that swallows the interruption runs on; EOF interrupts too
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import threading
@@ -22,7 +21,6 @@ LONG_S = 20.0
 
 #: Test code the worker runs (this directory on its PYTHONPATH): ``stuck``, ``log_loop``.
 SUPPORT = "cancel_support"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def send(w, kind, path, args, session=None, timeout=60_000, module=D) -> int:
@@ -33,15 +31,7 @@ def send(w, kind, path, args, session=None, timeout=60_000, module=D) -> int:
 
 def spawn_support_worker(stderr=None):
     """A worker that also allow-lists :data:`SUPPORT`."""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, saved]))
-    try:
-        return spawn_worker(["--allow", D, SUPPORT], stderr=stderr)
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = saved
+    return spawn_worker(["--allow", D, SUPPORT], stderr=stderr, support=True)
 
 
 @pytest.fixture(scope="module")

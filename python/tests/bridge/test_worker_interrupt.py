@@ -8,10 +8,9 @@ thread, as :meth:`vllm_bridge.bridge.worker.executor.Executor.cancel` does.
 from __future__ import annotations
 
 import random
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,21 +18,10 @@ import pytest
 from vllm_bridge.bridge import diag
 from vllm_bridge.bridge.protocol.errors import CallInterrupted, Cancelled
 from vllm_bridge.bridge.protocol.messages import Invoke
-from vllm_bridge.bridge.worker.interrupt import INTERRUPT_SIGNAL, Interrupter
+from vllm_bridge.bridge.worker.interrupt import Interrupter
 
 #: Long enough that a wait which was not interrupted fails the test by returning.
 LONG_S = 30.0
-
-
-@pytest.fixture
-def interrupter() -> Iterator[Interrupter]:
-    before = signal.getsignal(INTERRUPT_SIGNAL)
-    it = Interrupter()
-    it.install()
-    try:
-        yield it
-    finally:
-        signal.signal(INTERRUPT_SIGNAL, before)
 
 
 def request(rid: int = 1) -> Invoke:

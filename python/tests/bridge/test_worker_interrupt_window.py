@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -28,10 +27,9 @@ from vllm_bridge.bridge.protocol.errors import CallInterrupted
 from vllm_bridge.bridge.protocol.framing import FrameReader, write_frame
 from vllm_bridge.bridge.protocol.messages import Invoke
 from vllm_bridge.bridge.worker.executor import Executor
-from vllm_bridge.bridge.worker.interrupt import INTERRUPT_SIGNAL, RETRY_SECONDS, Interrupter
+from vllm_bridge.bridge.worker.interrupt import INTERRUPT_SIGNAL, RETRY_SECONDS
 
 D = "vllm_bridge.bridge.diag"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # -- the signal is sent under the executor's lock --------------------------------------------
@@ -95,17 +93,6 @@ class _FrameCatcher(logging.Handler):
         self.frames.append(sys._getframe(2))  # emit <- Handler.handle <- callHandlers
 
 
-@pytest.fixture
-def interrupter() -> Iterator[Interrupter]:
-    before = signal.getsignal(INTERRUPT_SIGNAL)
-    it = Interrupter()
-    it.install()
-    try:
-        yield it
-    finally:
-        signal.signal(INTERRUPT_SIGNAL, before)
-
-
 def test_an_interruption_landing_in_logging_is_tried_again_later(interrupter) -> None:
     catcher = _FrameCatcher()
     logger = logging.getLogger("interrupt.window")
@@ -134,15 +121,7 @@ def test_an_interruption_landing_in_logging_is_tried_again_later(interrupter) ->
 
 @pytest.fixture
 def w() -> Iterator[WorkerProc]:
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, saved]))
-    try:
-        wp = spawn_worker(["--allow", D, "cancel_support"])
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = saved
+    wp = spawn_worker(["--allow", D, "cancel_support"], support=True)
     # A logging lock left held would hang the worker: it is killed after a while, so that
     # the test fails instead of hanging.
     watchdog = threading.Timer(FRAME_WAIT * 2, wp.proc.kill)
