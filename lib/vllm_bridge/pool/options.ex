@@ -5,11 +5,13 @@ defmodule VllmBridge.Pool.Options do
   | option | meaning | default |
   |---|---|---|
   | `:size` | worker processes | 1 |
-  | `:python` | Python interpreter | `config :vllm_bridge, :python` |
-  | `:allow` | module allow-list (`--allow`), `[]` for the worker's default | `[]` |
+  | `:python` | the Python interpreter (a path); its environment must have the `vllm_bridge` package (docs/USING.md) | `config :vllm_bridge, :python`, else the environment variable `VLLM_BRIDGE_PYTHON` read when the pool starts |
+  | `:python_path` | folders put in front of the workers' `PYTHONPATH` (where one's own Python modules live): paths, or `{app, path}` for `Application.app_dir(app, path)` (a release's `priv/python`); each must be a folder | `[]` |
+  | `:modules` | Python modules added to the allow-list (one's own): `allow ++ modules`, or the worker's default list ++ `modules` | `[]` |
+  | `:allow` | module allow-list (`--allow`), replacing the worker's default (`vllm_bridge.PUBLIC_MODULES`); `[]` keeps the default | `[]` |
   | `:max_refs` | references a worker may hold (`--max-refs`) | the worker's (10 000) |
   | `:poll_us` | µs a worker polls for the next request before it sleeps (`--poll-us`, at most 10 000): lower latency for back-to-back calls on machines where waking an idle CPU is slow (VMs), paid in that much CPU after each call | 0 |
-  | `:worker_env` | environment per worker: `[{name, value}]` for all, or `fn index -> [{name, value}] end` (a DP rank per worker) | `[]` |
+  | `:worker_env` | environment per worker: `[{name, value}]` for all, `fn index -> [{name, value}] end`, or `{module, function, args}` called as `apply(module, function, [index \| args])` (a DP rank per worker; the MFA form can live in `config/*.exs`, which a release cannot hold functions in) | `[]` |
   | `:max_in_flight` | calls pipelined to one worker at once | 16 |
   | `:max_frame_bytes` | the largest frame body either way (`--max-frame-bytes`): a request over it is `:bad_argument` before it is sent, a reply over it is an error from the worker, a header declaring more ends the stream (the worker restarts); 65 536 to 4 294 967 295 | 1 073 741 824 (1 GiB) |
   | `:queue_size` | callers that may wait for a worker; one more gets `:queue_full` | 1024 |
@@ -24,6 +26,8 @@ defmodule VllmBridge.Pool.Options do
 
   @defaults [
     size: 1,
+    python_path: [],
+    modules: [],
     allow: [],
     max_refs: nil,
     poll_us: 0,
@@ -41,6 +45,9 @@ defmodule VllmBridge.Pool.Options do
 
   @keys [:python | Keyword.keys(@defaults)]
 
+  @worker_env_forms "must be [{name, value}], fn index -> [{name, value}] end, or " <>
+                      "{module, function, args} (called with the index first)"
+
   @doc "The option names a pool accepts."
   @spec keys() :: [atom()]
   def keys, do: @keys
@@ -49,13 +56,13 @@ defmodule VllmBridge.Pool.Options do
   @spec validate(keyword()) :: {:ok, keyword()} | {:error, Error.t()}
   def validate(opts) when is_list(opts) do
     with :ok <- known(opts) do
-      python =
-        Keyword.get_lazy(opts, :python, fn -> Application.get_env(:vllm_bridge, :python) end)
+      opts = Keyword.merge(@defaults, opts)
 
-      opts = Keyword.merge(@defaults, Keyword.put(opts, :python, python))
-
-      with :ok <- each(opts),
-           {:ok, envs} <- envs(opts) do
+      with {:ok, python} <- python(opts),
+           opts = Keyword.put(opts, :python, python),
+           :ok <- each(opts),
+           {:ok, dirs} <- python_path(opts[:python_path]),
+           {:ok, envs} <- envs(opts, dirs) do
         size = opts[:size]
 
         {:ok,
@@ -68,23 +75,118 @@ defmodule VllmBridge.Pool.Options do
 
   def validate(other), do: bad("pool options must be a keyword list, got #{inspect(other)}")
 
-  # The environment of each worker as `[{name, value}]` strings (`:envs`, by index).
-  defp envs(opts) do
-    envs =
-      for i <- 0..(opts[:size] - 1) do
-        case opts[:worker_env] do
-          f when is_function(f, 1) -> f.(i)
-          list -> list
-        end
-        |> Enum.map(fn {k, v} -> {to_string(k), to_string(v)} end)
+  @python_env "VLLM_BRIDGE_PYTHON"
+
+  @doc false
+  # The interpreter when no python: option names one (nil when nothing does).
+  @spec default_python() :: String.t() | nil
+  def default_python,
+    do: Application.get_env(:vllm_bridge, :python) || System.get_env(@python_env)
+
+  # The interpreter: the option, else the application's config, else the environment
+  # variable, read now (at run time, so a release picks up its host's). None of them is a
+  # bad_argument that says how to give one.
+  defp python(opts) do
+    case opts[:python] || default_python() do
+      nil ->
+        bad(
+          "no Python interpreter for the pool: pass python: \"/path/to/.venv/bin/python\" " <>
+            "to it, set `config :vllm_bridge, python: ...` (config/runtime.exs), or set the " <>
+            "environment variable #{@python_env}; the interpreter's environment must have " <>
+            "the vllm_bridge package and torch installed (docs/USING.md)"
+        )
+
+      python ->
+        {:ok, python}
+    end
+  end
+
+  # The folders of `python_path`, absolute, each checked to be a folder now: a typo would
+  # otherwise surface as an import error in every worker.
+  defp python_path(dirs) do
+    Enum.reduce_while(dirs, {:ok, []}, fn entry, {:ok, acc} ->
+      case python_dir(entry) do
+        {:ok, dir} -> {:cont, {:ok, [dir | acc]}}
+        {:error, why} -> {:halt, bad("pool option python_path: #{why}")}
+      end
+    end)
+    |> case do
+      {:ok, acc} -> {:ok, Enum.reverse(acc)}
+      error -> error
+    end
+  end
+
+  defp python_dir({app, path}) when is_atom(app) and is_binary(path) do
+    case :code.lib_dir(app) do
+      {:error, :bad_name} -> {:error, "#{inspect({app, path})}: no application #{inspect(app)}"}
+      _ -> python_dir(Application.app_dir(app, path))
+    end
+  end
+
+  defp python_dir(path) when is_binary(path) do
+    dir = Path.expand(path)
+
+    cond do
+      String.contains?(path, ":") -> {:error, "#{inspect(path)} contains a ':'"}
+      File.dir?(dir) -> {:ok, dir}
+      true -> {:error, "#{inspect(path)} is not a folder (#{dir})"}
+    end
+  end
+
+  defp python_dir(other),
+    do: {:error, "an entry must be a path or {app, path}, got #{inspect(other, limit: 5)}"}
+
+  # The environment of each worker as `[{name, value}]` strings (`:envs`, by index), with
+  # the python_path folders in front of its PYTHONPATH (the one worker_env gives, else the
+  # BEAM's, which the port would pass on).
+  defp envs(opts, dirs) do
+    size = opts[:size]
+
+    Enum.reduce_while(0..(size - 1), {:ok, []}, fn i, {:ok, acc} ->
+      case worker_env(opts[:worker_env], i) do
+        {:ok, env} -> {:cont, {:ok, [with_python_path(env, dirs) | acc]}}
+        {:error, why} -> {:halt, bad("pool option worker_env: #{why}")}
+      end
+    end)
+    |> case do
+      {:ok, acc} -> {:ok, Enum.reverse(acc)}
+      error -> error
+    end
+  end
+
+  defp worker_env(spec, i) do
+    env =
+      case spec do
+        f when is_function(f, 1) -> f.(i)
+        {m, f, a} -> apply(m, f, [i | a])
+        list -> list
       end
 
-    {:ok, envs}
+    if is_list(env) and Enum.all?(env, &env_pair?/1),
+      do: {:ok, Enum.map(env, fn {k, v} -> {to_string(k), to_string(v)} end)},
+      else:
+        {:error,
+         "worker #{i}'s environment must be [{name, value}], got #{inspect(env, limit: 8)}"}
   rescue
-    e ->
-      bad(
-        "pool option worker_env: building a worker's environment failed: " <> Exception.message(e)
-      )
+    e -> {:error, "building worker #{i}'s environment failed: " <> Exception.message(e)}
+  end
+
+  defp env_pair?({k, v}) when is_binary(k) or is_atom(k),
+    do: is_binary(v) or is_atom(v) or is_number(v)
+
+  defp env_pair?(_), do: false
+
+  defp with_python_path(env, []), do: env
+
+  defp with_python_path(env, dirs) do
+    given =
+      case List.keyfind(env, "PYTHONPATH", 0) do
+        {_, v} -> v
+        nil -> System.get_env("PYTHONPATH")
+      end
+
+    value = Enum.join(dirs ++ Enum.reject([given], &(&1 in [nil, ""])), ":")
+    List.keystore(env, "PYTHONPATH", 0, {"PYTHONPATH", value})
   end
 
   defp known(opts) do
@@ -111,11 +213,19 @@ defmodule VllmBridge.Pool.Options do
   defp check(:size, _), do: {:error, "must be a positive integer"}
   defp check(:python, v) when is_binary(v), do: :ok
   defp check(:python, _), do: {:error, "must be the path of a Python interpreter"}
+  defp check(:python_path, v) when is_list(v), do: :ok
+  defp check(:python_path, _), do: {:error, "must be a list of folders"}
 
-  defp check(:allow, v) when is_list(v),
-    do: if(Enum.all?(v, &is_binary/1), do: :ok, else: {:error, "must be a list of module names"})
+  defp check(k, v) when k in [:allow, :modules] and is_list(v) do
+    case Enum.find(v, &(not module_name?(&1))) do
+      nil -> :ok
+      bad -> {:error, "must be a list of dotted Python module names; #{inspect(bad)} is not one"}
+    end
+  end
 
-  defp check(:allow, _), do: {:error, "must be a list of module names"}
+  defp check(k, _) when k in [:allow, :modules],
+    do: {:error, "must be a list of dotted Python module names"}
+
   defp check(:max_refs, nil), do: :ok
   defp check(:max_refs, v) when is_integer(v) and v >= 1, do: :ok
   defp check(:max_refs, _), do: {:error, "must be a positive integer"}
@@ -123,14 +233,21 @@ defmodule VllmBridge.Pool.Options do
   defp check(:poll_us, _), do: {:error, "must be an integer from 0 to 10000 (microseconds)"}
   defp check(:worker_env, f) when is_function(f, 1), do: :ok
 
+  defp check(:worker_env, {m, f, a}) when is_atom(m) and is_atom(f) and is_list(a) do
+    Code.ensure_loaded(m)
+
+    if function_exported?(m, f, length(a) + 1),
+      do: :ok,
+      else: {:error, "#{inspect(m)}.#{f}/#{length(a) + 1} is not a function"}
+  end
+
   defp check(:worker_env, v) when is_list(v) do
     if Enum.all?(v, &match?({k, _} when is_binary(k) or is_atom(k), &1)),
       do: :ok,
-      else: {:error, "must be [{name, value}] or fn index -> [{name, value}] end"}
+      else: {:error, @worker_env_forms}
   end
 
-  defp check(:worker_env, _),
-    do: {:error, "must be [{name, value}] or fn index -> [{name, value}] end"}
+  defp check(:worker_env, _), do: {:error, @worker_env_forms}
 
   defp check(k, v) when k in [:max_in_flight, :max_seconds] and is_integer(v) and v >= 1, do: :ok
 
@@ -157,6 +274,12 @@ defmodule VllmBridge.Pool.Options do
 
   defp check(:worker_module, v) when is_binary(v), do: :ok
   defp check(:worker_module, _), do: {:error, "must be a module name"}
+
+  # A dotted Python module name: identifiers (ASCII, as the worker checks `--allow`).
+  defp module_name?(name) when is_binary(name),
+    do: name =~ ~r/\A[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\z/
+
+  defp module_name?(_), do: false
 
   defp bad(message), do: {:error, Error.new(:bad_argument, message)}
 end

@@ -46,6 +46,7 @@ defmodule VllmBridge.Pool.Supervisor do
       Keyword.take(opts, [
         :python,
         :allow,
+        :modules,
         :max_refs,
         :poll_us,
         :start_timeout,

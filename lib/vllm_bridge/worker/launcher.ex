@@ -28,17 +28,17 @@ defmodule VllmBridge.Worker.Launcher do
   def max_frame_range, do: @min_frame_bytes..@packet_max
 
   @doc """
-  Opens the port. Options: `:python` (the interpreter; default the `:vllm_bridge, :python`
-  application env), `:worker_module` (default `"vllm_bridge.bridge.worker"`), `:allow` (module
-  allow-list, `[]` for the worker's default), `:max_refs`, `:poll_us` (`--poll-us`: how
+  Opens the port. Options: `:python` (the interpreter; default
+  `VllmBridge.Pool.Options.default_python/0`), `:worker_module` (default `"vllm_bridge.bridge.worker"`), `:allow` (module
+  allow-list, `[]` for the worker's default), `:modules` (added to that list,
+  `--also-allow`), `:max_refs`, `:poll_us` (`--poll-us`: how
   long the worker polls for the next request before it sleeps; 0, the default, sleeps at
   once), `:max_frame_bytes` (`--max-frame-bytes`, default `default_max_frame_bytes/0`),
   `:env` (`[{name, value}]`).
   """
   @spec open(keyword()) :: {:ok, port()} | {:error, Error.t()}
   def open(opts) do
-    python =
-      Keyword.get_lazy(opts, :python, fn -> Application.fetch_env!(:vllm_bridge, :python) end)
+    python = Keyword.get_lazy(opts, :python, &VllmBridge.Pool.Options.default_python/0)
 
     cond do
       not is_binary(python) ->
@@ -51,6 +51,7 @@ defmodule VllmBridge.Worker.Launcher do
         args =
           ["-m", Keyword.get(opts, :worker_module, "vllm_bridge.bridge.worker")] ++
             Enum.flat_map(Keyword.get(opts, :allow, []), &["--allow", &1]) ++
+            Enum.flat_map(Keyword.get(opts, :modules, []), &["--also-allow", &1]) ++
             max_refs_args(Keyword.get(opts, :max_refs)) ++
             poll_args(Keyword.get(opts, :poll_us, 0)) ++
             ["--max-frame-bytes", Integer.to_string(max_frame_bytes(opts))]

@@ -172,11 +172,19 @@ def test_command_line_is_checked():
     assert opts.max_refs == DEFAULT_MAX_REFS
     assert opts.allow[0] == D
     assert parse_args(["--allow", "a.b", "c", "--allow", "a.b"]).allow == ("a.b", "c")
+    # --also-allow adds to the default list, or to --allow's, without repeats.
+    from vllm_bridge import PUBLIC_MODULES
+
+    assert parse_args(["--also-allow", "my_model"]).allow == (*PUBLIC_MODULES, "my_model")
+    both = parse_args(["--allow", "a", "--also-allow", "b", "a"]).allow
+    assert both == ("a", "b")
     assert opts.poll_us == 0
     assert parse_args(["--poll-us", "250"]).poll_us == 250
     for bad in (
         ["--max-refs", "0"],
         ["--allow", "not-a-module"],
+        ["--also-allow", "my model"],
+        ["--also-allow", "x."],
         ["--max-refs", "x"],
         ["--poll-us", "-1"],
         ["--poll-us", "10001"],

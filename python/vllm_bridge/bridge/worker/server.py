@@ -1,5 +1,5 @@
-"""The worker process: ``python -m vllm_bridge.bridge.worker [--allow MODULE ...] [--max-refs N]
-[--poll-us N] [--max-frame-bytes N]``.
+"""The worker process: ``python -m vllm_bridge.bridge.worker [--allow MODULE ...]
+[--also-allow MODULE ...] [--max-refs N] [--poll-us N] [--max-frame-bytes N]``.
 
 Threads (see :mod:`~vllm_bridge.bridge.worker.executor` for how they share fd 3):
 
@@ -86,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="modules requests may reach (default: vllm_bridge.PUBLIC_MODULES)",
     )
     parser.add_argument(
+        "--also-allow",
+        nargs="+",
+        action="extend",
+        metavar="MODULE",
+        help="modules added to that list (one's own modules beside the default ones)",
+    )
+    parser.add_argument(
         "--max-refs",
         type=int,
         default=DEFAULT_MAX_REFS,
@@ -118,10 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--poll-us must be from 0 to {MAX_POLL_US}, got {opts.poll_us}")
     if opts.max_refs < 1:
         parser.error(f"--max-refs must be at least 1, got {opts.max_refs}")
-    for name in opts.allow or ():
-        if not all(part.isidentifier() for part in name.split(".")):
-            parser.error(f"--allow {name!r} is not a dotted module name")
-    opts.allow = tuple(dict.fromkeys(opts.allow)) if opts.allow else tuple(PUBLIC_MODULES)
+    for flag, names in (("--allow", opts.allow), ("--also-allow", opts.also_allow)):
+        for name in names or ():
+            if not all(part.isidentifier() for part in name.split(".")):
+                parser.error(f"{flag} {name!r} is not a dotted module name")
+    base = opts.allow or PUBLIC_MODULES
+    opts.allow = tuple(dict.fromkeys([*base, *(opts.also_allow or ())]))
     return opts
 
 
