@@ -40,7 +40,8 @@ defmodule VllmBridge.Pool do
   """
   @spec start(name(), keyword()) :: {:ok, pid()} | {:error, Error.t()}
   def start(name, opts \\ []) do
-    with {:ok, opts} <- Options.validate(opts) do
+    with :ok <- app_started(),
+         {:ok, opts} <- Options.validate(opts) do
       spec = {VllmBridge.Pool.Supervisor, {name, opts}}
 
       case DynamicSupervisor.start_child(VllmBridge.PoolSupervisor, spec) do
@@ -71,6 +72,11 @@ defmodule VllmBridge.Pool do
       stop(name)
       {:error, %{failed | message: "pool #{inspect(name)} did not start: #{failed.message}"}}
     else
+      # From now on a worker whose start fails is restarted by the pool's supervisor;
+      # until now it waited for this function to stop the pool (VllmBridge.Worker.Starting).
+      with {:ok, %{started: started}} when started != nil <- Directory.pool(name),
+           do: :atomics.put(started, 1, 1)
+
       {:ok, sup}
     end
   end
@@ -95,12 +101,12 @@ defmodule VllmBridge.Pool do
   @doc "Stops pool `name` and every Python process of it."
   @spec stop(name()) :: :ok | {:error, Error.t()}
   def stop(name) do
-    case Registry.lookup(VllmBridge.Pool.Names, name) do
+    case Directory.started?() and Registry.lookup(VllmBridge.Pool.Names, name) do
       [{sup, _}] ->
         _ = DynamicSupervisor.terminate_child(VllmBridge.PoolSupervisor, sup)
         :ok
 
-      [] ->
+      _none ->
         {:error, not_started(name)}
     end
   end
@@ -182,10 +188,19 @@ defmodule VllmBridge.Pool do
     end
   end
 
-  defp not_started(name) do
-    Error.new(
-      :bad_argument,
-      "pool #{inspect(name)} is not started (running: #{inspect(Directory.pools())})"
-    )
+  @doc false
+  # The error of a request for pool `name`, which is not started (or the application is not).
+  @spec not_started(name()) :: Error.t()
+  def not_started(name) do
+    Directory.not_started(fn ->
+      Error.new(
+        :bad_argument,
+        "pool #{inspect(name)} is not started (running: #{inspect(Directory.pools())})"
+      )
+    end)
+  end
+
+  defp app_started do
+    if Directory.started?(), do: :ok, else: {:error, Directory.not_started(fn -> nil end)}
   end
 end

@@ -98,7 +98,7 @@ defmodule VllmBridge.Worker do
   """
   @spec await_ready(GenServer.server(), timeout()) :: {:ok, hello()} | {:error, Error.t()}
   def await_ready(worker, timeout \\ @start_timeout + 5_000) do
-    {:ok, GenServer.call(worker, :hello, timeout)}
+    GenServer.call(worker, :await_ready, timeout)
   catch
     :exit, {{:shutdown, {:start_failed, %Error{} = e}}, _} ->
       {:error, e}
@@ -107,9 +107,17 @@ defmodule VllmBridge.Worker do
       {:error, Error.new(:worker_exit, "worker start failed: #{inspect(reason)}")}
   end
 
-  @doc "The handshake the Python process announced (waits for it)."
+  @doc """
+  The handshake the Python process announced (waits for the start to be done; exits as a
+  call to a stopped worker would when the start failed).
+  """
   @spec hello(GenServer.server()) :: hello()
-  def hello(worker), do: GenServer.call(worker, :hello, :infinity)
+  def hello(worker) do
+    case await_ready(worker, :infinity) do
+      {:ok, hello} -> hello
+      {:error, e} -> exit({{:shutdown, {:start_failed, e}}, {__MODULE__, :hello, [worker]}})
+    end
+  end
 
   @doc "The OS pid of the Python process."
   @spec os_pid(GenServer.server()) :: non_neg_integer()
@@ -163,10 +171,10 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_call(request, from, %{phase: :starting} = state),
+  def handle_call(request, from, %{phase: phase} = state) when phase != :ready,
     do: Starting.handle_call(request, from, state)
 
-  def handle_call(:hello, _from, state), do: {:reply, state.hello, state}
+  def handle_call(:await_ready, _from, state), do: {:reply, {:ok, state.hello}, state}
   def handle_call(:in_flight, _from, state), do: {:reply, Calls.size(state.calls), state}
 
   def handle_call(:close, _from, state) do
@@ -174,7 +182,7 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_info(message, %{phase: :starting} = state),
+  def handle_info(message, %{phase: phase} = state) when phase != :ready,
     do: Starting.handle_info(message, state)
 
   def handle_info({port, {:data, data}}, %{port: port} = state) do
@@ -267,6 +275,8 @@ defmodule VllmBridge.Worker do
   @impl true
   def terminate(_reason, state) do
     shut(state, "the worker is shutting down")
+    # A start cut short (the pool stopped meanwhile) leaves no start-up stderr file.
+    if state[:stderr], do: Launcher.delete_stderr(state.stderr)
     :ok
   end
 
