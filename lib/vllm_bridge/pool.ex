@@ -162,12 +162,16 @@ defmodule VllmBridge.Pool do
     Stream.repeatedly(fn ->
       case workers(name) do
         {:ok, ws} -> Enum.all?(ws, & &1)
-        {:error, _} -> false
+        # No application: nothing will start the pool (one not started yet may be).
+        {:error, e} -> if Directory.started?(), do: false, else: {:error, e}
       end
     end)
     |> Enum.find_value(fn
       true ->
         :ok
+
+      {:error, e} ->
+        {:error, e}
 
       false ->
         if System.monotonic_time(:millisecond) > deadline do
