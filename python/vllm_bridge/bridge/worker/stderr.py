@@ -53,8 +53,9 @@ def open_capture(environ: dict[str, str] | None = None) -> Capture | None:
         try:
             read_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            # Nothing to copy later; the real stderr still comes back.
-            sys.stderr.write(f"vllm_bridge worker: cannot read its start-up stderr: {exc}\n")
+            # Nothing to copy later; said where it will be seen (fd 2 is the file's).
+            note = f"vllm_bridge worker: cannot read its start-up stderr: {exc}\n"
+            _write_all(real_fd, note.encode())
     return Capture(real_fd, read_fd)
 
 
