@@ -22,8 +22,8 @@ defmodule VllmBridge.Pool do
   the path of a call unless it has to queue.
 
   A worker whose Python process dies is restarted by the pool's supervisor; until its new
-  process has done its handshake the worker takes no calls, and then its full capacity is
-  back. Stopping a pool (or the application) closes every worker's port; a Python
+  process has done its handshake (and its `on_start`, which runs again) the worker takes
+  no calls, and then its full capacity is back. Stopping a pool (or the application) closes every worker's port; a Python
   process that does not exit on EOF within `shutdown_grace` is killed. If the BEAM itself
   dies, each Python process sees EOF (and its parent gone) and exits.
   """
@@ -36,7 +36,13 @@ defmodule VllmBridge.Pool do
 
   @doc """
   Starts pool `name` under the application's supervisor and waits until every worker has
-  done its handshake. A pool of that name must not be running.
+  done its handshake and its `on_start`. A pool of that name must not be running.
+
+  When a worker cannot start, the pool is stopped and the first failure (in worker index
+  order) is returned, naming the worker: a Python process that ended before its
+  handshake with the last lines of its stderr, an `on_start` that raised with its Python
+  type, message and traceback. Each failure is logged once; a worker is not restarted
+  while this function waits.
   """
   @spec start(name(), keyword()) :: {:ok, pid()} | {:error, Error.t()}
   def start(name, opts \\ []) do
