@@ -93,6 +93,31 @@ defmodule VllmBridge do
   end
 
   @doc """
+  Calls `target(*args, **kwargs)` once on every worker of `pool`, all at the same time:
+  `{:ok, results}`, one per worker in worker index order, when every call succeeds.
+  Setting something up in each worker of a running pool, say (for what each worker must
+  have from its start, and again after a restart, see the pool option `on_start:`).
+
+      iex> VllmBridge.call_all(:default, {"vllm_bridge.bridge.diag", "add"}, [1, 2])
+      {:ok, [3]}
+
+  Otherwise `{:error, %VllmBridge.Error{}}`: its message names each worker that failed
+  and why, its `type` (and `python_type`, `traceback`) are the first failure's, and
+  `details.results` holds every worker's `{:ok, value}` or `{:error, error}` in index
+  order, so nothing that succeeded is lost. A worker that is restarting when the call
+  comes, or goes down during it, has its error as its entry (`:worker_exit`).
+
+  `target` is a module target `{"module", "function"}`. `opts` are the runtime options
+  of every one of the calls (one `timeout` for all); a `pool_name:` other than `pool` and
+  a `session_id:` are `:bad_argument` (a session lives on one worker), and the process's
+  current session is not used. References in the results belong to the calling process.
+  """
+  @spec call_all(term(), target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) ::
+          result([term()])
+  def call_all(pool, target, args \\ [], kwargs \\ %{}, opts \\ []),
+    do: VllmBridge.Call.All.run(pool, target, args, kwargs, opts)
+
+  @doc """
   Reads an attribute: a module attribute, a class attribute, or one of a referenced object.
 
       iex> VllmBridge.get({"vllm_bridge.forward_context", "track_batchsize"})

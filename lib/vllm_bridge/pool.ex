@@ -22,8 +22,8 @@ defmodule VllmBridge.Pool do
   the path of a call unless it has to queue.
 
   A worker whose Python process dies is restarted by the pool's supervisor; until its new
-  process has done its handshake the worker takes no calls, and then its full capacity is
-  back. Stopping a pool (or the application) closes every worker's port; a Python
+  process has done its handshake (and its `on_start`, which runs again) the worker takes
+  no calls, and then its full capacity is back. Stopping a pool (or the application) closes every worker's port; a Python
   process that does not exit on EOF within `shutdown_grace` is killed. If the BEAM itself
   dies, each Python process sees EOF (and its parent gone) and exits.
   """
@@ -36,11 +36,18 @@ defmodule VllmBridge.Pool do
 
   @doc """
   Starts pool `name` under the application's supervisor and waits until every worker has
-  done its handshake. A pool of that name must not be running.
+  done its handshake and its `on_start`. A pool of that name must not be running.
+
+  When a worker cannot start, the pool is stopped and the first failure (in worker index
+  order) is returned, naming the worker: a Python process that ended before its
+  handshake with the last lines of its stderr, an `on_start` that raised with its Python
+  type, message and traceback. Each failure is logged once; a worker is not restarted
+  while this function waits.
   """
   @spec start(name(), keyword()) :: {:ok, pid()} | {:error, Error.t()}
   def start(name, opts \\ []) do
-    with {:ok, opts} <- Options.validate(opts) do
+    with :ok <- app_started(),
+         {:ok, opts} <- Options.validate(opts) do
       spec = {VllmBridge.Pool.Supervisor, {name, opts}}
 
       case DynamicSupervisor.start_child(VllmBridge.PoolSupervisor, spec) do
@@ -71,6 +78,11 @@ defmodule VllmBridge.Pool do
       stop(name)
       {:error, %{failed | message: "pool #{inspect(name)} did not start: #{failed.message}"}}
     else
+      # From now on a worker whose start fails is restarted by the pool's supervisor;
+      # until now it waited for this function to stop the pool (VllmBridge.Worker.Starting).
+      with {:ok, %{started: started}} when started != nil <- Directory.pool(name),
+           do: :atomics.put(started, 1, 1)
+
       {:ok, sup}
     end
   end
@@ -95,12 +107,12 @@ defmodule VllmBridge.Pool do
   @doc "Stops pool `name` and every Python process of it."
   @spec stop(name()) :: :ok | {:error, Error.t()}
   def stop(name) do
-    case Registry.lookup(VllmBridge.Pool.Names, name) do
+    case Directory.started?() and Registry.lookup(VllmBridge.Pool.Names, name) do
       [{sup, _}] ->
         _ = DynamicSupervisor.terminate_child(VllmBridge.PoolSupervisor, sup)
         :ok
 
-      [] ->
+      _none ->
         {:error, not_started(name)}
     end
   end
@@ -156,12 +168,16 @@ defmodule VllmBridge.Pool do
     Stream.repeatedly(fn ->
       case workers(name) do
         {:ok, ws} -> Enum.all?(ws, & &1)
-        {:error, _} -> false
+        # No application: nothing will start the pool (one not started yet may be).
+        {:error, e} -> if Directory.started?(), do: false, else: {:error, e}
       end
     end)
     |> Enum.find_value(fn
       true ->
         :ok
+
+      {:error, e} ->
+        {:error, e}
 
       false ->
         if System.monotonic_time(:millisecond) > deadline do
@@ -182,10 +198,19 @@ defmodule VllmBridge.Pool do
     end
   end
 
-  defp not_started(name) do
-    Error.new(
-      :bad_argument,
-      "pool #{inspect(name)} is not started (running: #{inspect(Directory.pools())})"
-    )
+  @doc false
+  # The error of a request for pool `name`, which is not started (or the application is not).
+  @spec not_started(name()) :: Error.t()
+  def not_started(name) do
+    Directory.not_started(fn ->
+      Error.new(
+        :bad_argument,
+        "pool #{inspect(name)} is not started (running: #{inspect(Directory.pools())})"
+      )
+    end)
+  end
+
+  defp app_started do
+    if Directory.started?(), do: :ok, else: {:error, Directory.not_started(fn -> nil end)}
   end
 end

@@ -103,7 +103,7 @@ defmodule VllmBridge.Session do
   def close(%__MODULE__{id: id}, timeout), do: close(id, timeout)
 
   def close(id, timeout) when is_binary(id) do
-    case Manager.forget(id) do
+    case Directory.started?() and Manager.forget(id) do
       {:ok, targets} ->
         deadline = Runtime.deadline(System.monotonic_time(:millisecond), timeout)
 
@@ -131,8 +131,11 @@ defmodule VllmBridge.Session do
             {:error, e}
         end
 
-      :error ->
-        {:error, Error.new(:bad_argument, "unknown session #{inspect(id)} (not open, or closed)")}
+      _none ->
+        {:error,
+         Directory.not_started(fn ->
+           Error.new(:bad_argument, "unknown session #{inspect(id)} (not open, or closed)")
+         end)}
     end
   end
 
@@ -168,16 +171,18 @@ defmodule VllmBridge.Session do
   # The open session with this id.
   @spec lookup(String.t()) :: {:ok, t()} | {:error, Error.t()}
   def lookup(id) do
-    case :ets.lookup(Directory.table(), {:session, id}) do
+    case Directory.started?() and :ets.lookup(Directory.table(), {:session, id}) do
       [{_, session}] ->
         {:ok, session}
 
-      [] ->
+      _none ->
         {:error,
-         Error.new(
-           :bad_argument,
-           "unknown session_id #{inspect(id)} (open it with VllmBridge.Session.open/1)"
-         )}
+         Directory.not_started(fn ->
+           Error.new(
+             :bad_argument,
+             "unknown session_id #{inspect(id)} (open it with VllmBridge.Session.open/1)"
+           )
+         end)}
     end
   end
 

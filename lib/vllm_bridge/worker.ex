@@ -3,13 +3,15 @@ defmodule VllmBridge.Worker do
   # One Elixir process per Python worker OS process, and the only process that touches its
   # port (see `VllmBridge.Worker.Launcher` for how the process is started and ended).
   #
-  # It starts in the phase :starting: the port is open and the first frame must be the
-  # Python process's hello (`VllmBridge.Worker.Hello`) within `start_timeout`. Requests
-  # that arrive meanwhile wait in the state, in order (a caller that gives up meanwhile
-  # has its own dropped and is answered at once), and so do callers of `hello/1`; the
-  # hello makes it :ready (in a pool: registered, its slots opened) and they are served.
-  # A start that fails stops the process with `{:shutdown, {:start_failed, error}}`,
-  # which `await_ready/2` returns as the error.
+  # It starts in the phase :starting (VllmBridge.Worker.Starting): the port is open and
+  # the first frame must be the Python process's hello (`VllmBridge.Worker.Hello`) within
+  # `start_timeout`, then its `on_start` call (if any) must return within `start_timeout`.
+  # Requests that arrive meanwhile wait in the state, in order (a caller that gives up
+  # meanwhile has its own dropped and is answered at once), and so do callers of
+  # `await_ready/2` and `hello/1`; then it is :ready (in a pool: registered, its slots
+  # opened) and they are served. A start that fails is returned by `await_ready/2`; the
+  # process stops with `{:shutdown, {:start_failed, error}}`, or, during its pool's first
+  # start, stays in the phase :failed until the pool is stopped (not restarted meanwhile).
   #
   # Its whole job on the hot path: write a caller's pre-encoded request to the port and
   # record `id => caller` in its table of calls in flight; cut the port's bytes into frames
@@ -49,7 +51,8 @@ defmodule VllmBridge.Worker do
   #   * **Logs.** `log` frames go to `Logger` with the Python logger's name.
   #
   # Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
-  # `:max_frame_bytes`, `:env` (see `VllmBridge.Worker.Launcher.open/1`), `:start_timeout`
+  # `:max_frame_bytes`, `:env` (see `VllmBridge.Worker.Launcher.open/1`), `:on_start`
+  # (`{module, function, args, kwargs}`), `:start_timeout`
   # (ms, default 60 000), `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the
   # Python process is given to exit on EOF before it is killed, default 3 000), and, in a
   # pool, `:pool`, `:index` and `:meta`.
@@ -98,7 +101,7 @@ defmodule VllmBridge.Worker do
   """
   @spec await_ready(GenServer.server(), timeout()) :: {:ok, hello()} | {:error, Error.t()}
   def await_ready(worker, timeout \\ @start_timeout + 5_000) do
-    {:ok, GenServer.call(worker, :hello, timeout)}
+    GenServer.call(worker, :await_ready, timeout)
   catch
     :exit, {{:shutdown, {:start_failed, %Error{} = e}}, _} ->
       {:error, e}
@@ -107,9 +110,17 @@ defmodule VllmBridge.Worker do
       {:error, Error.new(:worker_exit, "worker start failed: #{inspect(reason)}")}
   end
 
-  @doc "The handshake the Python process announced (waits for it)."
+  @doc """
+  The handshake the Python process announced (waits for the start to be done; exits as a
+  call to a stopped worker would when the start failed).
+  """
   @spec hello(GenServer.server()) :: hello()
-  def hello(worker), do: GenServer.call(worker, :hello, :infinity)
+  def hello(worker) do
+    case await_ready(worker, :infinity) do
+      {:ok, hello} -> hello
+      {:error, e} -> exit({{:shutdown, {:start_failed, e}}, {__MODULE__, :hello, [worker]}})
+    end
+  end
 
   @doc "The OS pid of the Python process."
   @spec os_pid(GenServer.server()) :: non_neg_integer()
@@ -163,10 +174,10 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_call(request, from, %{phase: :starting} = state),
+  def handle_call(request, from, %{phase: phase} = state) when phase != :ready,
     do: Starting.handle_call(request, from, state)
 
-  def handle_call(:hello, _from, state), do: {:reply, state.hello, state}
+  def handle_call(:await_ready, _from, state), do: {:reply, {:ok, state.hello}, state}
   def handle_call(:in_flight, _from, state), do: {:reply, Calls.size(state.calls), state}
 
   def handle_call(:close, _from, state) do
@@ -174,7 +185,7 @@ defmodule VllmBridge.Worker do
   end
 
   @impl true
-  def handle_info(message, %{phase: :starting} = state),
+  def handle_info(message, %{phase: phase} = state) when phase != :ready,
     do: Starting.handle_info(message, state)
 
   def handle_info({port, {:data, data}}, %{port: port} = state) do
@@ -267,6 +278,8 @@ defmodule VllmBridge.Worker do
   @impl true
   def terminate(_reason, state) do
     shut(state, "the worker is shutting down")
+    # A start cut short (the pool stopped meanwhile) leaves no start-up stderr file.
+    if state[:stderr], do: Launcher.delete_stderr(state.stderr)
     :ok
   end
 

@@ -144,6 +144,25 @@ defmodule VllmBridge.Call.Request do
     {pid, id, mref}
   end
 
+  @doc """
+  The submit message of `req` under request id `id`, its replies going to `alias`, with no
+  caller whose death cancels it (a worker's own `on_start`: VllmBridge.Worker.Starting).
+  """
+  @spec submit(t(), non_neg_integer(), reference(), integer() | :infinity) ::
+          Messages.Submit.t()
+  def submit(%__MODULE__{} = req, id, alias, deadline) do
+    {frame, size} = frame(req, id, deadline)
+
+    %Messages.Submit{
+      id: id,
+      alias: alias,
+      frame: frame,
+      size: size,
+      deadline: deadline,
+      what: what(req)
+    }
+  end
+
   @doc "Sends `req` and forgets it (no reply is wanted; the worker drops it)."
   @spec cast(pid(), t(), integer() | :infinity) :: :ok
   def cast(pid, %__MODULE__{} = req, deadline) do

@@ -48,9 +48,38 @@ defmodule VllmBridge.Pool.Directory do
     ArgumentError -> :error
   end
 
-  @doc "Every started pool's name."
+  @doc "Every started pool's name ([] while the application is not started)."
   @spec pools() :: [term()]
-  def pools, do: :ets.select(@table, [{{{:pool, :"$1"}, :_}, [], [:"$1"]}])
+  def pools do
+    :ets.select(@table, [{{{:pool, :"$1"}, :_}, [], [:"$1"]}])
+  rescue
+    ArgumentError -> []
+  end
+
+  @doc """
+  Whether the application runs (its table exists). Asked only on the way to an error:
+  the readers below answer "not found" while it is not started, and the caller's error
+  then says which of the two it is (`not_started/1`).
+  """
+  @spec started?() :: boolean()
+  def started?, do: :ets.whereis(@table) != :undefined
+
+  @doc """
+  The error of a request that finds nothing here: the application is not started, or
+  else `otherwise` (a function that builds the error of a missing pool, session, ...).
+  """
+  @spec not_started((() -> VllmBridge.Error.t())) :: VllmBridge.Error.t()
+  def not_started(otherwise) do
+    if started?() do
+      otherwise.()
+    else
+      VllmBridge.Error.new(
+        :bad_argument,
+        "the :vllm_bridge application is not started (it starts with an app that depends " <>
+          "on it; in a script or iex, Application.ensure_all_started(:vllm_bridge))"
+      )
+    end
+  end
 
   @doc false
   @spec put_pool(Meta.t()) :: true
@@ -70,6 +99,8 @@ defmodule VllmBridge.Pool.Directory do
       [{_, pid, instance}] -> {pid, instance}
       [] -> nil
     end
+  rescue
+    ArgumentError -> nil
   end
 
   @doc "The live worker whose handshake instance is `instance`: `{pool, index, pid}`."
@@ -79,6 +110,8 @@ defmodule VllmBridge.Pool.Directory do
       [{_, name, index, pid}] -> {name, index, pid}
       [] -> nil
     end
+  rescue
+    ArgumentError -> nil
   end
 
   @doc false
@@ -121,5 +154,7 @@ defmodule VllmBridge.Pool.Directory do
       [{_, ^instance, why}] -> why
       _ -> nil
     end
+  rescue
+    ArgumentError -> nil
   end
 end

@@ -2,10 +2,22 @@ defmodule VllmBridge.Pool.Meta do
   @moduledoc false
   # What a caller needs to know of a pool, read from `VllmBridge.Pool.Directory` on every
   # call: its size, its slot counters (`VllmBridge.Pool.Slots`), the in-flight bound per
-  # worker, the frame limit (`max_frame_bytes`), the queue process and its bound.
+  # worker, the frame limit (`max_frame_bytes`), the queue process and its bound, and
+  # `started`: one atomic, 0 while `VllmBridge.Pool.start/2` waits for the workers' first
+  # start, 1 once it returned (a worker whose first start fails is then not restarted:
+  # `VllmBridge.Worker.Starting`).
 
   @enforce_keys [:name, :size, :slots, :max_in_flight, :max_frame_bytes, :queue_size]
-  defstruct [:name, :size, :slots, :max_in_flight, :max_frame_bytes, :queue_size, :queue]
+  defstruct [
+    :name,
+    :size,
+    :slots,
+    :max_in_flight,
+    :max_frame_bytes,
+    :queue_size,
+    :queue,
+    :started
+  ]
 
   @type t :: %__MODULE__{
           name: term(),
@@ -14,6 +26,7 @@ defmodule VllmBridge.Pool.Meta do
           max_in_flight: pos_integer(),
           max_frame_bytes: pos_integer(),
           queue_size: non_neg_integer(),
-          queue: pid() | nil
+          queue: pid() | nil,
+          started: :atomics.atomics_ref() | nil
         }
 end

@@ -12,10 +12,11 @@ defmodule VllmBridge.Pool.Options do
   | `:max_refs` | references a worker may hold (`--max-refs`) | the worker's (10 000) |
   | `:poll_us` | µs a worker polls for the next request before it sleeps (`--poll-us`, at most 10 000): lower latency for back-to-back calls on machines where waking an idle CPU is slow (VMs), paid in that much CPU after each call | 0 |
   | `:worker_env` | environment per worker: `[{name, value}]` for all, `fn index -> [{name, value}] end`, or `{module, function, args}` called as `apply(module, function, [index \| args])` (a DP rank per worker; the MFA form can live in `config/*.exs`, which a release cannot hold functions in) | `[]` |
+  | `:on_start` | a Python callable each worker runs once before it takes any call, and again after every restart (loading a model, say): `{"module", "function", args}` or `{"module", "function", args, kwargs}` (strings and plain data, so a release's config can hold it). The module must be on the allow-list (`modules:`), and the call goes through the same checks as any call; its result is dropped. Its deadline is `start_timeout`, counted from the worker's handshake. A worker whose `on_start` raises does not start: `start_pool` returns `{:error, %VllmBridge.Error{type: :python_exception}}` with the Python type, message and traceback, naming the pool, the worker and the callable | `nil` |
   | `:max_in_flight` | calls pipelined to one worker at once | 16 |
   | `:max_frame_bytes` | the largest frame body either way (`--max-frame-bytes`): a request over it is `:bad_argument` before it is sent, a reply over it is an error from the worker, a header declaring more ends the stream (the worker restarts); 65 536 to 4 294 967 295 | 1 073 741 824 (1 GiB) |
   | `:queue_size` | callers that may wait for a worker; one more gets `:queue_full` | 1024 |
-  | `:start_timeout` | ms for a worker's handshake | 60 000 |
+  | `:start_timeout` | ms for a worker's handshake, and again for its `on_start` | 60 000 |
   | `:cancel_grace` | ms a cancelled call (timed out, or its caller died) may keep running before its worker's Python process is killed and restarted; a cancel interrupts the call in Python, so only one that does not stop (stuck in C code, in an `__enter__`, or catching the interruption) reaches it (see `VllmBridge`) | 5 000 |
   | `:shutdown_grace` | ms a worker's Python process has to exit on EOF before it is killed | 3 000 |
   | `:max_restarts`, `:max_seconds` | restart intensity of the pool's supervisor | `10 + 3 * size`, 30 |
@@ -32,6 +33,7 @@ defmodule VllmBridge.Pool.Options do
     max_refs: nil,
     poll_us: 0,
     worker_env: [],
+    on_start: nil,
     max_in_flight: 16,
     max_frame_bytes: VllmBridge.Worker.Launcher.default_max_frame_bytes(),
     queue_size: 1024,
@@ -47,6 +49,9 @@ defmodule VllmBridge.Pool.Options do
 
   @worker_env_forms "must be [{name, value}], fn index -> [{name, value}] end, or " <>
                       "{module, function, args} (called with the index first)"
+
+  @on_start_forms ~s(must be {"module", "function", args} or {"module", "function", args, kwargs}) <>
+                    " (the names strings, args a list, kwargs a map or keyword list)"
 
   @doc "The option names a pool accepts."
   @spec keys() :: [atom()]
@@ -68,6 +73,7 @@ defmodule VllmBridge.Pool.Options do
         {:ok,
          opts
          |> Keyword.update!(:max_restarts, &(&1 || 10 + 3 * size))
+         |> Keyword.update!(:on_start, &on_start/1)
          |> Keyword.put(:envs, envs)}
       end
     end
@@ -249,6 +255,30 @@ defmodule VllmBridge.Pool.Options do
 
   defp check(:worker_env, _), do: {:error, @worker_env_forms}
 
+  defp check(:on_start, nil), do: :ok
+  defp check(:on_start, {m, f, args}), do: check(:on_start, {m, f, args, %{}})
+
+  defp check(:on_start, {m, f, args, kwargs})
+       when is_binary(m) and is_binary(f) and is_list(args) and
+              (is_map(kwargs) or is_list(kwargs)) do
+    cond do
+      not module_name?(m) ->
+        {:error, "#{inspect(m)} is not a dotted Python module name"}
+
+      not module_name?(f) ->
+        {:error, "#{inspect(f)} is not a name (or dotted path) of the module's"}
+
+      true ->
+        # Arguments that cannot be sent are refused now, not by every worker's start.
+        case VllmBridge.Call.Wire.encode_invoke({m, f}, args, kwargs) do
+          {:ok, _parts} -> :ok
+          {:error, e} -> {:error, "its arguments cannot be sent: #{e.message}"}
+        end
+    end
+  end
+
+  defp check(:on_start, _), do: {:error, @on_start_forms}
+
   defp check(k, v) when k in [:max_in_flight, :max_seconds] and is_integer(v) and v >= 1, do: :ok
 
   defp check(k, _) when k in [:max_in_flight, :max_seconds],
@@ -274,6 +304,11 @@ defmodule VllmBridge.Pool.Options do
 
   defp check(:worker_module, v) when is_binary(v), do: :ok
   defp check(:worker_module, _), do: {:error, "must be a module name"}
+
+  # on_start in its one form: {module, function, args, kwargs}, or nil.
+  defp on_start(nil), do: nil
+  defp on_start({m, f, args}), do: {m, f, args, %{}}
+  defp on_start({_m, _f, _args, _kwargs} = full), do: full
 
   # A dotted Python module name: identifiers (ASCII, as the worker checks `--allow`).
   defp module_name?(name) when is_binary(name),

@@ -39,7 +39,8 @@ defmodule VllmBridge.Pool.Supervisor do
       slots: Slots.new(size),
       max_in_flight: opts[:max_in_flight],
       max_frame_bytes: opts[:max_frame_bytes],
-      queue_size: opts[:queue_size]
+      queue_size: opts[:queue_size],
+      started: :atomics.new(1, signed: false)
     }
 
     worker_opts =
@@ -53,7 +54,8 @@ defmodule VllmBridge.Pool.Supervisor do
         :cancel_grace,
         :shutdown_grace,
         :worker_module,
-        :max_frame_bytes
+        :max_frame_bytes,
+        :on_start
       ])
 
     workers =

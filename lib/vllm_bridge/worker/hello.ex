@@ -47,23 +47,42 @@ defmodule VllmBridge.Worker.Hello do
   @spec stream_window(t()) :: pos_integer()
   def stream_window(hello), do: Map.get(hello, "stream_window", @default_stream_window)
 
-  @doc "The error of a Python process that exited with `status` before its hello."
-  @spec exited(integer()) :: Error.t()
-  def exited(status) do
-    Error.new(
+  @doc """
+  The error of a Python process that exited with `status` before its hello; `stderr` the
+  last lines it wrote there (`VllmBridge.Worker.Launcher.stderr_tail/1`), or nil.
+  """
+  @spec exited(integer(), String.t() | nil) :: Error.t()
+  def exited(status, stderr) do
+    with_stderr(
       :worker_exit,
-      "the Python worker exited with status #{status} before its handshake " <>
-        "(see its stderr above)"
+      "the Python worker exited with status #{status} before its handshake",
+      stderr
     )
   end
 
-  @doc "The error of a Python process that sent no hello within `timeout` ms."
-  @spec timed_out(non_neg_integer() | nil, timeout()) :: Error.t()
-  def timed_out(os_pid, timeout) do
-    Error.new(
+  @doc "The error of a Python process that sent no hello within `timeout` ms (`stderr` as above)."
+  @spec timed_out(non_neg_integer() | nil, timeout(), String.t() | nil) :: Error.t()
+  def timed_out(os_pid, timeout, stderr) do
+    with_stderr(
       :worker_exit,
       "the Python worker (os pid #{os_pid}) sent no handshake within #{timeout} ms " <>
-        "(start_timeout)"
+        "(start_timeout)",
+      stderr
+    )
+  end
+
+  # The last lines in the message (the last of them says why, a traceback's exception),
+  # all of the tail in details.stderr.
+  @message_lines 12
+
+  defp with_stderr(type, text, nil),
+    do: Error.new(type, text <> "; it wrote nothing to stderr", details: %{stderr: nil})
+
+  defp with_stderr(type, text, stderr) do
+    last = stderr |> String.split("\n") |> Enum.take(-@message_lines)
+
+    Error.new(type, text <> "; the last lines of its stderr:\n    " <> Enum.join(last, "\n    "),
+      details: %{stderr: stderr}
     )
   end
 

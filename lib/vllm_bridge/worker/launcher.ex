@@ -34,7 +34,9 @@ defmodule VllmBridge.Worker.Launcher do
   `--also-allow`), `:max_refs`, `:poll_us` (`--poll-us`: how
   long the worker polls for the next request before it sleeps; 0, the default, sleeps at
   once), `:max_frame_bytes` (`--max-frame-bytes`, default `default_max_frame_bytes/0`),
-  `:env` (`[{name, value}]`).
+  `:env` (`[{name, value}]`), `:stderr_file` (a path from `stderr_file/0`, or nil: the
+  Python process writes its stderr there, not to the BEAM's, until it takes the BEAM's
+  back after its handshake; see "Start-up stderr" in docs/PROTOCOL.md).
   """
   @spec open(keyword()) :: {:ok, port()} | {:error, Error.t()}
   def open(opts) do
@@ -57,11 +59,12 @@ defmodule VllmBridge.Worker.Launcher do
             ["--max-frame-bytes", Integer.to_string(max_frame_bytes(opts))]
 
         env = for {k, v} <- Keyword.get(opts, :env, []), do: {to_charlist(k), to_charlist(v)}
+        {exe, args, env} = with_capture(Keyword.get(opts, :stderr_file), python, args, env)
 
         # :stream, not {:packet, 4}: the port's own framing would allocate whatever
         # length a header declares (see VllmBridge.Worker.Framer).
         port =
-          Port.open({:spawn_executable, python}, [
+          Port.open({:spawn_executable, exe}, [
             {:args, args},
             {:env, env},
             :stream,
@@ -72,6 +75,88 @@ defmodule VllmBridge.Worker.Launcher do
 
         {:ok, port}
     end
+  end
+
+  # Start-up stderr. The Python process is exec'd by a tiny /bin/sh script that keeps the
+  # BEAM's stderr on fd 5 and points fd 2 at a new private file (created under umask 077,
+  # refusing one that exists; the umask is put back before the exec). The exec keeps the
+  # pid, so the port's os_pid is the Python process's, and no process is left behind.
+  # Fds 3 and 4 (the port's pipes) are not touched. After its handshake the worker puts
+  # fd 5 back on fd 2, copies what the file holds there (vllm_bridge.bridge.worker.stderr),
+  # and the worker process deletes the file; when the start fails, the file's tail goes
+  # into the error (`stderr_tail/1`) and the file is deleted.
+  @stderr_fd 5
+  @capture_script ~S'u=$(umask) && umask 077 && set -C && exec 5>&2 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
+
+  defp with_capture(nil, python, args, env), do: {python, args, env}
+
+  defp with_capture(file, python, args, env) do
+    env = [
+      {~c"VLLM_BRIDGE_STDERR_FILE", to_charlist(file)},
+      {~c"VLLM_BRIDGE_STDERR_FD", ~c"#{@stderr_fd}"} | env
+    ]
+
+    {"/bin/sh", ["-c", @capture_script, "vllm_bridge worker", python | args], env}
+  end
+
+  @doc """
+  A fresh path for a worker's start-up stderr (`open/1`'s `:stderr_file`): in the system's
+  temporary folder, named unguessably; the file itself is made by the launch script.
+  """
+  @spec stderr_file() :: String.t()
+  def stderr_file do
+    name =
+      "vllm_bridge-stderr-#{System.pid()}-#{Base.url_encode64(:rand.bytes(12), padding: false)}"
+
+    Path.join(System.tmp_dir!(), name)
+  end
+
+  # Lines of a start's stderr put in its error (all of them go to `details.stderr`, up to
+  # @tail_bytes): the last few say why (a traceback's last line is its exception).
+  @tail_bytes 16_384
+  @tail_lines 40
+
+  @doc """
+  The last lines (at most #{@tail_lines}, from the last #{@tail_bytes} bytes) of a start-up
+  stderr file, then the file deleted; `nil` for no file (or nothing in it).
+  """
+  @spec stderr_tail(String.t() | nil) :: String.t() | nil
+  def stderr_tail(nil), do: nil
+
+  def stderr_tail(file) do
+    text =
+      case File.open(file, [:read, :binary]) do
+        {:ok, io} ->
+          size = File.stat!(file).size
+          {:ok, _} = :file.position(io, max(size - @tail_bytes, 0))
+          data = IO.binread(io, @tail_bytes)
+          File.close(io)
+          if is_binary(data), do: data, else: ""
+
+        {:error, _} ->
+          ""
+      end
+
+    delete_stderr(file)
+
+    text
+    |> String.split(["\r\n", "\n"])
+    |> Enum.map(&String.trim_trailing/1)
+    |> Enum.reject(&(&1 == ""))
+    |> Enum.take(-@tail_lines)
+    |> case do
+      [] -> nil
+      lines -> Enum.join(lines, "\n")
+    end
+  end
+
+  @doc "Deletes a start-up stderr file (nil, or one already gone: nothing to do)."
+  @spec delete_stderr(String.t() | nil) :: :ok
+  def delete_stderr(nil), do: :ok
+
+  def delete_stderr(file) do
+    _ = File.rm(file)
+    :ok
   end
 
   @doc "The frame limit of `opts` (`:max_frame_bytes`, else the default)."

@@ -13,7 +13,8 @@ defmodule VllmBridge.Worker.Messages do
   #                `cancelled` on `alias`, after anything already passed on;
   #   * credit   - a stream's reader gives room for `n` more chunks;
   #   * grace    - (to itself) `cancel_grace` ms have passed since request `id`'s cancel;
-  #   * start_timeout - (to itself) the handshake's `start_timeout` has passed.
+  #   * start_timeout - (to itself) `start_timeout` has passed since the stage (`:hello`,
+  #                the handshake, or `:on_start`, the setup call) began.
   #
   # From a worker process, to a caller's alias (a monitor of the worker with `{:alias,
   # mode}`): `{alias, tag, payload}` with tag :reply (a frame), :window (the chunks a
@@ -86,7 +87,7 @@ defmodule VllmBridge.Worker.Messages do
   # Process.send_after/3).
   defmacro grace(id), do: quote(do: {:"$vb_grace", unquote(id)})
 
-  defmacro start_timeout, do: :"$vb_start_timeout"
+  defmacro start_timeout(stage), do: quote(do: {:"$vb_start_timeout", unquote(stage)})
 
   # -- from a worker process, to a caller's alias ----------------------------------------------
 

@@ -1,13 +1,28 @@
 defmodule VllmBridge.Worker.Starting do
   @moduledoc false
   # The first phase of a worker process (VllmBridge.Worker): its port is open and the
-  # Python process must send its hello within `start_timeout`. The handshake is a state
-  # of the worker process, not a wait inside it: requests that arrive meanwhile are kept
-  # in the state, in order, and so are the callers of `hello` and `close`; a caller that
-  # gives up meanwhile has its request dropped here and is answered at once. The hello
-  # (checked by VllmBridge.Worker.Hello) makes the worker :ready, and what waited is
-  # served; a start that fails stops the process with `{:shutdown, {:start_failed,
-  # error}}` (what VllmBridge.Worker.await_ready/2 returns).
+  # Python process must send its hello within `start_timeout`, then, when the pool has an
+  # `on_start`, run that call within `start_timeout` more. The start is a state of the
+  # worker process, not a wait inside it: requests that arrive meanwhile are kept in the
+  # state, in order, and so are the callers of `await_ready` and `close`; a caller that
+  # gives up meanwhile has its request dropped here and is answered at once. Only then is
+  # the worker :ready (in a pool: registered, its slots opened), and what waited is served.
+  #
+  # `on_start` is an ordinary `call` request (no session), written to the port through the
+  # worker's own table of calls (VllmBridge.Worker.submit/2) with this process's alias as
+  # its caller: it passes the worker's guard like any call, and its reply comes back here
+  # as `{alias, :reply, frame}`. Its result is dropped (references in it released).
+  #
+  # A start that fails (no hello, a bad one, an on_start that raises or overstays) is
+  # logged once, with the last lines of the Python process's stderr when it ended before
+  # its hello (the launcher sends start-up stderr to a private file: Launcher.stderr_tail/1).
+  # Then:
+  #   * a worker of a pool that `VllmBridge.Pool.start/2` is still starting stays, in the
+  #     phase :failed, answering `await_ready` with the error (and every request with it)
+  #     until start/2 stops the pool: its supervisor does not restart it over and over
+  #     while start/2 waits, and the error is reported once;
+  #   * any other (a restart in a running pool, a worker outside a pool) stops with
+  #     `{:shutdown, {:start_failed, error}}`; a pool's supervisor starts it again.
 
   require Logger
   require VllmBridge.Worker.Messages
@@ -15,8 +30,13 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Error
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Worker
-  alias VllmBridge.Call.Wire
+  alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Worker.{Calls, Framer, Hello, Launcher, Messages}
+
+  # The worker module whose start-up stderr is captured: ours takes the BEAM's stderr back
+  # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own keeps the
+  # BEAM's stderr from the start.
+  @own_worker "vllm_bridge.bridge.worker"
 
   @doc false
   # Opens the port and arms the start timeout: the worker process's first state. `opts`
@@ -38,10 +58,14 @@ defmodule VllmBridge.Worker.Starting do
       Directory.clear_worker(pool, index)
     end
 
-    case Launcher.open(opts) do
+    stderr =
+      if Keyword.get(opts, :worker_module, @own_worker) == @own_worker,
+        do: Launcher.stderr_file()
+
+    case Launcher.open(Keyword.put(opts, :stderr_file, stderr)) do
       {:ok, port} ->
         start_timeout = Keyword.fetch!(opts, :start_timeout)
-        Process.send_after(self(), Messages.start_timeout(), start_timeout)
+        Process.send_after(self(), Messages.start_timeout(:hello), start_timeout)
 
         state = %{
           phase: :starting,
@@ -58,9 +82,17 @@ defmodule VllmBridge.Worker.Starting do
           meta: meta,
           calls: Calls.new(meta, index),
           # While starting: the requests that came (newest first) and the callers of
-          # hello/1 and close/1 (newest first), served once the hello has come.
+          # await_ready/2 and close/1 (newest first), served once the start is done.
           pending: [],
           waiting: [],
+          # The start-up stderr file (nil once deleted, or when not captured).
+          stderr: stderr,
+          # {module, function, args, kwargs} or nil, and the alias its reply comes to
+          # while it runs.
+          on_start: Keyword.get(opts, :on_start),
+          setup: nil,
+          # Why the start failed (the phase :failed).
+          failed: nil,
           # Why the Python process was killed, once this process killed it (cancel_grace).
           killed: nil,
           start_timeout: start_timeout,
@@ -71,27 +103,36 @@ defmodule VllmBridge.Worker.Starting do
         {:ok, state}
 
       {:error, e} ->
+        Launcher.delete_stderr(stderr)
         {:stop, {:shutdown, {:start_failed, e}}}
     end
   end
 
-  # While starting, the phase's own module answers (VllmBridge.Worker.Starting).
+  # While starting (or failed), the phase's own module answers.
   @spec handle_call(term(), GenServer.from(), map()) :: tuple()
+  def handle_call(:await_ready, _from, %{phase: :failed} = state),
+    do: {:reply, {:error, state.failed}, state}
+
+  def handle_call(:close, _from, %{phase: :failed} = state),
+    do: {:stop, :normal, :ok, state}
+
   def handle_call(request, from, state)
-      when request in [:hello, :close],
+      when request in [:await_ready, :close],
       do: {:noreply, %{state | waiting: [{from, request} | state.waiting]}}
 
   def handle_call(:in_flight, _from, state), do: {:reply, Calls.size(state.calls), state}
 
   @spec handle_info(term(), map()) :: tuple()
-  def handle_info({port, {:data, data}}, %{port: port} = state) do
+  def handle_info(message, %{phase: :failed} = state), do: failed_info(message, state)
+
+  def handle_info({port, {:data, data}}, %{port: port, hello: nil} = state) do
     case Framer.feed(state.framer, data, state.max_frame) do
       {:ok, [], framer} ->
         {:noreply, %{state | framer: framer}}
 
       {:ok, [hello | frames], framer} ->
         case Hello.check(hello, state.max_frame) do
-          {:ok, hello} -> ready(%{state | framer: framer}, hello, frames)
+          {:ok, hello} -> hello(%{state | framer: framer}, hello, frames)
           {:error, e} -> start_failed(state, e)
         end
 
@@ -103,11 +144,66 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
-  def handle_info({port, {:exit_status, status}}, %{port: port} = state),
-    do: start_failed(%{state | port: nil}, Hello.exited(status))
+  # After the hello, while on_start runs: frames are routed as when ready (its reply
+  # reaches this process's alias; log records are logged).
+  def handle_info({port, {:data, data}}, %{port: port} = state) do
+    case Framer.feed(state.framer, data, state.max_frame) do
+      {:ok, frames, framer} ->
+        {:noreply, Enum.reduce(frames, %{state | framer: framer}, &Worker.route(&2, &1))}
 
-  def handle_info(Messages.start_timeout(), state),
-    do: start_failed(state, Hello.timed_out(state.os_pid, state.start_timeout))
+      {:too_large, len, _frames} ->
+        start_failed(
+          state,
+          Error.new(:protocol, Launcher.too_large_message(state.os_pid, len, state.max_frame))
+        )
+    end
+  end
+
+  def handle_info(Messages.reply(alias, bin), %{setup: alias} = state) do
+    case Wire.decode_reply(bin) do
+      {:ok, _value} ->
+        # Nobody reads the result: references in it are released (queued until ready).
+        Calls.drop(bin)
+        ready(%{state | setup: nil})
+
+      {:error, e} ->
+        start_failed(state, on_start_error(state, e))
+    end
+  end
+
+  def handle_info(Messages.reply_error(alias, e), %{setup: alias} = state),
+    do: start_failed(state, on_start_error(state, e))
+
+  def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
+    state = %{state | port: nil}
+
+    case state.setup do
+      nil ->
+        start_failed(state, Hello.exited(status, Launcher.stderr_tail(state.stderr)))
+
+      _running ->
+        e = Error.new(:worker_exit, "the Python worker exited with status #{status}")
+        start_failed(state, on_start_error(state, e))
+    end
+  end
+
+  def handle_info(Messages.start_timeout(:hello), %{hello: nil} = state) do
+    # Killed first, so that its stderr is complete when read.
+    state = kill(state)
+    start_failed(state, Hello.timed_out(state.os_pid, state.start_timeout, stderr_tail(state)))
+  end
+
+  def handle_info(Messages.start_timeout(:on_start), %{setup: setup} = state)
+      when setup != nil do
+    e =
+      Error.new(
+        :timeout,
+        "it did not return within #{state.start_timeout} ms (start_timeout); the Python " <>
+          "process was killed"
+      )
+
+    start_failed(kill(state), on_start_error(state, e))
+  end
 
   def handle_info(Messages.submit(s), state),
     do: {:noreply, %{state | pending: [s | state.pending]}}
@@ -121,21 +217,52 @@ defmodule VllmBridge.Worker.Starting do
     {:noreply, %{state | pending: pending}}
   end
 
-  # Anything else (the port's own EXIT follows its exit status) waits for the hello.
+  # Anything else (the port's own EXIT follows its exit status, a stale timer) waits.
   def handle_info(_other, state), do: {:noreply, state}
 
-  # The hello came: registered (in a pool) and open for calls; what waited is served in
-  # the order it came, the frames that came with the hello (a log record, say) first, as
-  # if they had come after it.
-  defp ready(state, hello, frames) do
+  # The hello came: the start-up stderr file goes (the Python process holds it open and
+  # copies it to the BEAM's stderr itself), then on_start runs, or the worker is ready.
+  defp hello(state, hello, frames) do
+    Launcher.delete_stderr(state.stderr)
+
     state = %{
       state
-      | phase: :ready,
-        hello: hello,
+      | hello: hello,
         instance: hello["instance"],
         os_pid: hello["pid"],
-        stream_window: Hello.stream_window(hello)
+        stream_window: Hello.stream_window(hello),
+        stderr: nil
     }
+
+    # The frames that came with the hello (a log record, say) as if they came after it.
+    state = Enum.reduce(frames, state, &Worker.route(&2, &1))
+
+    case state.on_start do
+      nil -> ready(state)
+      on_start -> run_on_start(state, on_start)
+    end
+  end
+
+  defp run_on_start(state, {m, f, args, kwargs}) do
+    case Wire.encode_invoke({m, f}, args, kwargs) do
+      {:ok, parts} ->
+        deadline = Runtime.deadline(System.monotonic_time(:millisecond), state.start_timeout)
+        req = Request.new("call", pre: [Wire.value(nil)], post: parts, target: {m, f})
+        alias = :erlang.alias()
+        submit = Request.submit(req, :erlang.unique_integer([:positive]), alias, deadline)
+        Process.send_after(self(), Messages.start_timeout(:on_start), state.start_timeout)
+        {:noreply, Worker.submit(%{state | setup: alias}, submit)}
+
+      {:error, e} ->
+        start_failed(state, on_start_error(state, e))
+    end
+  end
+
+  # The start is done: registered (in a pool) and open for calls; what waited is served in
+  # the order it came.
+  defp ready(state) do
+    if state.setup, do: :erlang.unalias(state.setup)
+    state = %{state | phase: :ready, setup: nil}
 
     if state.meta do
       Directory.worker_up(state.pool, state.index, self(), state.instance)
@@ -144,7 +271,6 @@ defmodule VllmBridge.Worker.Starting do
     end
 
     Process.send_after(self(), :sweep, Worker.sweep_every())
-    state = Enum.reduce(frames, state, &Worker.route(&2, &1))
 
     state =
       state.pending
@@ -153,7 +279,7 @@ defmodule VllmBridge.Worker.Starting do
 
     waiting = Enum.reverse(state.waiting)
     state = %{state | waiting: []}
-    for {from, :hello} <- waiting, do: GenServer.reply(from, hello)
+    for {from, :await_ready} <- waiting, do: GenServer.reply(from, {:ok, state.hello})
 
     case for {from, :close} <- waiting, do: from do
       [] ->
@@ -166,10 +292,95 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
+  # An on_start that failed, named: the worker and the callable, the error's own words
+  # (and its Python type and traceback) kept.
+  defp on_start_error(state, %Error{} = e) do
+    {m, f, _args, _kwargs} = state.on_start
+
+    hint =
+      if e.type == :bad_argument and e.message =~ "allow-list",
+        do: " (a module of one's own goes on it with the pool option modules: [#{inspect(m)}])",
+        else: ""
+
+    %{e | message: "on_start #{m}.#{f} failed: #{e.message}#{hint}"}
+  end
+
+  defp who(%{pool: nil, os_pid: os_pid}), do: "the worker (os pid #{os_pid})"
+  defp who(%{index: index, os_pid: os_pid}), do: "worker #{index} (os pid #{os_pid})"
+
+  # The Python process of a failed start goes at once (no grace, no warning: the start's
+  # error says what happened).
+  defp kill(%{port: nil} = state), do: state
+
+  defp kill(state) do
+    try do
+      Port.close(state.port)
+    rescue
+      ArgumentError -> :ok
+    end
+
+    if state.os_pid && Launcher.alive?(state.os_pid), do: Launcher.kill(state.os_pid)
+    %{state | port: nil}
+  end
+
+  defp stderr_tail(state), do: Launcher.stderr_tail(state.stderr)
+
   defp start_failed(state, %Error{} = e) do
+    e = %{e | message: "#{who(state)}: #{e.message}"}
     Logger.error("vllm_bridge worker #{Worker.label(state)} failed to start: #{e.message}")
     # A Python process that is still there is closed (and killed at once).
-    if state.port, do: Launcher.close(state.port, state.os_pid, 0)
-    {:stop, {:shutdown, {:start_failed, e}}, %{state | port: nil}}
+    state = kill(state)
+    Launcher.delete_stderr(state.stderr)
+    if state.setup, do: :erlang.unalias(state.setup)
+    state = %{state | stderr: nil, setup: nil}
+
+    if first_start?(state) do
+      hold_failure(state, e)
+    else
+      {:stop, {:shutdown, {:start_failed, e}}, state}
+    end
+  end
+
+  # Whether VllmBridge.Pool.start/2 still waits for this pool's first start.
+  defp first_start?(%{meta: %{started: started}}) when started != nil,
+    do: :atomics.get(started, 1) == 0
+
+  defp first_start?(_state), do: false
+
+  # The phase :failed: the error for whoever waits or asks, until the pool is stopped.
+  defp hold_failure(state, e) do
+    for s <- Enum.reverse(state.pending), do: refuse(state, s, e)
+
+    waiting = Enum.reverse(state.waiting)
+    for {from, :await_ready} <- waiting, do: GenServer.reply(from, {:error, e})
+    closers = for {from, :close} <- waiting, do: from
+
+    state = %{state | phase: :failed, failed: e, pending: [], waiting: []}
+
+    case closers do
+      [] ->
+        {:noreply, state}
+
+      _ ->
+        for from <- closers, do: GenServer.reply(from, :ok)
+        {:stop, :normal, state}
+    end
+  end
+
+  defp failed_info(Messages.submit(s), state) do
+    refuse(state, s, state.failed)
+    {:noreply, state}
+  end
+
+  defp failed_info(Messages.settle(_id, alias), state) do
+    Messages.send_cancelled(alias)
+    {:noreply, state}
+  end
+
+  defp failed_info(_other, state), do: {:noreply, state}
+
+  defp refuse(state, s, e) do
+    if s.alias, do: Messages.send_reply_error(s.alias, e)
+    if s.holds_slot, do: Calls.release(state.calls)
   end
 end

@@ -62,6 +62,7 @@ from vllm_bridge.bridge.worker.executor import Executor
 from vllm_bridge.bridge.worker.interrupt import Interrupter
 from vllm_bridge.bridge.worker.lifeline import watch_parent
 from vllm_bridge.bridge.worker.sessions import Sessions
+from vllm_bridge.bridge.worker.stderr import Capture, open_capture, take_back
 from vllm_bridge.bridge.worker.targets import TargetResolver
 
 #: Seconds the main thread has, from EOF, to finish the running request and exit the
@@ -230,14 +231,16 @@ class Worker:
         )
         self.interrupter.again = self.executor.interrupt_again
 
-    def serve(self) -> int:
+    def serve(self, capture: Capture | None = None) -> int:
         """Announce, then serve on this thread (the main thread) until EOF; returns the
-        exit status."""
+        exit status. ``capture``: the start-up stderr (:mod:`.stderr`), given back to the
+        real stderr once the hello is out."""
         watch_parent()
         self.interrupter.install()
         self.channel.send(
             _hello(self.instance, self.modules, self.import_errors, self.max_frame)
         )
+        take_back(capture)
         root = logging.getLogger()
         for handler in root.handlers:
             # While the port is open records go to the Elixir side as log frames; stderr
@@ -354,6 +357,8 @@ class _HeldLogFrameHandler(LogFrameHandler):
 
 def main(argv: list[str] | None = None) -> int:
     """Run a worker on fds 3 and 4 until fd 3 reaches EOF."""
+    # First: the start-up stderr file may be deleted as soon as the hello arrives.
+    capture = open_capture()
     opts = parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr,
@@ -365,4 +370,4 @@ def main(argv: list[str] | None = None) -> int:
     import_errors = _import_allowed(opts.allow)
     return Worker(
         opts.allow, opts.max_refs, opts.poll_us, import_errors, opts.max_frame_bytes
-    ).serve()
+    ).serve(capture)

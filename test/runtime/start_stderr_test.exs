@@ -1,0 +1,158 @@
+defmodule VllmBridge.Runtime.StartStderrTest do
+  @moduledoc """
+  A worker that cannot start says why: the last lines of its Python process's stderr are
+  in the error (message and `details.stderr`), it is logged once, its start is not retried
+  while start_pool waits, and no start-up stderr file is left behind. Real interpreters
+  that lack what the worker needs: torch, the vllm_bridge package, a runnable python.
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+
+  import ExUnit.CaptureLog
+  import VllmBridge.RuntimeHelpers
+
+  alias VllmBridge.{Error, Pool}
+
+  # The interpreter the test venv was made from: no torch, no vllm_bridge of its own.
+  defp base_python do
+    {path, 0} =
+      System.cmd(Application.fetch_env!(:vllm_bridge, :python), [
+        "-c",
+        "import sys; print(sys._base_executable, end='')"
+      ])
+
+    path
+  end
+
+  setup do
+    dir = Path.join(System.tmp_dir!(), "vb-stderr-#{System.unique_integer([:positive])}")
+    File.mkdir_p!(dir)
+    on_exit(fn -> File.rm_rf!(dir) end)
+    %{dir: dir}
+  end
+
+  # This BEAM's start-up stderr files in the temporary folder.
+  defp leftovers do
+    prefix = "vllm_bridge-stderr-#{System.pid()}-"
+    System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefix))
+  end
+
+  defp count(log, text), do: length(String.split(log, text)) - 1
+
+  defp failed_start(pool, opts) do
+    log =
+      capture_log(fn ->
+        send(self(), {:result, VllmBridge.start_pool(pool, opts)})
+      end)
+
+    assert_received {:result, {:error, %Error{} = e}}
+    refute pool in Pool.names()
+    {e, log}
+  end
+
+  test "a python without torch: ModuleNotFoundError in the error, logged once per worker", %{
+    dir: dir
+  } do
+    # The venv's base interpreter (no torch) with our package and msgpack on its path.
+    File.ln_s!(Path.expand("../../python/vllm_bridge", __DIR__), Path.join(dir, "vllm_bridge"))
+
+    {msgpack, 0} =
+      System.cmd(Application.fetch_env!(:vllm_bridge, :python), [
+        "-c",
+        "import msgpack, os; print(os.path.dirname(msgpack.__file__), end='')"
+      ])
+
+    File.ln_s!(msgpack, Path.join(dir, "msgpack"))
+
+    {e, log} = failed_start(:ss_no_torch, python: base_python(), python_path: [dir], size: 1)
+    assert e.type == :worker_exit
+    assert e.message =~ "pool :ss_no_torch did not start: worker 0"
+    assert e.message =~ "exited with status 1 before its handshake"
+    assert e.message =~ "ModuleNotFoundError: No module named 'torch'"
+    assert e.details.stderr =~ "Traceback (most recent call last)"
+    assert e.details.stderr =~ "ModuleNotFoundError: No module named 'torch'"
+    assert count(log, "No module named 'torch'") == 1
+    assert leftovers() == []
+
+    # Two workers: each fails once, neither is retried.
+    {_e, log} = failed_start(:ss_no_torch2, python: base_python(), python_path: [dir], size: 2)
+    assert count(log, "No module named 'torch'") in 1..2
+    assert count(log, ":ss_no_torch2[0] failed to start") <= 1
+    assert count(log, ":ss_no_torch2[1] failed to start") <= 1
+    assert leftovers() == []
+  end
+
+  test "a python without the vllm_bridge package: named, though none of our code ran", %{
+    dir: dir
+  } do
+    # An isolated interpreter: no PYTHONPATH, no site-packages of the venv's.
+    python = Path.join(dir, "isolated-python")
+    File.write!(python, "#!/bin/sh\nexec #{base_python()} -I \"$@\"\n")
+    File.chmod!(python, 0o755)
+
+    {e, log} = failed_start(:ss_no_pkg, python: python, size: 1)
+    assert e.message =~ "No module named 'vllm_bridge'"
+    assert e.details.stderr =~ "No module named 'vllm_bridge'"
+    assert count(log, "failed to start") == 1
+    assert leftovers() == []
+  end
+
+  test "a broken python (its interpreter line names nothing): the shell's words", %{dir: dir} do
+    python = Path.join(dir, "broken-python")
+    File.write!(python, "#!/no/such/interpreter\n")
+    File.chmod!(python, 0o755)
+
+    {e, _log} = failed_start(:ss_broken, python: python, size: 1)
+    assert e.type == :worker_exit
+    assert e.details.stderr =~ python
+    assert e.message =~ python
+    assert leftovers() == []
+  end
+
+  test "a python that says nothing before it exits: the error says so", %{dir: dir} do
+    python = Path.join(dir, "silent-python")
+    File.write!(python, "#!/bin/sh\nexit 3\n")
+    File.chmod!(python, 0o755)
+
+    {e, _log} = failed_start(:ss_silent, python: python, size: 1)
+    assert e.message =~ "status 3"
+    assert e.message =~ "wrote nothing to stderr"
+    assert e.details.stderr == nil
+    assert leftovers() == []
+  end
+
+  test "a python that never shakes hands: the timeout's error has its stderr", %{dir: dir} do
+    python = Path.join(dir, "mute-python")
+    File.write!(python, "#!/bin/sh\necho 'still loading weights' >&2\nexec sleep 60\n")
+    File.chmod!(python, 0o755)
+
+    {e, _log} = failed_start(:ss_mute, python: python, size: 1, start_timeout: 500)
+    assert e.message =~ "no handshake within 500 ms"
+    assert e.message =~ "still loading weights"
+    assert leftovers() == []
+  end
+
+  test "a worker that started: its stderr is the BEAM's again, its file is gone" do
+    start_pool!(:ss_ok, size: 1)
+    [%{os_pid: os_pid}] = workers!(:ss_ok)
+    beam_stderr = File.read_link!("/proc/#{System.pid()}/fd/2")
+    assert File.read_link!("/proc/#{os_pid}/fd/2") == beam_stderr
+    # The fd that kept the BEAM's stderr during the start is closed, and the file gone.
+    refute File.exists?("/proc/#{os_pid}/fd/5")
+    assert leftovers() == []
+    # The os pid is the Python process itself (the launch script exec'd it).
+    assert File.read!("/proc/#{os_pid}/cmdline") =~ "vllm_bridge.bridge.worker"
+
+    {:ok, env} = VllmBridge.call({"vllm_bridge.bridge.diag", "info"}, [], %{}, pool_name: :ss_ok)
+    assert env["pid"] == os_pid
+  end
+
+  test "a pool stopped while its workers start leaves no file behind" do
+    task = Task.async(fn -> VllmBridge.start_pool(:ss_stopped, size: 2) end)
+    wait_until(fn -> :ss_stopped in Pool.names() end, 30_000, "the pool to exist")
+    :ok = VllmBridge.stop_pool(:ss_stopped)
+    Task.await(task, 60_000)
+    VllmBridge.stop_pool(:ss_stopped)
+    assert leftovers() == []
+  end
+end
