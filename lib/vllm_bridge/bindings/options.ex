@@ -215,7 +215,18 @@ defmodule VllmBridge.Bindings.Options do
   def explain(%Error{details: %{module: module}} = e, _run),
     do: "reading the Python module #{module} failed: #{Exception.message(e)}"
 
-  def explain(e, _run), do: "starting the Python worker failed: #{Exception.message(e)}"
+  # The pool refuses to start when a module of its allow-list fails to import; its message
+  # names each module with its error's type and message.
+  def explain(e, _run) do
+    message = Exception.message(e)
+
+    hint =
+      if message =~ "ModuleNotFoundError",
+        do: "; is the module's folder given with --python-path (and its name spelt right)?",
+        else: ""
+
+    "reading the Python modules failed: #{message}#{hint}"
+  end
 
   defp each(items, fun) do
     Enum.reduce_while(items, :ok, fn item, :ok ->
