@@ -330,6 +330,20 @@ defmodule VllmBridge.Bindings.UserModulesTest do
 
       assert task_error(dir, base ++ ["/no/such/python"]) =~
                "the Python /no/such/python cannot be run"
+
+      # No --python, no config, no VLLM_BRIDGE_PYTHON: says how to name one.
+      old_config = Application.fetch_env(:vllm_bridge, :python)
+      old_env = System.get_env("VLLM_BRIDGE_PYTHON")
+      Application.delete_env(:vllm_bridge, :python)
+      System.delete_env("VLLM_BRIDGE_PYTHON")
+
+      try do
+        assert task_error(dir, Enum.drop(base, -1)) =~
+                 "no Python interpreter: pass --python PATH"
+      after
+        with {:ok, v} <- old_config, do: Application.put_env(:vllm_bridge, :python, v)
+        if old_env, do: System.put_env("VLLM_BRIDGE_PYTHON", old_env)
+      end
     end
 
     test "in another app: no --module, or a library module, is an error; nothing is written" do

@@ -171,8 +171,10 @@ defmodule VllmBridge.Bindings.Options do
   def check_python(pool) do
     case pool[:python] || VllmBridge.Pool.Options.default_python() do
       nil ->
-        # The pool's own error says how to name one.
-        :ok
+        {:error,
+         "no Python interpreter: pass --python PATH, set `config :vllm_bridge, python: ...`, " <>
+           "or set the environment variable VLLM_BRIDGE_PYTHON; its environment must have " <>
+           "the vllm_bridge package (docs/USING.md)"}
 
       python ->
         probe =
