@@ -4,8 +4,9 @@ defmodule VllmBridge.Application do
 
   @impl true
   def start(_type, _args) do
-    # Codec: register the app's structs for Python dataclasses (VllmBridge.Codec.Registry).
-    VllmBridge.Codec.Registry.load(:vllm_bridge)
+    # Codec: register the structs for Python dataclasses (VllmBridge.Codec.Registry), this
+    # app's and those of the apps that depend on it (a user's generated bindings).
+    VllmBridge.Codec.Registry.load_dependents()
 
     children = [
       VllmBridge.Pool.Directory,

@@ -52,4 +52,33 @@ defmodule VllmBridge.Bindings.NamingTest do
     assert Naming.code_root("vllm_bridge.dp") == "lib"
     assert Naming.manifest_file("vllm_bridge.dp") == "priv/bindings/vllm_bridge.dp.json"
   end
+
+  test "a user's modules: every part of the module path under the prefix, files below it" do
+    n = Naming.user("MyApp.Py", "lib/my_app/py")
+    assert Naming.base("my_model", n) == "MyApp.Py.MyModel"
+    assert Naming.base("pkg.sub", n) == "MyApp.Py.Pkg.Sub"
+    # The library's package is not special in a user's naming.
+    assert Naming.base("vllm_bridge_x.y", n) == "MyApp.Py.VllmBridgeX.Y"
+    assert Naming.functions_module("my_model", n) == MyApp.Py.MyModel.Module
+    assert Naming.class_module("my_model", "Cfg", n) == MyApp.Py.MyModel.Cfg
+    assert Naming.class_module("my_model", "MyModel", n) == MyApp.Py.MyModel
+    assert Naming.class_module("pkg.sub", "Sub", n) == MyApp.Py.Pkg.Sub
+
+    assert Naming.file(MyApp.Py.MyModel.Module, "my_model", n) ==
+             "lib/my_app/py/my_model/module.ex"
+
+    assert Naming.file(MyApp.Py.MyModel, "my_model", n) == "lib/my_app/py/my_model.ex"
+    assert Naming.file(MyApp.Py.Pkg.Sub.Module, "pkg.sub", n) == "lib/my_app/py/pkg/sub/module.ex"
+    assert Naming.manifest_file("my_model", n) == nil
+    assert Naming.outs(n) == ["lib/my_app/py"]
+
+    # A module outside the prefix has no file there (the prefix is a whole-segment prefix).
+    assert_raise ArgumentError, ~r/not a module below MyApp.Py/, fn ->
+      Naming.file(MyApp.PyX.Module, "x", n)
+    end
+
+    assert_raise ArgumentError, ~r/not a module below MyApp.Py/, fn ->
+      Naming.file(MyApp.Py, "x", n)
+    end
+  end
 end

@@ -1,14 +1,21 @@
 defmodule VllmBridge.Bindings.Generator do
   @moduledoc false
-  # Generates the bindings (`mix vllm.gen.bindings`): reads each Python module through a
-  # worker (`vllm_bridge.bridge.introspect.describe_module`), writes what it read as a manifest,
-  # `priv/bindings/<python module>.json` (`VllmBridge.Bindings.Json`), and the Elixir code
-  # under `lib/vllm/` (the demo's under `demo/lib/vllm/`, see `VllmBridge.Bindings.Naming`)
-  # from those manifests.
+  # Generates the bindings (`mix vllm.gen.bindings`) of a *run*: the Python modules to bind
+  # and a naming (`VllmBridge.Bindings.Naming`). One code path for both kinds of run:
   #
-  # The worker runs in a pool of its own whose allow-list is `vllm_bridge.bridge.introspect` alone
-  # (that module imports only modules of `vllm_bridge.PUBLIC_MODULES`, and returns plain
-  # data, so the worker needs no other module).
+  #   * the library's own (`library/0`, the task without `--module` inside the library):
+  #     the modules below, prefix `Vllm` for the package `vllm_bridge`, code under
+  #     `lib/vllm/` (the demo's under `demo/lib/vllm/`), manifests in `priv/bindings/`;
+  #   * a user's (`user/4`): the named modules, the user's prefix and output folder, no
+  #     manifests; type hints naming the library's dataclasses and enums resolve to the
+  #     library's modules through the library's committed manifests
+  #     (`Application.app_dir(:vllm_bridge, "priv/bindings")`).
+  #
+  # It reads each Python module through a worker
+  # (`vllm_bridge.bridge.introspect.describe_module`), of a pool of its own whose
+  # allow-list is the introspection module plus the modules bound (the introspection
+  # module describes only modules of its worker's allow-list); renders the manifests'
+  # JSON (`VllmBridge.Bindings.Json`) and the Elixir code from that JSON.
   #
   # **What is bound of a module is what it exports**: the names of its `__all__` (a module
   # without `__all__`: the public names it defines itself, not those it imports), plus the
@@ -39,36 +46,52 @@ defmodule VllmBridge.Bindings.Generator do
     {"vllm_bridge.demo.rank", []}
   ]
 
+  @introspect "vllm_bridge.bridge.introspect"
   @pool :vllm_bindings_gen
   @format 1
 
-  @doc "The Python modules bound, each with the names bound beyond its exports."
+  @typedoc """
+  A run: the Python modules (each with the names bound beyond its exports), the naming,
+  and the options of the introspection pool (`:python`, `:python_path`).
+  """
+  @type run :: %{
+          modules: [{String.t(), [String.t()]}],
+          naming: Naming.t(),
+          pool: keyword()
+        }
+
+  @doc "The Python modules of the library bound, each with the names bound beyond its exports."
   @spec modules() :: [{String.t(), [String.t()]}]
   def modules, do: @modules
 
+  @doc "The library's own run (`pool` as in `t:run/0`)."
+  @spec library(keyword()) :: run()
+  def library(pool \\ []), do: %{modules: @modules, naming: Naming.library(), pool: pool}
+
+  @doc "A user's run: `modules` (names) bound under `prefix`, written under `out`."
+  @spec user([String.t()], String.t(), String.t(), keyword()) :: run()
+  def user(modules, prefix, out, pool \\ []),
+    do: %{modules: Enum.map(modules, &{&1, []}), naming: Naming.user(prefix, out), pool: pool}
+
   @doc """
-  Reads the manifests of `modules` through a worker of a pool started for the purpose (and
-  stopped after). Returns them in the order of `modules`.
+  Reads the manifests of a run's modules through a worker of a pool started for the
+  purpose (and stopped after). Returns them in the order of the modules. (A list of
+  modules stands for the library's run of those modules.)
   """
-  @spec fetch([{String.t(), [String.t()]}]) :: {:ok, [map()]} | {:error, Error.t()}
-  def fetch(modules \\ @modules) do
-    with {:ok, _} <-
-           VllmBridge.start_pool(@pool, size: 1, allow: ["vllm_bridge.bridge.introspect"]) do
+  @spec fetch(run() | [{String.t(), [String.t()]}]) :: {:ok, [map()]} | {:error, Error.t()}
+  def fetch(run \\ library())
+
+  def fetch(modules) when is_list(modules), do: fetch(%{library() | modules: modules})
+
+  def fetch(%{modules: modules, pool: pool}) do
+    allow = [@introspect | Enum.map(modules, &elem(&1, 0))]
+
+    with {:ok, _} <- VllmBridge.start_pool(@pool, [size: 1, allow: allow] ++ pool) do
       try do
         Enum.reduce_while(modules, {:ok, []}, fn {name, also}, {:ok, acc} ->
-          target = {"vllm_bridge.bridge.introspect", "describe_module"}
-
-          case VllmBridge.call(target, [name, also], %{}, pool_name: @pool) do
-            {:ok, %{"format" => @format} = manifest} ->
-              {:cont, {:ok, [manifest | acc]}}
-
-            {:ok, other} ->
-              {:halt,
-               {:error,
-                Error.new(:protocol, "#{name}: unexpected manifest #{inspect(other, limit: 5)}")}}
-
-            {:error, e} ->
-              {:halt, {:error, e}}
+          case describe(name, also) do
+            {:ok, manifest} -> {:cont, {:ok, [manifest | acc]}}
+            error -> {:halt, error}
           end
         end)
         |> case do
@@ -81,20 +104,68 @@ defmodule VllmBridge.Bindings.Generator do
     end
   end
 
+  defp describe(name, also) do
+    case VllmBridge.call({@introspect, "describe_module"}, [name, also], %{}, pool_name: @pool) do
+      {:ok, %{"format" => @format} = manifest} ->
+        {:ok, manifest}
+
+      {:ok, other} ->
+        {:error, Error.new(:protocol, "#{name}: unexpected manifest #{inspect(other, limit: 5)}")}
+
+      # The module's name goes with the error (the task names it).
+      {:error, e} ->
+        {:error, %{e | details: Map.put(e.details || %{}, :module, name)}}
+    end
+  end
+
   @doc """
-  Every generated file, `%{relative path => content}`: the manifests' JSON and the Elixir
-  code rendered from that JSON (decoded again, so the code follows the committed text).
+  Every generated file of `manifests` named by `naming` (default: the library's),
+  `%{relative path => content}`: the manifests' JSON when the naming keeps manifests, and
+  the Elixir code rendered from that JSON (decoded again, so the code follows the
+  committed text). A user's naming resolves the library's classes with `library_manifests/0`.
   """
-  @spec render([map()]) :: %{String.t() => String.t()}
-  def render(manifests) do
-    texts = Map.new(manifests, &{Naming.manifest_file(&1["module"]), Json.encode!(&1)})
+  @spec render([map()], Naming.t()) :: %{String.t() => String.t()}
+  def render(manifests, naming \\ Naming.library()) do
+    texts = Map.new(manifests, &{&1["module"], Json.encode!(&1)})
+    decoded = Enum.map(manifests, &Json.decode!(Map.fetch!(texts, &1["module"])))
 
-    decoded =
-      Enum.map(manifests, &Json.decode!(Map.fetch!(texts, Naming.manifest_file(&1["module"]))))
+    library =
+      if naming == Naming.library(),
+        do: %{},
+        else: Model.classes(library_manifests(), Naming.library())
 
-    classes = Model.classes(decoded)
-    code = Enum.flat_map(decoded, &Files.render(&1, classes))
-    Map.merge(texts, Map.new(code))
+    classes = Map.merge(library, Model.classes(decoded, naming))
+    code = Enum.flat_map(decoded, &Files.render(&1, classes, naming))
+
+    json =
+      for {module, text} <- texts,
+          path = Naming.manifest_file(module, naming),
+          into: %{},
+          do: {path, text}
+
+    Map.merge(json, Map.new(code))
+  end
+
+  @doc """
+  The library's committed manifests of the modules it binds outside the demo, read from
+  its application's `priv/bindings/` (a user's run resolves the library's classes with
+  them). Raises naming the file when one cannot be read.
+  """
+  @spec library_manifests() :: [map()]
+  def library_manifests do
+    dir = Application.app_dir(:vllm_bridge, "priv/bindings")
+
+    for {name, _} <- @modules, Naming.code_root(name) == "lib" do
+      path = Path.join(dir, name <> ".json")
+
+      case File.read(path) do
+        {:ok, text} ->
+          Json.decode!(text)
+
+        {:error, why} ->
+          raise "cannot read the library's manifest #{path}: #{:file.format_error(why)}"
+      end
+    end
   end
 
   @doc "Reads the committed manifests of `modules` from `root` (for a run without Python)."
@@ -106,22 +177,24 @@ defmodule VllmBridge.Bindings.Generator do
 
   @doc """
   How the files under `root` differ from `files`: `{changed_or_missing, stale}`, where
-  `stale` are generated files (manifests under `priv/bindings/`, and files under `lib/vllm/`
-  or `demo/lib/vllm/` starting with the generator's marker) that `files` no longer has.
+  `stale` are generated files that `files` no longer has: files under the naming's output
+  folders starting with the generator's marker, and the manifests in its manifest folder.
+  Nothing else is ever stale.
   """
-  @spec diff(%{String.t() => String.t()}, String.t()) :: {[String.t()], [String.t()]}
-  def diff(files, root) do
+  @spec diff(%{String.t() => String.t()}, String.t(), Naming.t()) ::
+          {[String.t()], [String.t()]}
+  def diff(files, root, naming \\ Naming.library()) do
     changed =
       for {path, content} <- Enum.sort(files),
           File.read(Path.join(root, path)) != {:ok, content},
           do: path
 
-    {changed, stale(files, root)}
+    {changed, stale(files, root, naming)}
   end
 
   @doc """
-  Writes `files` under `root` and deletes the stale ones; returns the paths written.
-  `diff` is `diff(files, root)` when the caller has it already (it reads every file).
+  Writes `files` under `root` and deletes the stale ones of `diff` (`diff(files, root)`
+  of the library's naming when `nil`); returns the paths written.
   """
   @spec write(%{String.t() => String.t()}, String.t(), {[String.t()], [String.t()]} | nil) ::
           [String.t()]
@@ -137,17 +210,31 @@ defmodule VllmBridge.Bindings.Generator do
     end
   end
 
-  defp stale(files, root) do
-    manifests = Path.wildcard(Path.join(root, "priv/bindings/*.json"))
+  defp stale(files, root, naming) do
+    manifests =
+      if naming.manifests,
+        do: Path.wildcard(Path.join([root, naming.manifests, "*.json"])),
+        else: []
 
     generated =
-      Naming.code_roots()
-      |> Enum.flat_map(&Path.wildcard(Path.join([root, &1, "vllm/**/*.ex"])))
-      |> Enum.filter(&String.starts_with?(File.read!(&1), Files.marker()))
+      naming
+      |> Naming.outs()
+      |> Enum.flat_map(&Path.wildcard(Path.join([root, &1, "**/*.ex"])))
+      |> Enum.filter(&generated?/1)
 
     (manifests ++ generated)
     |> Enum.map(&Path.relative_to(&1, root))
     |> Enum.reject(&Map.has_key?(files, &1))
     |> Enum.sort()
+  end
+
+  # Whether a file starts with the generator's marker (read no more than the marker).
+  defp generated?(path) do
+    marker = Files.marker()
+
+    case File.open(path, [:read, :binary], &IO.binread(&1, byte_size(marker))) do
+      {:ok, ^marker} -> true
+      _ -> false
+    end
   end
 end

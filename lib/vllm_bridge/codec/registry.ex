@@ -4,9 +4,12 @@ defmodule VllmBridge.Codec.Registry do
 
   A struct module takes part by defining `__python_class__/0` (the qualified Python class
   name, `"vllm_bridge.forward_context.BatchDescriptor"`) and `__python_fields__/0` (its
-  field atoms in Python declaration order). The application scans its own modules for
-  them when it starts (`load/1`); modules compiled or loaded later are added with
-  `register/1`. When two modules claim one class, the last registered wins.
+  field atoms in Python declaration order). When it starts, the application scans its own
+  modules and those of every loaded application that depends on `:vllm_bridge` (a user's
+  app with its generated bindings, `mix vllm.gen.bindings --module ...`) for them
+  (`load_dependents/0`); an app loaded later is added with `load/1`, a module compiled or
+  loaded later with `register/1`. When two modules claim one class, the last registered
+  wins.
 
   The table lives in `:persistent_term`: lookups cost no message and no copy, updates are
   rare (start-up, tests). Decoding consults only this table, so a class name arriving on
@@ -45,6 +48,31 @@ defmodule VllmBridge.Codec.Registry do
     entries = for m <- modules, python_struct?(m), entry = checked_entry(m), do: entry
     update(fn classes -> Enum.reduce(entries, classes, &Map.put(&2, &1.class, &1)) end)
     length(entries)
+  end
+
+  @doc """
+  Registers the modules of `:vllm_bridge` and of every loaded application that lists it
+  among its `applications` (or `included_applications`): what the application does when
+  it starts. Returns the number of modules registered.
+  """
+  @spec load_dependents() :: non_neg_integer()
+  def load_dependents do
+    dependents =
+      for {app, _, _} <- :application.loaded_applications(),
+          app != :vllm_bridge,
+          depends?(app),
+          do: app
+
+    Enum.reduce([:vllm_bridge | Enum.sort(dependents)], 0, &(load(&1) + &2))
+  end
+
+  defp depends?(app) do
+    Enum.any?([:applications, :included_applications], fn key ->
+      case :application.get_key(app, key) do
+        {:ok, apps} -> :vllm_bridge in apps
+        :undefined -> false
+      end
+    end)
   end
 
   @doc """
@@ -89,7 +117,7 @@ defmodule VllmBridge.Codec.Registry do
     case :persistent_term.get(@key, nil) do
       nil ->
         # Not loaded yet (the application is not started): load on first use.
-        load()
+        load_dependents()
         :persistent_term.get(@key, %{})
 
       classes ->

@@ -30,11 +30,11 @@ defmodule VllmBridge.Bindings.Gen.Model do
           defined_in: String.t() | nil
         }
 
-  @doc "The classes of all manifests, by Python class name."
-  @spec classes([map()]) :: classes()
-  def classes(manifests) do
+  @doc "The classes of all manifests, by Python class name, named by `naming`."
+  @spec classes([map()], Naming.t()) :: classes()
+  def classes(manifests, naming \\ Naming.library()) do
     for m <- manifests, c <- m["classes"], into: %{} do
-      {c["class"], %{module: Naming.class_module(m["module"], c["name"]), entry: c}}
+      {c["class"], %{module: Naming.class_module(m["module"], c["name"], naming), entry: c}}
     end
   end
 

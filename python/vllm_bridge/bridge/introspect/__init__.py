@@ -33,8 +33,13 @@ Of those names:
   attribute's type is its annotation in the module (an annotation-only declaration is
   enough), else that of its current value.
 
-Only modules of ``vllm_bridge.PUBLIC_MODULES`` can be described: a worker started with
-this module allow-listed imports nothing else because of a request.
+**Which modules can be described: those on the allow-list of the worker running this
+code** (:mod:`vllm_bridge.bridge.worker.allowlist`, published by the worker at start;
+outside a worker, ``vllm_bridge.PUBLIC_MODULES``). The binding generator starts its worker
+with this module and the modules to bind allow-listed (``--allow``), so it can describe a
+user's own module; any other name (``os``, a dotted path below an allow-listed module, a
+name with characters no module name has) is refused before anything is imported, so a
+worker that allow-lists this module does not become a way to import a module by name.
 """
 
 from __future__ import annotations
@@ -59,8 +64,9 @@ from vllm_bridge.bridge.introspect.hints import (
     yielded_type,
 )
 from vllm_bridge.bridge.protocol.registry import type_hints as _hints
+from vllm_bridge.bridge.worker import allowlist
 
-__all__ = ["FORMAT", "describe_module", "describe_function", "is_context_manager"]
+__all__ = ["FORMAT", "describable", "describe_module", "describe_function", "is_context_manager"]
 
 #: Version of the output's layout; the generator refuses another.
 FORMAT = 1
@@ -78,21 +84,28 @@ _KINDS = {
 
 
 def describe_module(name: str, also: Sequence[str] = ()) -> dict[str, Any]:
-    """Describe the public module ``name``: its exports and the names in ``also`` (see the
-    module docstring).
+    """Describe the module ``name``, one of this worker's allow-list: its exports and the
+    names in ``also`` (see the module docstring).
 
     Raises:
-        ValueError: ``name`` is not in ``vllm_bridge.PUBLIC_MODULES``; a name of ``also``
-            or of the module's ``__all__`` is not an attribute of the module, or is a dunder.
+        ValueError: ``name`` is not a dotted module name, or not on this worker's
+            allow-list (:func:`describable`); a name of ``also`` or of the module's
+            ``__all__`` is not an attribute of the module, or is a dunder.
         TypeError: ``name`` is not a str, ``also`` not a list or tuple of str, or the
             module's ``__all__`` not a list or tuple of str.
+        Exception: what importing the module raises (``ModuleNotFoundError``, or the
+            module's own error), unchanged.
     """
     if not isinstance(name, str):
         raise TypeError(f"name must be a module name (str), got {name!r}")
     _check_names("also", also)
-    if name not in PUBLIC_MODULES:
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"{name!r:.200} is not a dotted module name")
+    allowed = describable()
+    if name not in allowed:
         raise ValueError(
-            f"{name!r} is not a public module; describable: {', '.join(PUBLIC_MODULES)}"
+            f"{name!r} is not on this worker's allow-list, so it cannot be described; "
+            f"describable: {', '.join(allowed)}"
         )
     module = importlib.import_module(name)
     assigned = _assigned_names(module)
@@ -134,6 +147,13 @@ def describe_module(name: str, also: Sequence[str] = ()) -> dict[str, Any]:
         "aliases": aliases,
         "attributes": attributes,
     }
+
+
+def describable() -> tuple[str, ...]:
+    """The modules :func:`describe_module` describes: the allow-list of the worker running
+    this code, or ``vllm_bridge.PUBLIC_MODULES`` outside a worker."""
+    published = allowlist.current()
+    return PUBLIC_MODULES if published is None else published
 
 
 def _check_names(what: str, names: Any) -> None:

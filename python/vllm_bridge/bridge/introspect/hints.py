@@ -25,8 +25,11 @@ ref        any other class (it travels as a reference)      ``class``
 ========== ================================================ =========================
 
 A dataclass or enum travels by value when it is defined in a module of
-``vllm_bridge.PUBLIC_MODULES`` (the worker's default allow-list) and is reachable there by
-its qualified name, exactly as the worker's type registry decides.
+``vllm_bridge.PUBLIC_MODULES`` (the worker's default allow-list) or of the allow-list of
+the worker running this code (one's own modules, bound beside the library's), and is
+reachable there by its qualified name, as the worker's type registry decides. The
+bindings so assume a pool whose allow-list is the default one plus the bound modules
+(the pool option ``modules:``).
 
 **Values** (:func:`describe_value`, for defaults) are JSON-like: ``None``, bools, ints,
 floats, strs and lists stand for themselves; everything else is a one-key-tagged dict:
@@ -53,6 +56,7 @@ import numpy as np
 import torch
 
 from vllm_bridge import PUBLIC_MODULES
+from vllm_bridge.bridge.worker import allowlist
 
 _LIST_ORIGINS = (
     list,
@@ -80,13 +84,20 @@ def qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def by_value_modules() -> frozenset[str]:
+    """The modules whose dataclasses and enums travel by value: the public ones and those
+    of this worker's allow-list (just the public ones outside a worker)."""
+    return frozenset(PUBLIC_MODULES).union(allowlist.current() or ())
+
+
 def by_value(cls: Any) -> bool:
-    """Whether instances of ``cls`` travel by value (ext 4 / ext 5) from a default worker."""
+    """Whether instances of ``cls`` travel by value (ext 4 / ext 5) from a worker whose
+    allow-list has its module (see the module docstring)."""
     if not isinstance(cls, type):
         return False
     if not (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
         return False
-    if "<locals>" in cls.__qualname__ or cls.__module__ not in PUBLIC_MODULES:
+    if "<locals>" in cls.__qualname__ or cls.__module__ not in by_value_modules():
         return False
     obj: Any = sys.modules.get(cls.__module__)
     for part in cls.__qualname__.split("."):

@@ -56,6 +56,7 @@ from vllm_bridge.bridge.protocol.messages import (
     peek_request_id,
 )
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
+from vllm_bridge.bridge.worker import allowlist
 from vllm_bridge.bridge.worker.channel import Channel, LogFrameHandler
 from vllm_bridge.bridge.worker.dispatch import Dispatcher
 from vllm_bridge.bridge.worker.executor import Executor
@@ -360,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     # First: the start-up stderr file may be deleted as soon as the hello arrives.
     capture = open_capture()
     opts = parse_args(argv)
+    # Before any request: code running in the worker (introspection) reads it from there.
+    allowlist.publish(opts.allow)
     logging.basicConfig(
         stream=sys.stderr,
         level=logging.WARNING,
