@@ -72,8 +72,11 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
   `_forward_context`, `logger`; seeds/elixir_bindings_forward_context.txt). In any other
   app a run without `--module` is an error.
 
-  The project is compiled before the task runs: if a generated file does not compile any
-  more, delete its folder (`lib/vllm/`, or your `--out`) and run the task again.
+  In your app the task compiles the dependencies but not the app itself, so an app whose
+  code calls bindings that do not exist yet (a first run, a Python function renamed)
+  can still regenerate them; it starts none of the pools your config declares. In the
+  library the project is compiled first: if a generated file does not compile any more,
+  delete its folder (`lib/vllm/`) and run the task again.
   """
   use Mix.Task
 
@@ -89,7 +92,10 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
       end
 
     root = File.cwd!()
-    Mix.Task.run("app.config")
+    load_config(opts.run.naming)
+    # The task's own introspection pool is all it needs: the app's configured pools (which
+    # may load the very modules being bound, with an on_start) are not started.
+    Application.put_env(:vllm_bridge, :pools, [])
     {:ok, _} = Application.ensure_all_started(:vllm_bridge)
     run = opts.run
 
@@ -112,6 +118,18 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
     diff = Generator.diff(files, root, run.naming)
 
     if opts.check, do: check(files, diff, run.naming), else: write(files, root, diff)
+  end
+
+  # The library's run compiles the library (the project). A user's run compiles the
+  # dependencies alone, not the app: the app's code calls the bindings being generated,
+  # so it may not compile until they are (a first run, a Python function renamed).
+  defp load_config(naming) do
+    if naming == Naming.library() do
+      Mix.Task.run("app.config")
+    else
+      Mix.Task.run("deps.loadpaths")
+      Mix.Task.run("app.config", ["--no-compile"])
+    end
   end
 
   defp check(files, {[], []}, _naming),

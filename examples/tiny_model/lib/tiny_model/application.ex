@@ -4,10 +4,9 @@ defmodule TinyModel.Application do
 
   @impl true
   def start(_type, _args) do
-    # The structs of tiny_lm's dataclasses (generated into TinyModel.Py.TinyLm.*) decode
-    # as such once registered; the library registers only its own modules.
-    VllmBridge.Codec.Registry.load(:tiny_model)
-    # The pools themselves are the library's (config/runtime.exs), started with it.
+    # The pools are the library's (config/runtime.exs), started with it; so is the
+    # registration of the structs generated into TinyModel.Py.TinyLm.* (this app depends
+    # on :vllm_bridge), which makes tiny_lm's dataclasses come back as those structs.
     Supervisor.start_link([], strategy: :one_for_one, name: TinyModel.Supervisor)
   end
 end
