@@ -4,13 +4,15 @@ defmodule VllmBridge.Pool do
 
   Pools come from the application config, started with the application:
 
+      # config/runtime.exs
       config :vllm_bridge,
         pools: [
           default: [size: 2],
-          ranks: [size: 4, worker_env: fn i -> [{"VLLM_DP_RANK", "\#{i}"}] end]
+          ranks: [size: 4, worker_env: {MyApp.Ranks, :env, []}]
         ]
 
-  (default: none), or are started and stopped at run time with `start/2` and `stop/1`
+  (default: none; `MyApp.Ranks.env(index)` returns `[{"VLLM_DP_RANK", "\#{index}"}]`: a
+  config holds data, never a function, or `mix release` refuses it; docs/USING.md), or are started and stopped at run time with `start/2` and `stop/1`
   (`VllmBridge.start_pool/2`, `VllmBridge.stop_pool/1`). Options: `VllmBridge.Pool.Options`.
 
   A call picks its pool with the runtime option `pool_name:` (default: `:default`, or
@@ -23,8 +25,8 @@ defmodule VllmBridge.Pool do
 
   A worker whose Python process dies is restarted by the pool's supervisor; until its new
   process has done its handshake (and its `on_start`, which runs again) the worker takes
-  no calls, and then its full capacity is back. Stopping a pool (or the application) closes every worker's port; a Python
-  process that does not exit on EOF within `shutdown_grace` is killed. If the BEAM itself
+  no calls, and then its full capacity is back. Stopping a pool (or the application)
+  closes every worker's port; a Python process that does not exit on EOF within `shutdown_grace` is killed. If the BEAM itself
   dies, each Python process sees EOF (and its parent gone) and exits.
   """
 
