@@ -67,34 +67,53 @@ defmodule VllmBridge.Pool do
 
   defp await_workers(name, sup, timeout) do
     failed =
-      sup
-      |> workers_of()
-      |> Enum.find_value(fn pid ->
-        case Worker.await_ready(pid, timeout) do
-          {:ok, _hello} -> nil
-          {:error, e} -> e
-        end
-      end)
+      case workers_of(sup) do
+        {:ok, workers} ->
+          Enum.find_value(workers, fn pid ->
+            case Worker.await_ready(pid, timeout) do
+              {:ok, _hello} -> nil
+              {:error, e} -> e
+            end
+          end)
 
-    if failed do
-      stop(name)
-      {:error, %{failed | message: "pool #{inspect(name)} did not start: #{failed.message}"}}
-    else
-      # From now on a worker whose start fails is restarted by the pool's supervisor;
-      # until now it waited for this function to stop the pool (VllmBridge.Worker.Starting).
-      with {:ok, %{started: started}} when started != nil <- Directory.pool(name),
-           do: :atomics.put(started, 1, 1)
+        :stopped ->
+          nil
+      end
 
-      {:ok, sup}
+    cond do
+      # stop/1 (from another process) ended the pool while it started: the supervisor's
+      # own life says so, whatever its workers' exits looked like.
+      not Process.alive?(sup) ->
+        {:error,
+         Error.new(
+           :worker_exit,
+           "pool #{inspect(name)} did not start: it was stopped while starting"
+         )}
+
+      failed ->
+        stop(name)
+        {:error, %{failed | message: "pool #{inspect(name)} did not start: #{failed.message}"}}
+
+      true ->
+        # From now on a worker whose start fails is restarted by the pool's supervisor;
+        # until now it waited for this function to stop the pool (VllmBridge.Worker.Starting).
+        with {:ok, %{started: started}} when started != nil <- Directory.pool(name),
+             do: :atomics.put(started, 1, 1)
+
+        {:ok, sup}
     end
   end
 
   defp workers_of(sup) do
-    for {{Worker, i}, pid, _, _} <- Supervisor.which_children(sup), is_pid(pid) do
-      {i, pid}
-    end
-    |> Enum.sort()
-    |> Enum.map(&elem(&1, 1))
+    workers =
+      for {{Worker, i}, pid, _, _} <- Supervisor.which_children(sup), is_pid(pid) do
+        {i, pid}
+      end
+
+    {:ok, workers |> Enum.sort() |> Enum.map(&elem(&1, 1))}
+  catch
+    # The pool's supervisor is gone or going: stop/1 ran meanwhile.
+    :exit, _ -> :stopped
   end
 
   defp start_error(name, {:shutdown, {:failed_to_start_child, _id, reason}}),

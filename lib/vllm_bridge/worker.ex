@@ -106,6 +106,9 @@ defmodule VllmBridge.Worker do
     :exit, {{:shutdown, {:start_failed, %Error{} = e}}, _} ->
       {:error, e}
 
+    :exit, {reason, _} when reason in [:normal, :shutdown, :noproc] ->
+      {:error, Error.new(:worker_exit, "the worker was stopped while it started")}
+
     :exit, {reason, _} ->
       {:error, Error.new(:worker_exit, "worker start failed: #{inspect(reason)}")}
   end
