@@ -75,6 +75,22 @@ defmodule VllmBridge.Runtime.PoolOptionsTest do
       end)
     end
 
+    test "a relative path is made absolute when the pool starts, a bare name found on PATH" do
+      python = Application.fetch_env!(:vllm_bridge, :python)
+      rel = Path.relative_to_cwd(python)
+      assert Path.type(rel) == :relative
+      start_pool!(:vb_rel_python, size: 1, python: rel)
+      [%{os_pid: os_pid}] = workers!(:vb_rel_python)
+      # The process runs the interpreter by its absolute path (its argv[0]).
+      [argv0 | _] = "/proc/#{os_pid}/cmdline" |> File.read!() |> String.split(<<0>>)
+      assert argv0 == Path.expand(rel)
+
+      assert VllmBridge.Pool.Options.resolve_python("python3") ==
+               System.find_executable("python3")
+
+      assert bad!(python: "no-such-python-vb") =~ "no-such-python-vb"
+    end
+
     test "a python that is not a path is refused by name" do
       assert bad!(python: 42) =~ "pool option python"
     end

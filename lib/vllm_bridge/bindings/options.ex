@@ -169,7 +169,7 @@ defmodule VllmBridge.Bindings.Options do
   """
   @spec check_python(keyword()) :: :ok | {:error, String.t()}
   def check_python(pool) do
-    case pool[:python] || VllmBridge.Pool.Options.default_python() do
+    case VllmBridge.Pool.Options.resolve_python(pool[:python]) do
       nil ->
         {:error,
          "no Python interpreter: pass --python PATH, set `config :vllm_bridge, python: ...`, " <>
@@ -188,7 +188,7 @@ defmodule VllmBridge.Bindings.Options do
             {_, 3} ->
               {:error,
                "the Python #{python} has no vllm_bridge package: install it into that " <>
-                 "environment (pip install -e <the vllm_bridge dependency>/python; docs/USING.md), " <>
+                 "environment (pip install <the vllm_bridge dependency's folder>; docs/USING.md), " <>
                  "or name another interpreter with --python"}
 
             {output, status} ->
@@ -204,14 +204,9 @@ defmodule VllmBridge.Bindings.Options do
 
   @doc "The task's message for an error of `Generator.fetch/1` in a run."
   @spec explain(Error.t(), Generator.run()) :: String.t()
-  def explain(%Error{details: %{module: module}, python_type: type} = e, _run)
+  def explain(%Error{details: %{module: module}, python_type: type} = e, run)
       when is_binary(type) do
-    hint =
-      if type == "ModuleNotFoundError",
-        do: "; is its folder given with --python-path (and its name spelt right)?",
-        else: ""
-
-    "reading the Python module #{module} failed: #{type}: #{e.message}#{hint}"
+    "reading the Python module #{module} failed: #{type}: #{e.message}#{hint(e.message, run)}"
   end
 
   def explain(%Error{details: %{module: module}} = e, _run),
@@ -219,15 +214,36 @@ defmodule VllmBridge.Bindings.Options do
 
   # The pool refuses to start when a module of its allow-list fails to import; its message
   # names each module with its error's type and message.
-  def explain(e, _run) do
+  def explain(e, run) do
     message = Exception.message(e)
+    "reading the Python modules failed: #{message}#{hint(message, run)}"
+  end
 
-    hint =
-      if message =~ "ModuleNotFoundError",
-        do: "; is the module's folder given with --python-path (and its name spelt right)?",
-        else: ""
+  # Where a bound module itself (or its package) is not found, its folder is likely missing
+  # from --python-path; a module it imports (torch, say) is missing from the environment.
+  defp hint(message, run) do
+    missing =
+      case Regex.run(~r/No module named '([^']+)'/, message) do
+        [_, name] -> name
+        nil -> nil
+      end
 
-    "reading the Python modules failed: #{message}#{hint}"
+    bound? =
+      missing != nil and
+        Enum.any?(run.modules, fn {name, _} ->
+          name == missing or String.starts_with?(name, missing <> ".")
+        end)
+
+    cond do
+      bound? ->
+        "; is its folder given with --python-path (and its name spelt right)?"
+
+      missing != nil ->
+        "; #{missing} is missing from the interpreter's environment (pip install it there)"
+
+      true ->
+        ""
+    end
   end
 
   defp each(items, fun) do

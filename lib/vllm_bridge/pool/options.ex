@@ -89,11 +89,29 @@ defmodule VllmBridge.Pool.Options do
   def default_python,
     do: Application.get_env(:vllm_bridge, :python) || System.get_env(@python_env)
 
+  @doc false
+  # The interpreter `python` names (else the default's), as an absolute path: a path is
+  # expanded against the current folder now (a release's workers must not depend on
+  # where it was started from later), a bare command name (`python3`) is looked up on
+  # PATH. nil when nothing names one; a non-string is returned as given (refused later).
+  @spec resolve_python(term()) :: term()
+  def resolve_python(python) do
+    case python || default_python() do
+      python when is_binary(python) and python != "" ->
+        if String.contains?(python, "/"),
+          do: Path.expand(python),
+          else: System.find_executable(python) || python
+
+      other ->
+        other
+    end
+  end
+
   # The interpreter: the option, else the application's config, else the environment
   # variable, read now (at run time, so a release picks up its host's). None of them is a
   # bad_argument that says how to give one.
   defp python(opts) do
-    case opts[:python] || default_python() do
+    case resolve_python(opts[:python]) do
       nil ->
         bad(
           "no Python interpreter for the pool: pass python: \"/path/to/.venv/bin/python\" " <>

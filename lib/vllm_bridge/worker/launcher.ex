@@ -29,7 +29,7 @@ defmodule VllmBridge.Worker.Launcher do
 
   @doc """
   Opens the port. Options: `:python` (the interpreter; default
-  `VllmBridge.Pool.Options.default_python/0`), `:worker_module` (default `"vllm_bridge.bridge.worker"`), `:allow` (module
+  `VllmBridge.Pool.Options.default_python/0`; see `VllmBridge.Pool.Options.resolve_python/1`), `:worker_module` (default `"vllm_bridge.bridge.worker"`), `:allow` (module
   allow-list, `[]` for the worker's default), `:modules` (added to that list,
   `--also-allow`), `:max_refs`, `:poll_us` (`--poll-us`: how
   long the worker polls for the next request before it sleeps; 0, the default, sleeps at
@@ -40,7 +40,7 @@ defmodule VllmBridge.Worker.Launcher do
   """
   @spec open(keyword()) :: {:ok, port()} | {:error, Error.t()}
   def open(opts) do
-    python = Keyword.get_lazy(opts, :python, &VllmBridge.Pool.Options.default_python/0)
+    python = VllmBridge.Pool.Options.resolve_python(opts[:python])
 
     cond do
       not is_binary(python) ->
