@@ -235,13 +235,15 @@ class Worker:
     def serve(self, capture: Capture | None = None) -> int:
         """Announce, then serve on this thread (the main thread) until EOF; returns the
         exit status. ``capture``: the start-up stderr (:mod:`.stderr`), given back to the
-        real stderr once the hello is out."""
+        real stderr just before the hello goes out."""
         watch_parent()
         self.interrupter.install()
+        # Before the hello, not after: once Elixir has the hello, the pool may be serving
+        # and anyone may look at (or write through) this process's fd 2.
+        take_back(capture)
         self.channel.send(
             _hello(self.instance, self.modules, self.import_errors, self.max_frame)
         )
-        take_back(capture)
         root = logging.getLogger()
         for handler in root.handlers:
             # While the port is open records go to the Elixir side as log frames; stderr

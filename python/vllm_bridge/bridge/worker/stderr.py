@@ -4,7 +4,7 @@ The Elixir launcher starts the worker with fd 2 on a private file and the BEAM's
 another fd (``VLLM_BRIDGE_STDERR_FD``), naming the file in ``VLLM_BRIDGE_STDERR_FILE``
 (docs/PROTOCOL.md, "Start-up stderr"): when the start fails, the Elixir side puts the
 file's last lines into its error instead of the console showing the same traceback once
-per attempt. Once the hello is sent, :func:`take_back` puts the real stderr back on fd 2
+per attempt. Just before the hello is sent, :func:`take_back` puts the real stderr back on fd 2
 and copies there what the file holds (warnings of the imports, say), so nothing written
 before the handshake is lost; the Elixir side deletes the file when the hello arrives.
 
