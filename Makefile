@@ -31,12 +31,14 @@ test-elixir:
 	MIX_ENV=test mix test --warnings-as-errors
 
 # The example's Python tests, then its ExUnit suite (real workers, and a release built and
-# run: `mix test --exclude release` there skips that part).
+# run: `mix test --exclude release` there skips that part), then whether its committed
+# bindings are what the task generates now.
 test-example:
 	@echo "== suite example-python"
 	cd $(EXAMPLE) && $(EXAMPLE_ENV) $(CURDIR)/$(PY) -m pytest -q
 	@echo "== suite example-elixir"
 	cd $(EXAMPLE) && $(EXAMPLE_ENV) MIX_ENV=test mix test --warnings-as-errors
+	cd $(EXAMPLE) && $(EXAMPLE_ENV) MIX_ENV=test mix py.bindings --check
 
 bench: bootstrap
 	@mix vllm.bench
