@@ -22,18 +22,41 @@ defmodule VllmBridge.Application do
     end
   end
 
-  # `config :vllm_bridge, pools: [name: opts, ...]` (default: none).
+  # `config :vllm_bridge, pools: [name: opts, ...]` (default: none). A pool that does not
+  # start stops the application: what Mix or the release prints then is the reason, with
+  # the Python traceback when there is one (an on_start that raised).
   defp start_configured_pools(sup) do
-    Application.get_env(:vllm_bridge, :pools, [])
-    |> Enum.reduce_while({:ok, sup}, fn {name, opts}, ok ->
-      case VllmBridge.Pool.start(name, opts) do
-        {:ok, _} ->
-          {:cont, ok}
+    case Application.get_env(:vllm_bridge, :pools, []) do
+      pools when is_list(pools) ->
+        Enum.reduce_while(pools, {:ok, sup}, fn
+          {name, opts}, ok ->
+            case VllmBridge.Pool.start(name, opts) do
+              {:ok, _} ->
+                {:cont, ok}
 
-        {:error, e} ->
-          Supervisor.stop(sup)
-          {:halt, {:error, {:pool_start_failed, name, Exception.message(e)}}}
-      end
-    end)
+              {:error, e} ->
+                Supervisor.stop(sup)
+                {:halt, {:error, {:pool_start_failed, name, describe(e)}}}
+            end
+
+          other, _ok ->
+            Supervisor.stop(sup)
+            {:halt, {:error, {:bad_pools_config, bad_pools(other)}}}
+        end)
+
+      other ->
+        Supervisor.stop(sup)
+        {:error, {:bad_pools_config, bad_pools(other)}}
+    end
   end
+
+  defp bad_pools(other) do
+    "config :vllm_bridge, pools: must be a keyword list of pool name => options, " <>
+      "got #{inspect(other, limit: 8)}"
+  end
+
+  defp describe(%VllmBridge.Error{traceback: tb} = e) when is_binary(tb) and tb != "",
+    do: Exception.message(e) <> "\n" <> tb
+
+  defp describe(e), do: Exception.message(e)
 end
