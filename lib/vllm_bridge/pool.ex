@@ -12,7 +12,8 @@ defmodule VllmBridge.Pool do
         ]
 
   (default: none; `MyApp.Ranks.env(index)` returns `[{"VLLM_DP_RANK", "\#{index}"}]`: a
-  config holds data, never a function, or `mix release` refuses it; docs/USING.md), or are started and stopped at run time with `start/2` and `stop/1`
+  `config.exs` of a release holds data, never a function: `mix release` refuses it;
+  docs/USING.md), or are started and stopped at run time with `start/2` and `stop/1`
   (`VllmBridge.start_pool/2`, `VllmBridge.stop_pool/1`). Options: `VllmBridge.Pool.Options`.
 
   A call picks its pool with the runtime option `pool_name:` (default: `:default`, or

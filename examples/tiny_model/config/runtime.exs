@@ -5,8 +5,8 @@ import Config
 #
 #   * :tiny     one worker, no data parallelism;
 #   * :tiny_dp  two workers, DP ranks 0 and 1: TinyModel.Ranks.env/2 gives each its rank
-#               and the rendezvous (a {module, function, args}: a release's config cannot
-#               hold a function).
+#               and the rendezvous (a {module, function, args}: plain data, which every
+#               config file can hold; config.exs cannot hold a function in a release).
 #
 # The Python module is found through python_path {:tiny_model, "priv/python"}, the app's
 # own priv/python wherever the app lives (the build, or the release), and allow-listed
