@@ -94,6 +94,7 @@ class Executor(Watcher):
         self._on_frame = on_frame
         self._reader = reader
         self._on_eof = on_eof
+        self._eof_told = False
         self._poll = poll
         self._interrupt = interrupt
         self._failed = failed
@@ -253,7 +254,7 @@ class Executor(Watcher):
                 running.cancelled = True
                 _stop_flow(running)
         if eof and first:
-            self._on_eof()
+            self._tell_eof()
         if running is not None:
             with self._cond:  # as cancel does: only while it is still the running one
                 if self._running is running:
@@ -357,13 +358,23 @@ class Executor(Watcher):
             body = self._reader.read_frame()
         except FrameError as exc:
             # Ends the worker as EOF does. Logged once the output is closed (on_eof), so
-            # that the record goes to stderr rather than to the peer that broke the stream.
-            self._halt(eof=True)
+            # that the record goes to stderr rather than to the peer that broke the stream,
+            # and before the halt: the halt lets the main thread finish and the process
+            # exit, which a record still to be written by this (daemon) thread would miss.
+            self._tell_eof()
             _log.error("input stream broken: %s", exc)
+            self._halt(eof=True)
             return None
         if body is None:
             self._halt(eof=True)
         return body
+
+    def _tell_eof(self) -> None:
+        # on_eof, once, whichever thread gets here first.
+        with self._cond:
+            told, self._eof_told = self._eof_told, True
+        if not told:
+            self._on_eof()
 
     def _wake(self) -> None:
         try:
