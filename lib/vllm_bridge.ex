@@ -133,8 +133,9 @@ defmodule VllmBridge do
 
   @doc """
   Streams what `target(*args, **kwargs)` yields: `{:ok, enumerable}` whose elements are
-  the chunks. The request is sent when enumeration begins; halting early cancels the
-  generator; errors during enumeration raise `VllmBridge.Error`. See `VllmBridge.Stream`
+  the chunks, or `{:error, %VllmBridge.Error{}}` at once for bad arguments or when the
+  application is not started. The request is sent when enumeration begins; halting early
+  cancels the generator; errors during enumeration raise `VllmBridge.Error`. See `VllmBridge.Stream`
   (`timeout` bounds the wait for each chunk, `stream_timeout` the whole stream).
   """
   @spec stream(target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) ::

@@ -41,6 +41,12 @@ defmodule VllmBridge.Pool do
   Starts pool `name` under the application's supervisor and waits until every worker has
   done its handshake and its `on_start`. A pool of that name must not be running.
 
+  The workers start at once, side by side; each has `start_timeout` for its handshake and
+  `start_timeout` more for its `on_start`, and enforces them itself (a start past either
+  fails naming the stage). This function waits for those outcomes: it never gives up
+  before a worker's own limits do (only a worker that stops answering altogether, past
+  both limits and a margin, is reported as stuck, naming its index and stage).
+
   When a worker cannot start, the pool is stopped and the first failure (in worker index
   order) is returned, naming the worker: a Python process that ended before its
   handshake with the last lines of its stderr, an `on_start` that raised with its Python
@@ -55,7 +61,8 @@ defmodule VllmBridge.Pool do
 
       case DynamicSupervisor.start_child(VllmBridge.PoolSupervisor, spec) do
         {:ok, sup} ->
-          await_workers(name, sup, opts[:start_timeout] + 5_000)
+          deadline = System.monotonic_time(:millisecond) + start_budget(opts)
+          await_workers(name, sup, deadline, opts[:start_timeout])
 
         {:error, {:already_started, _}} ->
           {:error, Error.new(:bad_argument, "pool #{inspect(name)} is already started")}
@@ -66,14 +73,42 @@ defmodule VllmBridge.Pool do
     end
   end
 
-  defp await_workers(name, sup, timeout) do
+  # Past the workers' own limits, a margin for the work around them (reading a dead
+  # process's stderr, killing it): the workers' timers were armed before this deadline
+  # was set (each worker's init ran inside start_child), so they always fire first.
+  @start_margin 5_000
+
+  # The longest a worker's start may take by its own rules: the handshake, then on_start.
+  defp start_budget(opts) do
+    stages = if opts[:on_start], do: 2, else: 1
+    stages * opts[:start_timeout] + @start_margin
+  end
+
+  # One deadline for all the workers (they start side by side, so waiting for each in
+  # turn with its own full budget would let the total grow with the pool's size).
+  defp await_workers(name, sup, deadline, start_timeout) do
     failed =
       case workers_of(sup) do
         {:ok, workers} ->
-          Enum.find_value(workers, fn pid ->
-            case Worker.await_ready(pid, timeout) do
-              {:ok, _hello} -> nil
-              {:error, e} -> e
+          Enum.find_value(workers, fn {i, pid} ->
+            remaining = max(deadline - System.monotonic_time(:millisecond), 0)
+
+            case Worker.await_ready(pid, remaining) do
+              {:ok, _hello} ->
+                nil
+
+              # The backstop: the worker itself did not answer (its own timers never
+              # fired): named, with the stage it was in.
+              {:error, %Error{type: :timeout, details: %{stage: _}} = e} ->
+                %{
+                  e
+                  | message:
+                      "worker #{i}: #{e.message}, and its own limit (start_timeout, " <>
+                        "#{start_timeout} ms a stage) did not end it: it is not answering"
+                }
+
+              {:error, e} ->
+                e
             end
           end)
 
@@ -111,7 +146,7 @@ defmodule VllmBridge.Pool do
         {i, pid}
       end
 
-    {:ok, workers |> Enum.sort() |> Enum.map(&elem(&1, 1))}
+    {:ok, Enum.sort(workers)}
   catch
     # The pool's supervisor is gone or going: stop/1 ran meanwhile.
     :exit, _ -> :stopped

@@ -96,11 +96,14 @@ defmodule VllmBridge.Worker do
   end
 
   @doc """
-  Waits until the handshake is done: `{:ok, hello}`, or the reason the worker could not
-  start (a `VllmBridge.Error`).
+  Waits until the start is done (the handshake, then `on_start`): `{:ok, hello}`, or the
+  reason the worker could not start (a `VllmBridge.Error`). The worker enforces its own
+  limits (`start_timeout` for each stage), so the default waits for them; with a
+  `timeout` of its own, a worker still starting when it passes gives
+  `{:error, %VllmBridge.Error{type: :timeout}}` naming the stage it was in.
   """
   @spec await_ready(GenServer.server(), timeout()) :: {:ok, hello()} | {:error, Error.t()}
-  def await_ready(worker, timeout \\ @start_timeout + 5_000) do
+  def await_ready(worker, timeout \\ :infinity) do
     GenServer.call(worker, :await_ready, timeout)
   catch
     :exit, {{:shutdown, {:start_failed, %Error{} = e}}, _} ->
@@ -108,6 +111,17 @@ defmodule VllmBridge.Worker do
 
     :exit, {reason, _} when reason in [:normal, :shutdown, :noproc] ->
       {:error, Error.new(:worker_exit, "the worker was stopped while it started")}
+
+    :exit, {:timeout, _} ->
+      stage = Starting.stage(worker)
+
+      {:error,
+       Error.new(
+         :timeout,
+         "the worker had not finished its start within #{timeout} ms (it was in its " <>
+           "#{stage} stage)",
+         details: %{stage: stage}
+       )}
 
     :exit, {reason, _} ->
       {:error, Error.new(:worker_exit, "worker start failed: #{inspect(reason)}")}

@@ -43,10 +43,12 @@ defmodule VllmBridge.Runtime.AppStoppedTest do
       assert {:error, %Error{}} = VllmBridge.call({@ref, "x"})
     end
 
-    test "a stream's enumeration raises the bridge's error, not an ETS one" do
-      {:ok, stream} = VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [3])
-      e = assert_raise Error, fn -> Enum.to_list(stream) end
-      assert e.message =~ ":vllm_bridge application is not started"
+    test "a stream is refused at once, never made to raise when enumerated" do
+      not_started!(VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [3]))
+
+      not_started!(
+        VllmBridge.stream({"vllm_bridge.bridge.diag", "count"}, [3], %{}, pool_name: :x)
+      )
     end
 
     test "pools: start, stop, workers, readiness and names" do

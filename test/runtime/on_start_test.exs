@@ -97,6 +97,38 @@ defmodule VllmBridge.Runtime.OnStartTest do
     assert pid1 == w1.os_pid
   end
 
+  test "a call sent while a restarted worker runs its on_start waits for it, never " <>
+         "finds the worker without its setup" do
+    dir = Path.join(System.tmp_dir!(), "vb-regate-#{System.unique_integer([:positive])}")
+    File.mkdir_p!(dir)
+    on_exit(fn -> File.rm_rf!(dir) end)
+    started = Path.join(dir, "started")
+    gate = Path.join(dir, "gate")
+    File.write!(gate, "")
+
+    start_pool!(
+      :os_regate,
+      @own ++ [size: 1, on_start: {"vb_setup_mod", "gated_setup", [started, gate, "re"]}]
+    )
+
+    [w0] = workers!(:os_regate)
+    # The next setup (the restart's) waits at the gate.
+    File.rm!(gate)
+    File.rm!(started)
+    Launcher.kill(w0.os_pid)
+
+    # The new process has done its handshake and holds in its setup: a call now waits.
+    wait_until(fn -> File.exists?(started) end, 60_000, "the restarted worker's setup")
+    new_pid = started |> File.read!() |> String.to_integer()
+    assert new_pid != w0.os_pid
+    caller = Task.async(fn -> use_model(:os_regate) end)
+    refute Task.yield(caller, 200)
+    assert {:ok, [nil]} = Pool.workers(:os_regate)
+
+    File.write!(gate, "")
+    assert {:ok, %{"tag" => "re", "setups" => 1, "pid" => ^new_pid}} = Task.await(caller, 30_000)
+  end
+
   test "an on_start that raises: start_pool returns the Python error, named, logged once" do
     log =
       capture_log(fn ->
@@ -122,18 +154,24 @@ defmodule VllmBridge.Runtime.OnStartTest do
   test "every worker fails once, none is retried while start_pool waits" do
     log =
       capture_log(fn ->
-        assert {:error, %Error{python_type: "ValueError"}} =
+        assert {:error,
+                %Error{
+                  python_type: "ValueError",
+                  message: "pool :os_fail3 did not start: worker 0 " <> _
+                }} =
                  VllmBridge.start_pool(
                    :os_fail3,
                    @own ++ [size: 3, on_start: {"vb_setup_mod", "fail", ["nope-3"]}]
                  )
       end)
 
-    # At most one failed start per worker (the first failure ends start_pool, which
-    # stops the others, maybe before theirs failed).
+    # start_pool waits for worker 0 first: its failure, logged once, is the one returned.
+    # The others are stopped with the pool, each before or after its own failure: at most
+    # one failed start each, never a retry.
     failures = Regex.scan(~r/:os_fail3\[(\d)\] failed to start/, log, capture: :all_but_first)
-    assert length(failures) in 1..3
+    assert Enum.count(failures, &(&1 == ["0"])) == 1, log
     assert Enum.uniq(failures) == failures, log
+    assert length(String.split(log, "nope-3")) - 1 == length(failures), log
   end
 
   test "an on_start module that is not allow-listed is :bad_argument naming it" do
@@ -144,10 +182,30 @@ defmodule VllmBridge.Runtime.OnStartTest do
                on_start: {"vb_setup_mod", "setup", ["x"]}
              )
 
-    assert m =~ "vb_setup_mod"
-    assert m =~ "allow-list"
-    assert m =~ "modules:"
+    assert m =~
+             "on_start vb_setup_mod.setup failed: module 'vb_setup_mod' is not in the " <>
+               "worker's allow-list"
+
+    assert m =~
+             ~s{(a module of one's own goes on it with the pool option modules: ["vb_setup_mod"])}
+
     refute :os_not_allowed in Pool.names()
+  end
+
+  test "an on_start that reaches a module outside the allow-list: no hint to list its own" do
+    # vb_setup_mod is listed; the path vb_setup_mod.os is the module os, which the guard
+    # refuses (its words name "a module outside the allow-list" too): modules: would not
+    # cure that, and vb_setup_mod is on it already.
+    assert {:error, %Error{type: :bad_argument, message: m}} =
+             VllmBridge.start_pool(
+               :os_foreign,
+               @own ++ [size: 1, on_start: {"vb_setup_mod", "os", []}]
+             )
+
+    assert m =~ "on_start vb_setup_mod.os failed"
+    assert m =~ "a module outside the allow-list"
+    refute m =~ "modules:"
+    refute :os_foreign in Pool.names()
   end
 
   test "bad forms are refused by the options, naming the value" do

@@ -207,5 +207,27 @@ defmodule VllmBridge.Runtime.PoolOptionsTest do
       assert bad!(worker_env: fn _ -> raise "boom" end) =~ "boom"
       assert bad!(worker_env: fn _ -> [{"A", %{}}] end) =~ "must be [{name, value}]"
     end
+
+    test "the launcher's own variables are refused by name, in every form and spelling" do
+      for name <- ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"],
+          key <- [name, String.to_atom(name)],
+          env <- [
+            [{"OK", "1"}, {key, "/tmp/x"}],
+            fn i -> [{key, i}] end,
+            {__MODULE__, :env_with, [key]}
+          ] do
+        m = bad!(worker_env: env)
+        assert m =~ "worker_env", m
+        assert m =~ "sets #{name}", m
+        assert m =~ "launcher", m
+      end
+
+      # Both at once: both named.
+      m = bad!(worker_env: [{"VLLM_BRIDGE_STDERR_FD", "5"}, {"VLLM_BRIDGE_STDERR_FILE", "f"}])
+      assert m =~ "VLLM_BRIDGE_STDERR_FD, VLLM_BRIDGE_STDERR_FILE"
+    end
   end
+
+  @doc false
+  def env_with(index, key), do: [{key, Integer.to_string(index)}]
 end

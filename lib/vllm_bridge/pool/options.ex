@@ -11,19 +11,20 @@ defmodule VllmBridge.Pool.Options do
   | `:allow` | module allow-list (`--allow`), replacing the worker's default (`vllm_bridge.PUBLIC_MODULES`); `[]` keeps the default | `[]` |
   | `:max_refs` | references a worker may hold (`--max-refs`) | the worker's (10 000) |
   | `:poll_us` | µs a worker polls for the next request before it sleeps (`--poll-us`, at most 10 000): lower latency for back-to-back calls on machines where waking an idle CPU is slow (VMs), paid in that much CPU after each call | 0 |
-  | `:worker_env` | environment per worker: `[{name, value}]` for all, `fn index -> [{name, value}] end`, or `{module, function, args}` called as `apply(module, function, [index \| args])` (a DP rank per worker; the MFA form can live in `config/*.exs`, which a release cannot hold functions in) | `[]` |
+  | `:worker_env` | environment per worker: `[{name, value}]` for all, `fn index -> [{name, value}] end`, or `{module, function, args}` called as `apply(module, function, [index \| args])` (a DP rank per worker; the MFA form can live in `config/*.exs`, which a release cannot hold functions in). `VLLM_BRIDGE_STDERR_FILE` and `VLLM_BRIDGE_STDERR_FD` are the launcher's own (start-up stderr) and are refused | `[]` |
   | `:on_start` | a Python callable each worker runs once before it takes any call, and again after every restart (loading a model, say): `{"module", "function", args}` or `{"module", "function", args, kwargs}` (strings and plain data, so a release's config can hold it). The module must be on the allow-list (`modules:`), and the call goes through the same checks as any call; its result is dropped. Its deadline is `start_timeout`, counted from the worker's handshake. A worker whose `on_start` raises does not start: `start_pool` returns `{:error, %VllmBridge.Error{type: :python_exception}}` with the Python type, message and traceback, naming the pool, the worker and the callable | `nil` |
   | `:max_in_flight` | calls pipelined to one worker at once | 16 |
   | `:max_frame_bytes` | the largest frame body either way (`--max-frame-bytes`): a request over it is `:bad_argument` before it is sent, a reply over it is an error from the worker, a header declaring more ends the stream (the worker restarts); 65 536 to 4 294 967 295 | 1 073 741 824 (1 GiB) |
   | `:queue_size` | callers that may wait for a worker; one more gets `:queue_full` | 1024 |
-  | `:start_timeout` | ms for a worker's handshake, and again for its `on_start` | 60 000 |
+  | `:start_timeout` | ms for a worker's handshake, and again for its `on_start` (counted from the handshake), so a start may take up to twice it; each worker enforces its own, and `start_pool` waits for them | 60 000 |
   | `:cancel_grace` | ms a cancelled call (timed out, or its caller died) may keep running before its worker's Python process is killed and restarted; a cancel interrupts the call in Python, so only one that does not stop (stuck in C code, in an `__enter__`, or catching the interruption) reaches it (see `VllmBridge`) | 5 000 |
   | `:shutdown_grace` | ms a worker's Python process has to exit on EOF before it is killed | 3 000 |
   | `:max_restarts`, `:max_seconds` | restart intensity of the pool's supervisor | `10 + 3 * size`, 30 |
-  | `:worker_module` | the Python module run with `-m`; it is always passed `--max-frame-bytes N` (and `--allow`, `--max-refs`, `--poll-us` when those are set), so a module of one's own must accept them | `"vllm_bridge.bridge.worker"` |
+  | `:worker_module` | the Python module run with `-m`; it is always passed `--max-frame-bytes N` (and `--allow`, `--also-allow` (`modules:`), `--max-refs`, `--poll-us` when those are set), so a module of one's own must accept them | `"vllm_bridge.bridge.worker"` |
   """
 
   alias VllmBridge.Error
+  alias VllmBridge.Worker.Launcher
 
   @defaults [
     size: 1,
@@ -186,11 +187,21 @@ defmodule VllmBridge.Pool.Options do
         list -> list
       end
 
-    if is_list(env) and Enum.all?(env, &env_pair?/1),
-      do: {:ok, Enum.map(env, fn {k, v} -> {to_string(k), to_string(v)} end)},
-      else:
-        {:error,
-         "worker #{i}'s environment must be [{name, value}], got #{inspect(env, limit: 8)}"}
+    if is_list(env) and Enum.all?(env, &env_pair?/1) do
+      env = Enum.map(env, fn {k, v} -> {to_string(k), to_string(v)} end)
+
+      case for({k, _} <- env, k in Launcher.own_env(), do: k) |> Enum.uniq() do
+        [] ->
+          {:ok, env}
+
+        own ->
+          {:error,
+           "worker #{i}'s environment sets #{Enum.join(own, ", ")}, which the launcher " <>
+             "sets itself (its start-up stderr capture); leave #{if length(own) > 1, do: "them", else: "it"} out"}
+      end
+    else
+      {:error, "worker #{i}'s environment must be [{name, value}], got #{inspect(env, limit: 8)}"}
+    end
   rescue
     e -> {:error, "building worker #{i}'s environment failed: " <> Exception.message(e)}
   end

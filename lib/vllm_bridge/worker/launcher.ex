@@ -1,7 +1,8 @@
 defmodule VllmBridge.Worker.Launcher do
   @moduledoc false
   # Starting and ending one Python worker OS process: the port (`{:spawn_executable,
-  # python}`, `-m vllm_bridge.bridge.worker [--allow M ...] [--max-refs N] [--poll-us N]
+  # python}`, `-m vllm_bridge.bridge.worker [--allow M ...] [--also-allow M ...]
+  # [--max-refs N] [--poll-us N]
   # --max-frame-bytes N`, `:stream`, `:binary`, `:nouse_stdio`, `:exit_status`; frames are
   # cut by `VllmBridge.Worker.Framer`), and making sure the process is gone (EOF first,
   # `kill -9` if it lingers). The handshake is the worker process's first state
@@ -30,8 +31,8 @@ defmodule VllmBridge.Worker.Launcher do
   @doc """
   Opens the port. Options: `:python` (the interpreter; default
   `VllmBridge.Pool.Options.default_python/0`; see `VllmBridge.Pool.Options.resolve_python/1`), `:worker_module` (default `"vllm_bridge.bridge.worker"`), `:allow` (module
-  allow-list, `[]` for the worker's default), `:modules` (added to that list,
-  `--also-allow`), `:max_refs`, `:poll_us` (`--poll-us`: how
+  allow-list, `--allow`, `[]` for the worker's default), `:modules` (added to that list,
+  `--also-allow`), `:max_refs` (`--max-refs`), `:poll_us` (`--poll-us`: how
   long the worker polls for the next request before it sleeps; 0, the default, sleeps at
   once), `:max_frame_bytes` (`--max-frame-bytes`, default `default_max_frame_bytes/0`),
   `:env` (`[{name, value}]`), `:stderr_file` (a path from `stderr_file/0`, or nil: the
@@ -85,8 +86,26 @@ defmodule VllmBridge.Worker.Launcher do
   # fd 5 back on fd 2, copies what the file holds there (vllm_bridge.bridge.worker.stderr),
   # and the worker process deletes the file; when the start fails, the file's tail goes
   # into the error (`stderr_tail/1`) and the file is deleted.
+  #
+  # A BEAM whose own fd 2 is closed (a daemon's) gives the script none to keep: `exec 5>&2`
+  # would fail and end the shell (status 2, nothing said), so every worker would die. The
+  # script first tries fd 2 with a regular builtin (`true >&2`, whose failure does not end
+  # the shell) and keeps /dev/null on fd 5 instead: the worker starts, and its stderr after
+  # the handshake goes nowhere, as the BEAM's does.
   @stderr_fd 5
-  @capture_script ~S'u=$(umask) && umask 077 && set -C && exec 5>&2 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
+  @capture_script ~S'u=$(umask) && umask 077 && set -C && { if true >&2; then exec 5>&2; else exec 5>/dev/null; fi; } && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
+  @own_env ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"]
+
+  @doc "The environment variables the launcher sets itself (a pool's `worker_env` may not)."
+  @spec own_env() :: [String.t()]
+  def own_env, do: @own_env
+
+  @doc false
+  # The executable, arguments and environment that run `python args` with its start-up
+  # stderr captured in `file` (also for tests of the script itself).
+  @spec capture_command(String.t(), String.t(), [String.t()], [{charlist(), charlist()}]) ::
+          {String.t(), [String.t()], [{charlist(), charlist()}]}
+  def capture_command(file, python, args, env \\ []), do: with_capture(file, python, args, env)
 
   defp with_capture(nil, python, args, env), do: {python, args, env}
 

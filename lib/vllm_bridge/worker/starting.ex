@@ -64,6 +64,7 @@ defmodule VllmBridge.Worker.Starting do
 
     case Launcher.open(Keyword.put(opts, :stderr_file, stderr)) do
       {:ok, port} ->
+        put_stage("handshake")
         start_timeout = Keyword.fetch!(opts, :start_timeout)
         Process.send_after(self(), Messages.start_timeout(:hello), start_timeout)
 
@@ -251,6 +252,7 @@ defmodule VllmBridge.Worker.Starting do
         alias = :erlang.alias()
         submit = Request.submit(req, :erlang.unique_integer([:positive]), alias, deadline)
         Process.send_after(self(), Messages.start_timeout(:on_start), state.start_timeout)
+        put_stage("on_start")
         {:noreply, Worker.submit(%{state | setup: alias}, submit)}
 
       {:error, e} ->
@@ -262,6 +264,7 @@ defmodule VllmBridge.Worker.Starting do
   # the order it came.
   defp ready(state) do
     if state.setup, do: :erlang.unalias(state.setup)
+    put_stage("ready")
     state = %{state | phase: :ready, setup: nil}
 
     if state.meta do
@@ -292,18 +295,48 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
+  # The stage of the start, where a waiter that gave up can read it without asking this
+  # process (which, when it is asked, is not answering): its process dictionary.
+  @stage_key :vllm_bridge_start_stage
+  defp put_stage(stage), do: Process.put(@stage_key, stage)
+
+  @doc false
+  # The start stage of worker `worker` ("handshake", "on_start", "ready"), read from the
+  # outside; "unknown" for a process that is gone.
+  @spec stage(GenServer.server()) :: String.t()
+  def stage(worker) do
+    with pid when is_pid(pid) <- GenServer.whereis(worker),
+         {:dictionary, dict} <- Process.info(pid, :dictionary),
+         {@stage_key, stage} <- List.keyfind(dict, @stage_key, 0) do
+      stage
+    else
+      _ -> "unknown"
+    end
+  end
+
   # An on_start that failed, named: the worker and the callable, the error's own words
   # (and its Python type and traceback) kept.
   defp on_start_error(state, %Error{} = e) do
     {m, f, _args, _kwargs} = state.on_start
 
     hint =
-      if e.type == :bad_argument and e.message =~ "allow-list",
+      if e.type == :bad_argument and not_allowed?(e.message, m),
         do: " (a module of one's own goes on it with the pool option modules: [#{inspect(m)}])",
         else: ""
 
     %{e | message: "on_start #{m}.#{f} failed: #{e.message}#{hint}"}
   end
+
+  # Whether the worker refused on_start's module itself as not allow-listed (its words:
+  # vllm_bridge.bridge.worker.targets), and not, say, a value or path of an allow-listed
+  # module that reaches a module outside the list (the guard's words), which modules:
+  # would not cure.
+  defp not_allowed?(message, m),
+    do: String.starts_with?(message, "module #{py_repr(m)} is not in the worker's allow-list")
+
+  # Python's repr of a plain module name (dotted identifiers: no quote or backslash in it,
+  # checked by the options).
+  defp py_repr(name), do: "'#{name}'"
 
   defp who(%{pool: nil, os_pid: os_pid}), do: "the worker (os pid #{os_pid})"
   defp who(%{index: index, os_pid: os_pid}), do: "worker #{index} (os pid #{os_pid})"
