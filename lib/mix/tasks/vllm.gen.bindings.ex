@@ -23,6 +23,10 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
       the generator's marker line and is not produced by this run is deleted, so name
       every module bound into one folder in each run (a `mix` alias is a good home for
       the command). No file elsewhere, and no file without the marker, is ever touched.
+      No symbolic link is followed out of the project: a linked folder under `--out` is
+      not entered, a linked file is neither deleted nor written through (a generated
+      file whose path is a link, or lies in a folder that links outside, is an error),
+      and an `--out` whose real path is outside the project is refused.
     * `--python PATH` - the interpreter (its environment must have the `vllm_bridge`
       package); default: `config :vllm_bridge, :python`, else `VLLM_BRIDGE_PYTHON`.
     * `--python-path DIR` (repeats) - a folder put in front of the worker's `PYTHONPATH`,
@@ -116,6 +120,11 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
 
     files = Generator.render(manifests, run.naming)
     diff = Generator.diff(files, root, run.naming)
+
+    case Generator.unwritable(elem(diff, 0), root) do
+      [] -> :ok
+      problems -> Mix.raise("cannot write the bindings: " <> Enum.join(problems, "; "))
+    end
 
     if opts.check, do: check(files, diff, run.naming), else: write(files, root, diff)
   end
