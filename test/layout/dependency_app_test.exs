@@ -40,13 +40,29 @@ defmodule VllmBridge.Layout.DependencyAppTest do
   end
   """
 
+  # The interpreter is configured in runtime.exs, from a variable named in config.exs: the
+  # bindings task reads both. The app's config of itself (:vb_dep_app) is what made Mix warn
+  # "the application is not available" while the app was not compiled yet.
+  @config_exs """
+  import Config
+
+  config :vb_dep_app, python_env: "VB_DEP_APP_PYTHON"
+  """
+
   @runtime_exs """
   import Config
 
   config :vllm_bridge,
+    python: System.fetch_env!(Application.fetch_env!(:vb_dep_app, :python_env)),
     pools: [
       own: [size: 1, python_path: [{:vb_dep_app, "priv/python"}], modules: ["vb_own_mod"]]
     ]
+
+  # A pool that cannot start: were the bindings task to start the configured pools, it
+  # would fail.
+  if System.get_env("VB_DEP_APP_BROKEN_POOL") do
+    config :vllm_bridge, pools: [broken: [size: 1, python: "/no/such/python"]]
+  end
   """
 
   @gen ~w(vllm.gen.bindings --module vb_own_mod --prefix VbDepApp.Py --out lib/vb_dep_app/py
@@ -59,17 +75,20 @@ defmodule VllmBridge.Layout.DependencyAppTest do
     File.mkdir_p!(Path.join(dir, "priv/python"))
     File.write!(Path.join(dir, "mix.exs"), @mix_exs)
     File.write!(Path.join(dir, "lib/vb_dep_app.ex"), @app_ex)
+    File.write!(Path.join(dir, "config/config.exs"), @config_exs)
     File.write!(Path.join(dir, "config/runtime.exs"), @runtime_exs)
     File.cp!(@own_module, Path.join(dir, "priv/python/vb_own_mod.py"))
     on_exit(fn -> File.rm_rf!(dir) end)
     %{dir: dir}
   end
 
-  defp mix!(dir, args) do
-    env = [
-      {"MIX_ENV", "prod"},
-      {"VLLM_BRIDGE_PYTHON", Application.fetch_env!(:vllm_bridge, :python)}
-    ]
+  defp mix!(dir, args, env \\ []) do
+    env =
+      [
+        {"MIX_ENV", "prod"},
+        {"VLLM_BRIDGE_PYTHON", nil},
+        {"VB_DEP_APP_PYTHON", Application.fetch_env!(:vllm_bridge, :python)}
+      ] ++ env
 
     {out, status} = System.cmd("mix", args, cd: dir, env: env, stderr_to_stdout: true)
     assert status == 0, "mix #{Enum.join(args, " ")} failed (#{status}):\n#{out}"
@@ -78,7 +97,9 @@ defmodule VllmBridge.Layout.DependencyAppTest do
 
   @tag timeout: 300_000
   test "a fresh app binds its own module, compiles and calls it", %{dir: dir} do
-    out = mix!(dir, @gen)
+    gen_env = [{"VB_DEP_APP_BROKEN_POOL", "1"}]
+    out = mix!(dir, @gen, gen_env)
+    refute out =~ "is not available", out
     assert out =~ "wrote lib/vb_dep_app/py/vb_own_mod/module.ex"
     generated = File.read!(Path.join(dir, "lib/vb_dep_app/py/vb_own_mod/module.ex"))
     assert generated =~ "defmodule VbDepApp.Py.VbOwnMod.Module do"
@@ -86,7 +107,9 @@ defmodule VllmBridge.Layout.DependencyAppTest do
     assert Path.wildcard(Path.join(dir, "lib/**/*.ex")) |> length() == 2
     refute File.exists?(Path.join(dir, "lib/vllm"))
 
-    assert mix!(dir, @gen ++ ["--check"]) =~ "bindings are up to date (1 files)"
+    out = mix!(dir, @gen ++ ["--check"], gen_env)
+    assert out =~ "bindings are up to date (1 file)\n"
+    refute out =~ "is not available", out
     mix!(dir, ["compile", "--warnings-as-errors"])
     assert mix!(dir, ["run", "-e", "IO.inspect(VbDepApp.hello())"]) =~ ~s({:ok, "own module"})
   end

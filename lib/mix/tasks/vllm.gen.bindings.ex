@@ -23,6 +23,10 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
       the generator's marker line and is not produced by this run is deleted, so name
       every module bound into one folder in each run (a `mix` alias is a good home for
       the command). No file elsewhere, and no file without the marker, is ever touched.
+      No symbolic link is followed out of the project: a linked folder under `--out` is
+      not entered, a linked file is neither deleted nor written through (a generated
+      file whose path is a link, or lies in a folder that links outside, is an error),
+      and an `--out` whose real path is outside the project is refused.
     * `--python PATH` - the interpreter (its environment must have the `vllm_bridge`
       package); default: `config :vllm_bridge, :python`, else `VLLM_BRIDGE_PYTHON`.
     * `--python-path DIR` (repeats) - a folder put in front of the worker's `PYTHONPATH`,
@@ -72,11 +76,23 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
   `_forward_context`, `logger`; seeds/elixir_bindings_forward_context.txt). In any other
   app a run without `--module` is an error.
 
+  ## Compilation and config
+
   In your app the task compiles the dependencies but not the app itself, so an app whose
   code calls bindings that do not exist yet (a first run, a Python function renamed)
-  can still regenerate them; it starts none of the pools your config declares. In the
-  library the project is compiled first: if a generated file does not compile any more,
-  delete its folder (`lib/vllm/`) and run the task again.
+  can still regenerate them. It reads your app's config of the current `MIX_ENV`: the
+  file of `:config_path` (`config/config.exs` and what it imports, loaded by Mix itself
+  before any task) and then `config/runtime.exs` beside it when it exists (evaluated as
+  `mix run` would, for `Mix.env()` and `Mix.target()`). What it uses of them is
+  `config :vllm_bridge`: the interpreter (`python:`) when `--python` is not given (then
+  the variable `VLLM_BRIDGE_PYTHON`), and the call defaults (`runtime:`, a `timeout:`
+  say) of its calls to its worker. It starts none of the pools your config declares
+  (`config :vllm_bridge, pools: ...`), only its own one-worker pool, which imports the
+  modules bound and is stopped when the task ends; it starts none of your app's processes
+  either (your app is not started, nor compiled).
+
+  In the library the project is compiled first (`app.config`): if a generated file does
+  not compile any more, delete its folder (`lib/vllm/`) and run the task again.
   """
   use Mix.Task
 
@@ -117,23 +133,38 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
     files = Generator.render(manifests, run.naming)
     diff = Generator.diff(files, root, run.naming)
 
+    case Generator.unwritable(elem(diff, 0), root) do
+      [] -> :ok
+      problems -> Mix.raise("cannot write the bindings: " <> Enum.join(problems, "; "))
+    end
+
     if opts.check, do: check(files, diff, run.naming), else: write(files, root, diff)
   end
 
-  # The library's run compiles the library (the project). A user's run compiles the
-  # dependencies alone, not the app: the app's code calls the bindings being generated,
-  # so it may not compile until they are (a first run, a Python function renamed).
+  # The library's run compiles the library (the project) and configures it (`app.config`).
+  # A user's run compiles the dependencies alone, not the app: the app's code calls the
+  # bindings being generated, so it may not compile until they are (a first run, a Python
+  # function renamed). Its config/config.exs is already loaded (Mix loads it before any
+  # task); its config/runtime.exs is read here, as `app.config` would, but without that
+  # task's check that every configured app is available: the app itself is not (it is not
+  # compiled), so the check could only warn, wrongly, that it does not exist.
   defp load_config(naming) do
     if naming == Naming.library() do
       Mix.Task.run("app.config")
     else
       Mix.Task.run("deps.loadpaths")
-      Mix.Task.run("app.config", ["--no-compile"])
+      runtime = Path.join(Path.dirname(Mix.Project.config()[:config_path]), "runtime.exs")
+
+      if File.regular?(runtime) do
+        runtime
+        |> Config.Reader.read!(env: Mix.env(), target: Mix.target(), imports: :disabled)
+        |> Application.put_all_env(persistent: true)
+      end
     end
   end
 
   defp check(files, {[], []}, _naming),
-    do: Mix.shell().info("bindings are up to date (#{map_size(files)} files)")
+    do: Mix.shell().info("bindings are up to date (#{count(map_size(files), "file")})")
 
   defp check(_files, {changed, stale}, naming) do
     Mix.raise(
@@ -158,4 +189,7 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
       "#{length(written)} written, #{length(stale)} deleted, #{map_size(files)} generated"
     )
   end
+
+  defp count(1, noun), do: "1 #{noun}"
+  defp count(n, noun), do: "#{n} #{noun}s"
 end

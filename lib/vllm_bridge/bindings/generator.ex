@@ -32,7 +32,7 @@ defmodule VllmBridge.Bindings.Generator do
   # | `vllm_bridge.demo.rank` | (the demo's per-rank entry points) |
 
   alias VllmBridge.Bindings.{Json, Naming}
-  alias VllmBridge.Bindings.Gen.{Files, Model}
+  alias VllmBridge.Bindings.Gen.{Files, Model, Tree}
   alias VllmBridge.Error
 
   @seed_names ~w(_compute_sp_num_tokens _compute_chunked_local_num_tokens _forward_context logger)
@@ -179,7 +179,8 @@ defmodule VllmBridge.Bindings.Generator do
   How the files under `root` differ from `files`: `{changed_or_missing, stale}`, where
   `stale` are generated files that `files` no longer has: files under the naming's output
   folders starting with the generator's marker, and the manifests in its manifest folder.
-  Nothing else is ever stale.
+  Nothing else is ever stale: no file reached through a symbolic link, nor a link itself,
+  nor anything under an output folder whose real path is outside `root`.
   """
   @spec diff(%{String.t() => String.t()}, String.t(), Naming.t()) ::
           {[String.t()], [String.t()]}
@@ -193,13 +194,28 @@ defmodule VllmBridge.Bindings.Generator do
   end
 
   @doc """
+  Why each of `paths` (relative to `root`) may not be written, one message per path that
+  may not (none: `[]`): a file is written only when the real path of its folder is inside
+  `root` and the file itself is not a symbolic link (see `VllmBridge.Bindings.Gen.Tree`).
+  """
+  @spec unwritable([String.t()], String.t()) :: [String.t()]
+  def unwritable(paths, root), do: Enum.flat_map(paths, &List.wrap(Tree.unwritable(root, &1)))
+
+  @doc """
   Writes `files` under `root` and deletes the stale ones of `diff` (`diff(files, root)`
-  of the library's naming when `nil`); returns the paths written.
+  of the library's naming when `nil`); returns the paths written. Raises `ArgumentError`,
+  writing and deleting nothing, when a file to write is `unwritable/2`.
   """
   @spec write(%{String.t() => String.t()}, String.t(), {[String.t()], [String.t()]} | nil) ::
           [String.t()]
   def write(files, root, diff \\ nil) do
     {changed, stale} = diff || diff(files, root)
+
+    case unwritable(changed, root) do
+      [] -> :ok
+      problems -> raise ArgumentError, Enum.join(problems, "; ")
+    end
+
     Enum.each(stale, &File.rm!(Path.join(root, &1)))
 
     for path <- changed do
@@ -210,22 +226,33 @@ defmodule VllmBridge.Bindings.Generator do
     end
   end
 
+  # The stale files: generated ones under the output folders, manifests in the manifest
+  # folder, that `files` no longer has. Found without following a symbolic link (an output
+  # folder itself counts only when its real path is inside `root`: `Tree.folder/2`), so
+  # that nothing outside the project is ever deleted.
   defp stale(files, root, naming) do
     manifests =
       if naming.manifests,
-        do: Path.wildcard(Path.join([root, naming.manifests, "*.json"])),
+        do: under(root, naming.manifests, ".json", recursive: false),
         else: []
 
     generated =
       naming
       |> Naming.outs()
-      |> Enum.flat_map(&Path.wildcard(Path.join([root, &1, "**/*.ex"])))
-      |> Enum.filter(&generated?/1)
+      |> Enum.flat_map(&under(root, &1, ".ex"))
+      |> Enum.filter(&generated?(Path.join(root, &1)))
 
     (manifests ++ generated)
-    |> Enum.map(&Path.relative_to(&1, root))
     |> Enum.reject(&Map.has_key?(files, &1))
     |> Enum.sort()
+  end
+
+  # The files of `Tree.files/3` under the folder `dir` of `root`, relative to `root`.
+  defp under(root, dir, ext, opts \\ []) do
+    case Tree.folder(root, dir) do
+      {:ok, real} -> Enum.map(Tree.files(real, ext, opts), &Path.join(dir, &1))
+      {:error, _} -> []
+    end
   end
 
   # Whether a file starts with the generator's marker (read no more than the marker).

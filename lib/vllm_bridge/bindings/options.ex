@@ -6,6 +6,7 @@ defmodule VllmBridge.Bindings.Options do
   # task's own switches.
 
   alias VllmBridge.Bindings.Generator
+  alias VllmBridge.Bindings.Gen.Tree
   alias VllmBridge.Error
 
   @switches [
@@ -146,7 +147,29 @@ defmodule VllmBridge.Bindings.Options do
         {:error, "--out #{inspect(out)} names a file, not a folder"}
 
       true ->
-        {:ok, Path.relative_to(full, root)}
+        linked(out, Path.relative_to(full, root), root)
+    end
+  end
+
+  # The folder's real path (symbolic links resolved, its own and its parents') must be
+  # inside the project too: the task deletes files there.
+  defp linked(out, relative, root) do
+    case Tree.folder(root, relative) do
+      {:ok, _real} ->
+        {:ok, relative}
+
+      {:error, :root} ->
+        {:error,
+         "--out #{inspect(out)} must be a folder inside the project, not its root (it is " <>
+           "a symbolic link to the root)"}
+
+      {:error, {:outside, real}} ->
+        {:error,
+         "--out #{inspect(out)} leads outside the project (to #{real}) through a symbolic " <>
+           "link; name a folder inside the project"}
+
+      {:error, {:loop, link}} ->
+        {:error, "--out #{inspect(out)}: a loop of symbolic links at #{link}"}
     end
   end
 

@@ -203,3 +203,38 @@ def test_publish_is_once_only(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="published already"):
         allowlist.publish(["os"])
     assert describable() == ("a",)
+
+
+@pytest.mark.parametrize("attr", ["contextlib", "dataclasses", "enum"])
+def test_an_also_name_whose_value_is_a_module_is_refused(
+    gen_worker: WorkerProc, attr: str
+) -> None:
+    """``also`` adds names to a module's exports; a module it imports is not one (the
+    describer is no way to reach another module by an attribute of an allowed one)."""
+    with pytest.raises(WorkerCallError) as err:
+        describe(gen_worker, "my_model", [attr])
+    assert err.value.error["python_type"] == "ValueError"
+    message = err.value.error["message"]
+    assert f"{attr!r} (of also) is the module {attr}" in message, message
+
+
+@pytest.mark.parametrize(
+    "attr", ["", "os.path", "contextlib.contextmanager", "a b", "1x", "x-y", "x;os", "x\x00"]
+)
+def test_an_also_name_that_is_not_an_identifier_is_refused(
+    gen_worker: WorkerProc, attr: str
+) -> None:
+    with pytest.raises(WorkerCallError) as err:
+        describe(gen_worker, "my_model", ["scaled", attr])
+    assert err.value.error["python_type"] == "ValueError"
+    assert f"{attr!r} (of also) is not a Python identifier" in err.value.error["message"]
+
+
+def test_an_also_name_of_a_value_the_module_defines_is_described(
+    gen_worker: WorkerProc,
+) -> None:
+    """What ``also`` is for: a name the module defines but does not export."""
+    plain = {a["name"] for a in describe(gen_worker, "my_model")["attributes"]}
+    described = describe(gen_worker, "my_model", ["_depth"])
+    assert "_depth" not in plain
+    assert {a["name"] for a in described["attributes"]} == plain | {"_depth"}

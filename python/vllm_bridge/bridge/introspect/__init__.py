@@ -90,7 +90,10 @@ def describe_module(name: str, also: Sequence[str] = ()) -> dict[str, Any]:
     Raises:
         ValueError: ``name`` is not a dotted module name, or not on this worker's
             allow-list (:func:`describable`); a name of ``also`` or of the module's
-            ``__all__`` is not an attribute of the module, or is a dunder.
+            ``__all__`` is not an attribute of the module, or is a dunder; a name of
+            ``also`` is not a Python identifier, or its value is a module (``also``
+            adds names of the module; another module is described only by its own
+            name, which must be on the allow-list).
         TypeError: ``name`` is not a str, ``also`` not a list or tuple of str, or the
             module's ``__all__`` not a list or tuple of str.
         Exception: what importing the module raises (``ModuleNotFoundError``, or the
@@ -99,6 +102,9 @@ def describe_module(name: str, also: Sequence[str] = ()) -> dict[str, Any]:
     if not isinstance(name, str):
         raise TypeError(f"name must be a module name (str), got {name!r}")
     _check_names("also", also)
+    for attr in also:
+        if not attr.isidentifier():
+            raise ValueError(f"{attr!r:.200} (of also) is not a Python identifier")
     if not name or not all(part.isidentifier() for part in name.split(".")):
         raise ValueError(f"{name!r:.200} is not a dotted module name")
     allowed = describable()
@@ -122,6 +128,13 @@ def describe_module(name: str, also: Sequence[str] = ()) -> dict[str, Any]:
         if attr.startswith("__") or not hasattr(module, attr):
             where = "also" if attr in also else f"{name}.__all__"
             raise ValueError(f"{attr!r} (of {where}) is not a bindable attribute of {name}")
+    for attr in sorted(also):
+        value = getattr(module, attr)
+        if isinstance(value, types.ModuleType):
+            raise ValueError(
+                f"{attr!r} (of also) is the module {value.__name__}, not an attribute "
+                f"{name} defines; only the modules of the allow-list are described"
+            )
 
     functions, classes, aliases, attributes = [], [], [], []
     for attr in sorted(wanted):
