@@ -37,7 +37,9 @@ def test_worker_exits_on_eof():
 
     wp = spawn_worker()
     wp.close()
-    assert wp.proc.wait(timeout=1.0) == 0
+    # It exits, and cleanly; how fast is the machine's business (interpreter teardown with
+    # torch loaded took over a second on a loaded CI machine).
+    assert wp.proc.wait(timeout=30.0) == 0
 
 
 def test_the_hello_names_the_device_calls_run_on(shared_worker):
