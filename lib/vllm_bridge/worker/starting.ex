@@ -8,10 +8,8 @@ defmodule VllmBridge.Worker.Starting do
   # gives up meanwhile has its request dropped here and is answered at once. Only then is
   # the worker :ready (in a pool: registered, its slots opened), and what waited is served.
   #
-  # `on_start` is an ordinary `call` request (no session), written to the port through the
-  # worker's own table of calls (VllmBridge.Worker.submit/2) with this process's alias as
-  # its caller: it passes the worker's guard like any call, and its reply comes back here
-  # as `{alias, :reply, frame}`. Its result is dropped (references in it released).
+  # `on_start` is an ordinary `call` request (VllmBridge.Worker.OnStart) whose reply comes
+  # back here as `{alias, :reply, frame}`. Its result is dropped (references in it released).
   #
   # A start that fails (no hello, a bad one, an on_start that raises or overstays) is
   # logged once, with the last lines of the Python process's stderr when it ended before
@@ -30,8 +28,8 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Error
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Worker
-  alias VllmBridge.Call.{Request, Runtime, Wire}
-  alias VllmBridge.Worker.{Calls, Framer, Hello, Launcher, Messages}
+  alias VllmBridge.Call.Wire
+  alias VllmBridge.Worker.{Calls, Framer, Hello, Launcher, Messages, OnStart}
 
   # The worker module whose start-up stderr is captured: ours takes the BEAM's stderr back
   # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own keeps the
@@ -168,12 +166,12 @@ defmodule VllmBridge.Worker.Starting do
         ready(%{state | setup: nil})
 
       {:error, e} ->
-        start_failed(state, on_start_error(state, e))
+        start_failed(state, OnStart.error(state.on_start, e))
     end
   end
 
   def handle_info(Messages.reply_error(alias, e), %{setup: alias} = state),
-    do: start_failed(state, on_start_error(state, e))
+    do: start_failed(state, OnStart.error(state.on_start, e))
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
     state = %{state | port: nil}
@@ -184,7 +182,7 @@ defmodule VllmBridge.Worker.Starting do
 
       _running ->
         e = Error.new(:worker_exit, "the Python worker exited with status #{status}")
-        start_failed(state, on_start_error(state, e))
+        start_failed(state, OnStart.error(state.on_start, e))
     end
   end
 
@@ -196,14 +194,10 @@ defmodule VllmBridge.Worker.Starting do
 
   def handle_info(Messages.start_timeout(:on_start), %{setup: setup} = state)
       when setup != nil do
-    e =
-      Error.new(
-        :timeout,
-        "it did not return within #{state.start_timeout} ms (start_timeout); the Python " <>
-          "process was killed"
-      )
-
-    start_failed(kill(state), on_start_error(state, e))
+    start_failed(
+      kill(state),
+      OnStart.error(state.on_start, OnStart.timed_out(state.start_timeout))
+    )
   end
 
   def handle_info(Messages.submit(s), state),
@@ -244,19 +238,15 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
-  defp run_on_start(state, {m, f, args, kwargs}) do
-    case Wire.encode_invoke({m, f}, args, kwargs) do
-      {:ok, parts} ->
-        deadline = Runtime.deadline(System.monotonic_time(:millisecond), state.start_timeout)
-        req = Request.new("call", pre: [Wire.value(nil)], post: parts, target: {m, f})
-        alias = :erlang.alias()
-        submit = Request.submit(req, :erlang.unique_integer([:positive]), alias, deadline)
+  defp run_on_start(state, on_start) do
+    case OnStart.request(on_start, state.start_timeout) do
+      {:ok, alias, submit} ->
         Process.send_after(self(), Messages.start_timeout(:on_start), state.start_timeout)
         put_stage("on_start")
         {:noreply, Worker.submit(%{state | setup: alias}, submit)}
 
       {:error, e} ->
-        start_failed(state, on_start_error(state, e))
+        start_failed(state, OnStart.error(on_start, e))
     end
   end
 
@@ -313,30 +303,6 @@ defmodule VllmBridge.Worker.Starting do
       _ -> "unknown"
     end
   end
-
-  # An on_start that failed, named: the worker and the callable, the error's own words
-  # (and its Python type and traceback) kept.
-  defp on_start_error(state, %Error{} = e) do
-    {m, f, _args, _kwargs} = state.on_start
-
-    hint =
-      if e.type == :bad_argument and not_allowed?(e.message, m),
-        do: " (a module of one's own goes on it with the pool option modules: [#{inspect(m)}])",
-        else: ""
-
-    %{e | message: "on_start #{m}.#{f} failed: #{e.message}#{hint}"}
-  end
-
-  # Whether the worker refused on_start's module itself as not allow-listed (its words:
-  # vllm_bridge.bridge.worker.targets), and not, say, a value or path of an allow-listed
-  # module that reaches a module outside the list (the guard's words), which modules:
-  # would not cure.
-  defp not_allowed?(message, m),
-    do: String.starts_with?(message, "module #{py_repr(m)} is not in the worker's allow-list")
-
-  # Python's repr of a plain module name (dotted identifiers: no quote or backslash in it,
-  # checked by the options).
-  defp py_repr(name), do: "'#{name}'"
 
   defp who(%{pool: nil, os_pid: os_pid}), do: "the worker (os pid #{os_pid})"
   defp who(%{index: index, os_pid: os_pid}), do: "worker #{index} (os pid #{os_pid})"
