@@ -82,7 +82,7 @@ defmodule VllmBridge.Layout.DependencyAppTest do
     %{dir: dir}
   end
 
-  defp mix!(dir, args, env \\ []) do
+  defp mix(dir, args, env \\ []) do
     env =
       [
         {"MIX_ENV", "prod"},
@@ -90,7 +90,11 @@ defmodule VllmBridge.Layout.DependencyAppTest do
         {"VB_DEP_APP_PYTHON", Application.fetch_env!(:vllm_bridge, :python)}
       ] ++ env
 
-    {out, status} = System.cmd("mix", args, cd: dir, env: env, stderr_to_stdout: true)
+    System.cmd("mix", args, cd: dir, env: env, stderr_to_stdout: true)
+  end
+
+  defp mix!(dir, args, env \\ []) do
+    {out, status} = mix(dir, args, env)
     assert status == 0, "mix #{Enum.join(args, " ")} failed (#{status}):\n#{out}"
     out
   end
@@ -112,5 +116,21 @@ defmodule VllmBridge.Layout.DependencyAppTest do
     refute out =~ "is not available", out
     mix!(dir, ["compile", "--warnings-as-errors"])
     assert mix!(dir, ["run", "-e", "IO.inspect(VbDepApp.hello())"]) =~ ~s({:ok, "own module"})
+
+    # A runtime.exs that needs what only the running host has: the task says which file
+    # failed and how to do without it; with --python it does not read that file.
+    File.write!(Path.join(dir, "config/runtime.exs"), """
+    import Config
+    config :vb_dep_app, secret: System.fetch_env!("VB_DEP_APP_NO_SUCH_SECRET")
+    """)
+
+    {out, status} = mix(dir, @gen ++ ["--check"])
+    assert status != 0
+    assert out =~ "reading config/runtime.exs failed"
+    assert out =~ "VB_DEP_APP_NO_SUCH_SECRET"
+    assert out =~ "--python"
+
+    python = Application.fetch_env!(:vllm_bridge, :python)
+    assert mix!(dir, @gen ++ ["--check", "--python", python]) =~ "up to date (1 file)"
   end
 end

@@ -82,8 +82,10 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
   code calls bindings that do not exist yet (a first run, a Python function renamed)
   can still regenerate them. It reads your app's config of the current `MIX_ENV`: the
   file of `:config_path` (`config/config.exs` and what it imports, loaded by Mix itself
-  before any task) and then `config/runtime.exs` beside it when it exists (evaluated as
-  `mix run` would, for `Mix.env()` and `Mix.target()`). What it uses of them is
+  before any task) and then `config/runtime.exs` beside it when it exists and `--python`
+  is not given (evaluated as `mix run` would, for `Mix.env()` and `Mix.target()`; a
+  `runtime.exs` that needs what only a running host has, a secret's variable, or the
+  app's own functions, fails the task, saying so: pass `--python`). What it uses is
   `config :vllm_bridge`: the interpreter (`python:`) when `--python` is not given (then
   the variable `VLLM_BRIDGE_PYTHON`), and the call defaults (`runtime:`, a `timeout:`
   say) of its calls to its worker. It starts none of the pools your config declares
@@ -108,7 +110,7 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
       end
 
     root = File.cwd!()
-    load_config(opts.run.naming)
+    load_config(opts.run)
     # The task's own introspection pool is all it needs: the app's configured pools (which
     # may load the very modules being bound, with an on_start) are not started.
     Application.put_env(:vllm_bridge, :pools, [])
@@ -148,19 +150,29 @@ defmodule Mix.Tasks.Vllm.Gen.Bindings do
   # task); its config/runtime.exs is read here, as `app.config` would, but without that
   # task's check that every configured app is available: the app itself is not (it is not
   # compiled), so the check could only warn, wrongly, that it does not exist.
-  defp load_config(naming) do
-    if naming == Naming.library() do
+  defp load_config(run) do
+    if run.naming == Naming.library() do
       Mix.Task.run("app.config")
     else
       Mix.Task.run("deps.loadpaths")
       runtime = Path.join(Path.dirname(Mix.Project.config()[:config_path]), "runtime.exs")
-
-      if File.regular?(runtime) do
-        runtime
-        |> Config.Reader.read!(env: Mix.env(), target: Mix.target(), imports: :disabled)
-        |> Application.put_all_env(persistent: true)
-      end
+      # With --python, runtime.exs could only give call defaults: not worth a file that
+      # may need the host's secrets or the (uncompiled) app's own functions.
+      if File.regular?(runtime) and run.pool[:python] == nil, do: read_runtime(runtime)
     end
+  end
+
+  defp read_runtime(runtime) do
+    runtime
+    |> Config.Reader.read!(env: Mix.env(), target: Mix.target(), imports: :disabled)
+    |> Application.put_all_env(persistent: true)
+  rescue
+    e ->
+      Mix.raise(
+        "reading #{Path.relative_to_cwd(runtime)} failed (the task reads it for " <>
+          "`config :vllm_bridge, python: ...`): #{Exception.format_banner(:error, e)}; " <>
+          "name the interpreter with --python, which skips that file"
+      )
   end
 
   defp check(files, {[], []}, _naming),
