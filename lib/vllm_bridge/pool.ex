@@ -91,7 +91,9 @@ defmodule VllmBridge.Pool do
       case workers_of(sup) do
         {:ok, workers} ->
           Enum.find_value(workers, fn {i, pid} ->
-            remaining = max(deadline - System.monotonic_time(:millisecond), 0)
+            # At least a moment: a worker that is ready answers at once, and must not be
+            # reported as not answering because this process was scheduled late.
+            remaining = max(deadline - System.monotonic_time(:millisecond), 100)
 
             case Worker.await_ready(pid, remaining) do
               {:ok, _hello} ->

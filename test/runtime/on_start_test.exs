@@ -147,7 +147,9 @@ defmodule VllmBridge.Runtime.OnStartTest do
       end)
 
     # Logged once: the worker was not restarted while start_pool waited.
-    assert length(String.split(log, "no weights here")) - 1 == 1
+    assert length(String.split(log, "failed: no weights here")) - 1 == 1
+    # ... with the Python traceback, readable (real lines, not an inspected string).
+    assert log =~ "\nTraceback (most recent call last):\n"
     refute :os_fail in Pool.names()
   end
 
@@ -171,7 +173,7 @@ defmodule VllmBridge.Runtime.OnStartTest do
     failures = Regex.scan(~r/:os_fail3\[(\d)\] failed to start/, log, capture: :all_but_first)
     assert Enum.count(failures, &(&1 == ["0"])) == 1, log
     assert Enum.uniq(failures) == failures, log
-    assert length(String.split(log, "nope-3")) - 1 == length(failures), log
+    assert length(String.split(log, "failed: nope-3")) - 1 == length(failures), log
   end
 
   test "an on_start module that is not allow-listed is :bad_argument naming it" do

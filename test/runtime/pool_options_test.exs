@@ -43,6 +43,15 @@ defmodule VllmBridge.Runtime.PoolOptionsTest do
     end
   end
 
+  # `path` relative to the current folder, with ".." where it lies outside it.
+  defp relative_from_cwd(path) do
+    from = Path.split(File.cwd!())
+    to = Path.split(path)
+    common = Enum.zip(from, to) |> Enum.take_while(fn {a, b} -> a == b end) |> length()
+    ups = List.duplicate("..", length(from) - common)
+    Path.join(ups ++ Enum.drop(to, common))
+  end
+
   defp own(pool, fun, args \\ []),
     do: VllmBridge.call({"vb_own_mod", fun}, args, %{}, pool_name: pool)
 
@@ -75,20 +84,35 @@ defmodule VllmBridge.Runtime.PoolOptionsTest do
       end)
     end
 
-    test "a relative path is made absolute when the pool starts, a bare name found on PATH" do
+    test "a relative path is made absolute when the pool starts" do
       python = Application.fetch_env!(:vllm_bridge, :python)
-      rel = Path.relative_to_cwd(python)
+      rel = relative_from_cwd(python)
       assert Path.type(rel) == :relative
       start_pool!(:vb_rel_python, size: 1, python: rel)
       [%{os_pid: os_pid}] = workers!(:vb_rel_python)
       # The process runs the interpreter by its absolute path (its argv[0]).
       [argv0 | _] = "/proc/#{os_pid}/cmdline" |> File.read!() |> String.split(<<0>>)
-      assert argv0 == Path.expand(rel)
+      assert argv0 == python
+    end
 
-      assert VllmBridge.Pool.Options.resolve_python("python3") ==
-               System.find_executable("python3")
+    test "a bare name is looked up on PATH, and one PATH does not have is refused by name" do
+      dir = Path.join(System.tmp_dir!(), "vb-path-#{System.unique_integer([:positive])}")
+      File.mkdir_p!(dir)
+      command = Path.join(dir, "vb-python-on-path")
+      File.write!(command, "#!/bin/sh\nexit 0\n")
+      File.chmod!(command, 0o755)
+      old_path = System.get_env("PATH")
+      System.put_env("PATH", dir <> ":" <> old_path)
 
-      assert bad!(python: "no-such-python-vb") =~ "no-such-python-vb"
+      try do
+        assert VllmBridge.Pool.Options.resolve_python("vb-python-on-path") == command
+      after
+        System.put_env("PATH", old_path)
+        File.rm_rf!(dir)
+      end
+
+      assert bad!(python: "vb-no-such-python") =~
+               ~s(pool option python: "vb-no-such-python" is not a command found on PATH)
     end
 
     test "a python that is not a path is refused by name" do

@@ -94,7 +94,8 @@ defmodule VllmBridge.Pool.Options do
   # The interpreter `python` names (else the default's), as an absolute path: a path is
   # expanded against the current folder now (a release's workers must not depend on
   # where it was started from later), a bare command name (`python3`) is looked up on
-  # PATH. nil when nothing names one; a non-string is returned as given (refused later).
+  # PATH (returned as given when PATH has none: refused by the caller). nil when nothing
+  # names one; a non-string is returned as given (refused later).
   @spec resolve_python(term()) :: term()
   def resolve_python(python) do
     case python || default_python() do
@@ -121,8 +122,14 @@ defmodule VllmBridge.Pool.Options do
             "the vllm_bridge package and torch installed (docs/USING.md)"
         )
 
-      python ->
-        {:ok, python}
+      python when is_binary(python) ->
+        # resolve_python/1 returns a bare name only when PATH has no such command.
+        if String.contains?(python, "/"),
+          do: {:ok, python},
+          else: bad("pool option python: #{inspect(python)} is not a command found on PATH")
+
+      other ->
+        {:ok, other}
     end
   end
 

@@ -119,7 +119,8 @@ defmodule VllmBridge.Worker.Hello do
          Error.new(
            :bad_argument,
            "the worker could not import allow-listed module(s): #{list}; " <>
-             "fix the module or the pool's :allow option"
+             "fix the module, or the pool's options: python_path: (where it is found), " <>
+             "modules: or allow: (the allow-list)"
          )}
 
       %{"pid" => pid, "instance" => inst} when is_integer(pid) and is_binary(inst) ->

@@ -47,6 +47,10 @@ defmodule VllmBridge.Worker.Launcher do
       not is_binary(python) ->
         {:error, Error.new(:bad_argument, "python must be a path, got #{inspect(python)}")}
 
+      not String.contains?(python, "/") ->
+        {:error,
+         Error.new(:bad_argument, "python #{inspect(python)} is not a command found on PATH")}
+
       not File.regular?(python) ->
         {:error, Error.new(:bad_argument, "python executable #{inspect(python)} does not exist")}
 
@@ -110,10 +114,14 @@ defmodule VllmBridge.Worker.Launcher do
   defp with_capture(nil, python, args, env), do: {python, args, env}
 
   defp with_capture(file, python, args, env) do
-    env = [
-      {~c"VLLM_BRIDGE_STDERR_FILE", to_charlist(file)},
-      {~c"VLLM_BRIDGE_STDERR_FD", ~c"#{@stderr_fd}"} | env
-    ]
+    # The launcher's own pairs last: a port's env takes the last value of a name, and these
+    # must be the script's, whatever a caller's env says (a pool refuses them earlier).
+    env =
+      env ++
+        [
+          {~c"VLLM_BRIDGE_STDERR_FILE", to_charlist(file)},
+          {~c"VLLM_BRIDGE_STDERR_FD", ~c"#{@stderr_fd}"}
+        ]
 
     {"/bin/sh", ["-c", @capture_script, "vllm_bridge worker", python | args], env}
   end

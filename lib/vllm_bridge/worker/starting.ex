@@ -326,7 +326,13 @@ defmodule VllmBridge.Worker.Starting do
 
   defp start_failed(state, %Error{} = e) do
     e = %{e | message: "#{who(state)}: #{e.message}"}
-    Logger.error("vllm_bridge worker #{Worker.label(state)} failed to start: #{e.message}")
+    # The one log of a failed start: with the Python traceback when there is one (an
+    # on_start that raised), readable, since the error itself travels as a term.
+    Logger.error(
+      "vllm_bridge worker #{Worker.label(state)} failed to start: #{e.message}" <>
+        if(is_binary(e.traceback) and e.traceback != "", do: "\n" <> e.traceback, else: "")
+    )
+
     # A Python process that is still there is closed (and killed at once).
     state = kill(state)
     Launcher.delete_stderr(state.stderr)

@@ -63,7 +63,9 @@ def take_back(capture: Capture | None) -> None:
     """Puts the real stderr back on fd 2, then copies what the start-up file holds to it.
 
     fd 2 is switched first, so nothing any thread writes is lost; a write racing the copy
-    may come out before the start-up lines it follows.
+    may come out before the start-up lines it follows. The copy is best effort: it runs
+    just before the hello, so a real stderr that is broken (a closed pipe) must not end
+    the worker's start; it stops the copy instead.
     """
     if capture is None:
         return
@@ -75,6 +77,8 @@ def take_back(capture: Capture | None) -> None:
     try:
         while chunk := os.read(capture.read_fd, 65536):
             _write_all(2, chunk)
+    except OSError:
+        pass  # nowhere to copy to: what stderr cannot show, it cannot show
     finally:
         os.close(capture.read_fd)
 
