@@ -10,7 +10,7 @@ from typing import Any
 from vllm_bridge._checks import check_bool, check_int, check_optional_bool, check_optional_int
 from vllm_bridge.cudagraph import CUDAGraphMode, cudagraph_mode_from
 
-__all__ = ["ParallelConfig", "CompilationConfig", "VllmConfig"]
+__all__ = ["ParallelConfig", "CompilationConfig", "SchedulerConfig", "LoRAConfig", "VllmConfig"]
 
 
 @dataclass
@@ -77,6 +77,9 @@ class CompilationConfig:
             context gets it as ``no_compile_layers``.
         static_all_moe_layers: MoE layer names in call order; every forward context gets
             it as ``all_moe_layers``.
+        cudagraph_specialize_lora: With LoRA configured, capture graphs both without LoRA
+            and per active-adapter count; when False, only graphs with LoRA active (for
+            ``max_loras + 1`` adapters) are captured (vLLM's field, default True).
     """
 
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
@@ -84,8 +87,10 @@ class CompilationConfig:
     max_cudagraph_capture_size: int | None = None
     static_forward_context: dict[str, Any] = field(default_factory=dict)
     static_all_moe_layers: list[str] = field(default_factory=list)
+    cudagraph_specialize_lora: bool = True
 
     def __post_init__(self) -> None:
+        check_bool("cudagraph_specialize_lora", self.cudagraph_specialize_lora)
         self.cudagraph_mode = cudagraph_mode_from(self.cudagraph_mode, "cudagraph_mode")
         sizes = self.cudagraph_capture_sizes
         if not isinstance(sizes, (list, tuple)):
@@ -112,16 +117,54 @@ class CompilationConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """Scheduler limits the CUDA-graph dispatcher reads.
+
+    Attributes:
+        max_num_seqs: The most requests one step schedules. FULL decode graphs are captured
+            only for batches of at most this many requests (vLLM's class default, 128).
+    """
+
+    max_num_seqs: int = 128
+
+    def __post_init__(self) -> None:
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+
+
+@dataclass
+class LoRAConfig:
+    """LoRA settings that decide which CUDA graphs are captured for LoRA batches.
+
+    Attributes:
+        max_loras: The most distinct LoRA adapters active in one batch (vLLM's default, 1).
+        specialize_active_lora: Capture separate graphs per active-adapter count (powers of
+            two up to ``max_loras``, and ``max_loras + 1``) instead of one graph sized for
+            ``max_loras + 1`` (vLLM's default, False).
+    """
+
+    max_loras: int = 1
+    specialize_active_lora: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("max_loras", self.max_loras, minimum=1)
+        check_bool("specialize_active_lora", self.specialize_active_lora)
+
+
+@dataclass
 class VllmConfig:
     """The configs a forward pass reads, bundled.
 
     Attributes:
         parallel_config: Parallelism settings.
         compilation_config: Compilation and CUDA-graph settings.
+        scheduler_config: Scheduler limits (``max_num_seqs``).
+        lora_config: LoRA settings; ``None`` when LoRA is off (vLLM's default).
     """
 
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.parallel_config, ParallelConfig):
@@ -132,3 +175,9 @@ class VllmConfig:
             raise TypeError(
                 f"compilation_config must be a CompilationConfig, got {self.compilation_config!r}"
             )
+        if not isinstance(self.scheduler_config, SchedulerConfig):
+            raise TypeError(
+                f"scheduler_config must be a SchedulerConfig, got {self.scheduler_config!r}"
+            )
+        if self.lora_config is not None and not isinstance(self.lora_config, LoRAConfig):
+            raise TypeError(f"lora_config must be a LoRAConfig or None, got {self.lora_config!r}")

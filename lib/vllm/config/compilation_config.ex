@@ -11,6 +11,7 @@ defmodule Vllm.Config.CompilationConfig do
     * `max_cudagraph_capture_size` (`integer() | nil`, default `nil`) - Largest size captured; defaults to the largest capture size (or `None` when there are none). Must not be below it.
     * `static_forward_context` (`%{optional(String.t()) => term()}`, default `%{}`) - Layers that are not compiled, by name; every forward context gets it as `no_compile_layers`.
     * `static_all_moe_layers` (`[String.t()]`, default `[]`) - MoE layer names in call order; every forward context gets it as `all_moe_layers`.
+    * `cudagraph_specialize_lora` (`boolean()`, default `true`) - With LoRA configured, capture graphs both without LoRA and per active-adapter count; when False, only graphs with LoRA active (for `max_loras + 1` adapters) are captured (vLLM's field, default True).
 
   The Python dataclass `vllm_bridge.config.CompilationConfig`, passed to and from Python by value (msgpack ext 4, `VllmBridge.Codec.Registry`). Build it as a struct, `%Vllm.Config.CompilationConfig{...}`; Python checks the fields when it receives one.
   """
@@ -19,14 +20,16 @@ defmodule Vllm.Config.CompilationConfig do
             cudagraph_capture_sizes: [],
             max_cudagraph_capture_size: nil,
             static_forward_context: %{},
-            static_all_moe_layers: []
+            static_all_moe_layers: [],
+            cudagraph_specialize_lora: true
 
   @type t :: %__MODULE__{
           cudagraph_mode: Vllm.Cudagraph.CUDAGraphMode.t(),
           cudagraph_capture_sizes: [integer()],
           max_cudagraph_capture_size: integer() | nil,
           static_forward_context: %{optional(String.t()) => term()},
-          static_all_moe_layers: [String.t()]
+          static_all_moe_layers: [String.t()],
+          cudagraph_specialize_lora: boolean()
         }
 
   @doc "The Python class this module stands for (`VllmBridge.Codec.Registry`)."
@@ -41,6 +44,7 @@ defmodule Vllm.Config.CompilationConfig do
       :cudagraph_capture_sizes,
       :max_cudagraph_capture_size,
       :static_forward_context,
-      :static_all_moe_layers
+      :static_all_moe_layers,
+      :cudagraph_specialize_lora
     ]
 end

@@ -7,6 +7,6 @@ defmodule Vllm.Config.Module do
   Every config is default-constructible (one rank, no DP, no CUDA graphs) and validates its
   fields when constructed, raising `TypeError`/`ValueError` naming the bad value.
 
-  Bindings of the Python module `vllm_bridge.config`: its functions and module attributes; its classes are `Vllm.Config.CompilationConfig`, `Vllm.Config.ParallelConfig`, `Vllm.Config.VllmConfig`. Calling conventions (positional and optional arguments, options): `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
+  Bindings of the Python module `vllm_bridge.config`: its functions and module attributes; its classes are `Vllm.Config.CompilationConfig`, `Vllm.Config.LoRAConfig`, `Vllm.Config.ParallelConfig`, `Vllm.Config.SchedulerConfig`, `Vllm.Config.VllmConfig`. Calling conventions (positional and optional arguments, options): `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
 end

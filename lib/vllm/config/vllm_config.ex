@@ -8,16 +8,22 @@ defmodule Vllm.Config.VllmConfig do
 
     * `parallel_config` (`Vllm.Config.ParallelConfig.t()`, default `%Vllm.Config.ParallelConfig{}`) - Parallelism settings.
     * `compilation_config` (`Vllm.Config.CompilationConfig.t()`, default `%Vllm.Config.CompilationConfig{}`) - Compilation and CUDA-graph settings.
+    * `scheduler_config` (`Vllm.Config.SchedulerConfig.t()`, default `%Vllm.Config.SchedulerConfig{}`) - Scheduler limits (`max_num_seqs`).
+    * `lora_config` (`Vllm.Config.LoRAConfig.t() | nil`, default `nil`) - LoRA settings; `None` when LoRA is off (vLLM's default).
 
   The Python dataclass `vllm_bridge.config.VllmConfig`, passed to and from Python by value (msgpack ext 4, `VllmBridge.Codec.Registry`). Build it as a struct, `%Vllm.Config.VllmConfig{...}`; Python checks the fields when it receives one.
   """
 
   defstruct parallel_config: %Vllm.Config.ParallelConfig{},
-            compilation_config: %Vllm.Config.CompilationConfig{}
+            compilation_config: %Vllm.Config.CompilationConfig{},
+            scheduler_config: %Vllm.Config.SchedulerConfig{},
+            lora_config: nil
 
   @type t :: %__MODULE__{
           parallel_config: Vllm.Config.ParallelConfig.t(),
-          compilation_config: Vllm.Config.CompilationConfig.t()
+          compilation_config: Vllm.Config.CompilationConfig.t(),
+          scheduler_config: Vllm.Config.SchedulerConfig.t(),
+          lora_config: Vllm.Config.LoRAConfig.t() | nil
         }
 
   @doc "The Python class this module stands for (`VllmBridge.Codec.Registry`)."
@@ -26,5 +32,6 @@ defmodule Vllm.Config.VllmConfig do
 
   @doc "The fields in Python's declaration order."
   @spec __python_fields__() :: [atom()]
-  def __python_fields__, do: [:parallel_config, :compilation_config]
+  def __python_fields__,
+    do: [:parallel_config, :compilation_config, :scheduler_config, :lora_config]
 end

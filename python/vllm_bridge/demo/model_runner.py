@@ -198,7 +198,7 @@ class ModelRunner:
         num_tokens = sum(counts)
         uniform = bool(counts) and all(n == 1 for n in counts)
         configured = self.vllm_config.compilation_config
-        mode, padded = dispatch_cudagraph(configured, num_tokens, uniform)
+        mode, padded = dispatch_cudagraph(self.vllm_config, num_tokens, uniform)
         should_ubatch, across, synced = coordinate_batch_across_dp(
             num_tokens_unpadded=num_tokens,
             allow_microbatching=self.parallel_config.enable_dbo,
