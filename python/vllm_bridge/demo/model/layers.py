@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_bridge._checks import check_int
+from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.forward_context import get_forward_context
 
 __all__ = ["Attention", "AttentionMetadata", "RMSNorm", "linear"]
@@ -157,8 +158,20 @@ class Attention(nn.Module):
         (slot -1) write to the scratch slot and their output is zero.
         """
         context = get_forward_context()
-        if self.prefix not in context.attn_metadata:
+        meta = context.attn_metadata.get(self.prefix)
+        if meta is None:
             raise RuntimeError(f"{self.prefix}: the forward context has no attention metadata")
+        if context.cudagraph_runtime_mode is CUDAGraphMode.FULL:
+            # A FULL graph holds this layer: its shapes must not depend on the batch.
+            window = self.max_model_len
+        else:
+            # Eager: the batch's longest sequence, from the host-side metadata (no sync);
+            # a prefill then gathers its own length, not max_model_len, per token.
+            lens = [
+                c + meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+                for i, c in enumerate(meta.context_lens)
+            ]
+            window = min(self.max_model_len, max(lens, default=1))
         slots = context.slot_mapping[self.prefix]
         cache = self.kv_cache
         if cache is None:
@@ -169,7 +182,7 @@ class Attention(nn.Module):
         write = torch.where(real, slots, torch.full_like(slots, scratch))
         cache[0].index_copy_(0, write, k)
         cache[1].index_copy_(0, write, v)
-        out = self._attend(cache, q, slots, positions, real)
+        out = self._attend(cache, q, slots, positions, real, window)
         return x + linear(out, self.out)
 
     def _attend(
@@ -179,9 +192,9 @@ class Attention(nn.Module):
         slots: torch.Tensor,
         positions: torch.Tensor,
         real: torch.Tensor,
+        window: int,
     ) -> torch.Tensor:
         n, heads, d = q.shape[0], self.num_heads, self.head_dim
-        window = self.max_model_len
         scratch = cache.shape[1] - 1
         start = torch.where(real, slots - positions, torch.zeros_like(slots))
         offsets = torch.arange(window, device=q.device)
