@@ -17,10 +17,11 @@ way vLLM's GPU model runner does.
    greedily, and returns them with the step's facts (:class:`StepOutput`).
 
 CUDA graphs: the runtime mode is decided, agreed across ranks, padded for and carried in the
-forward context and the batch descriptor exactly as vLLM does, but the forward pass always
-runs eagerly: this model's MoE routing is data-dependent and its DP collectives may go
-through the CPU, so there is no graph to capture (the ``cudagraph_mode`` column of a step is
-what a graph-capturing runner would have replayed).
+forward context and the batch descriptor exactly as vLLM does. ``load_model`` captures a
+graph for every descriptor the dispatcher can return (:mod:`vllm_bridge.demo.graphs`), and
+each step replays the one its descriptor names; a step without one runs eagerly, and its
+:class:`StepOutput` says which (``graph``, ``graph_reason``). Without CUDA the same
+bookkeeping runs and the captured steps run their pieces eagerly (``graph="emulated"``).
 """
 
 import time
@@ -32,9 +33,11 @@ from vllm_bridge._checks import check_int
 from vllm_bridge.config import VllmConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.cudagraph_dispatch import dispatch_cudagraph
+from vllm_bridge.demo.graphs import ForwardInputs, GraphManager, GraphRun
 from vllm_bridge.demo.batch import InputBatch, RequestState, SchedulerStep, prepare_inputs
 from vllm_bridge.demo.model import weights as weights_io
 from vllm_bridge.demo.model.config import ModelConfig
+from vllm_bridge.demo.model.layers import AttentionMetadata
 from vllm_bridge.demo.model.transformer import MoETransformer
 from vllm_bridge.dp import coordinate_batch_across_dp
 from vllm_bridge.forward_context import (
@@ -72,6 +75,9 @@ class StepOutput:
         sampled_token_ids: The token each of them got (greedy).
         logits: Their logits, ``(len(req_ids), vocab_size)`` float32 on the CPU.
         skipped: No rank had a token: nothing ran.
+        graph: How the forward pass ran: ``"replay"`` (CUDA graphs), ``"emulated"`` (no
+            CUDA: the descriptor's captured pieces ran eagerly) or ``"eager"``.
+        graph_reason: Why it ran eagerly (``None`` otherwise).
     """
 
     num_tokens: int = 0
@@ -90,6 +96,8 @@ class StepOutput:
     sampled_token_ids: list[int] = field(default_factory=list)
     logits: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
     skipped: bool = False
+    graph: str = "eager"
+    graph_reason: str | None = None
 
 
 class ModelRunner:
@@ -130,6 +138,7 @@ class ModelRunner:
         self.max_num_reqs = max_num_reqs
         self.moe_chunk_size = moe_chunk_size
         self.model: MoETransformer | None = None
+        self.graphs: GraphManager | None = None
         self.weights: weights_io.WeightsFile | None = None
         self.requests: dict[str, RequestState] = {}
         self._free_regions = list(range(max_num_reqs))
@@ -177,7 +186,58 @@ class ModelRunner:
             compilation.static_forward_context[name] = layer
         compilation.static_all_moe_layers = model.moe_layer_names()
         self.model, self.weights = model, info
+        self.graphs = GraphManager(model, self.device, self._capture_context)
+        if compilation.cudagraph_mode is not CUDAGraphMode.NONE:
+            self.graphs.capture(self.graph_descriptors())
         return info
+
+    def _descriptor(self, padded: int, mode: CUDAGraphMode, uniform: bool) -> BatchDescriptor:
+        """The key a step of ``padded`` tokens runs under (and its graph is captured by)."""
+        return BatchDescriptor(
+            num_tokens=padded,
+            num_reqs=padded if mode is CUDAGraphMode.FULL else None,
+            uniform=uniform,
+        )
+
+    def graph_descriptors(self) -> dict[BatchDescriptor, CUDAGraphMode]:
+        """Every descriptor the dispatcher can return, with its mode: the graphs to capture.
+
+        The one place the runner asks the dispatcher for its keys: each capture size, as a
+        uniform decode batch and as a mixed one. A uniform decode batch has one request
+        per token, so one larger than ``max_num_reqs`` never happens and is not captured.
+        """
+        config = self.vllm_config.compilation_config
+        out: dict[BatchDescriptor, CUDAGraphMode] = {}
+        for size in config.cudagraph_capture_sizes:
+            for uniform in (True, False):
+                if uniform and size > self.max_num_reqs:
+                    continue
+                mode, padded = dispatch_cudagraph(config, size, uniform)
+                if mode is not CUDAGraphMode.NONE:
+                    out[self._descriptor(padded, mode, uniform)] = mode
+        return out
+
+    def _capture_context(
+        self, descriptor: BatchDescriptor, mode: CUDAGraphMode, inputs: ForwardInputs
+    ):
+        """The forward context of a warm-up or capture pass: every token is padding
+        (slot -1), and with DP every rank runs the same padded size. Not through
+        ``set_forward_context``: these passes are not steps (no batch-size stats)."""
+        n = inputs.num_tokens
+        names = list(self.vllm_config.compilation_config.static_forward_context)
+        dp_meta = None
+        if self.dp_size > 1:
+            counts = torch.full((self.dp_size,), n, dtype=torch.int32)
+            dp_meta = DPMetadata.make(self.parallel_config, n, counts)
+        context = create_forward_context(
+            {name: AttentionMetadata([0], [], [], 0) for name in names},
+            self.vllm_config,
+            dp_metadata=dp_meta,
+            cudagraph_runtime_mode=mode,
+            batch_descriptor=descriptor,
+            slot_mapping={name: inputs.slot_mapping for name in names},
+        )
+        return override_forward_context(context)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -219,16 +279,13 @@ class ModelRunner:
         batch = prepare_inputs(
             requests, counts, padded, self.model_config.max_model_len, self.device
         )
-        descriptor = BatchDescriptor(
-            num_tokens=padded,
-            num_reqs=padded if mode is CUDAGraphMode.FULL else None,
-            uniform=uniform,
-        )
+        descriptor = self._descriptor(padded, mode, uniform)
         _, ubatch_slices = maybe_create_ubatch_slices(
             should_ubatch, counts, padded, max(len(counts), 1), self.parallel_config.num_ubatches
         )
         forward_start = time.perf_counter()
-        hidden = self._forward(batch, across, mode, descriptor, ubatch_slices)
+        ran = self._forward(batch, across, mode, descriptor, ubatch_slices)
+        hidden = ran.hidden
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = torch.argmax(logits, dim=-1).tolist()
         self._after_step(batch, sampled)
@@ -251,6 +308,8 @@ class ModelRunner:
             req_ids=batch.sample_req_ids,
             sampled_token_ids=sampled,
             logits=logits.cpu(),
+            graph=ran.how,
+            graph_reason=ran.reason,
         )
 
     def _forward(
@@ -260,8 +319,7 @@ class ModelRunner:
         mode: CUDAGraphMode,
         descriptor: BatchDescriptor,
         ubatch_slices: list | None,
-    ) -> torch.Tensor:
-        model = self.model
+    ) -> GraphRun:
         names = list(self.vllm_config.compilation_config.static_forward_context)
         with set_forward_context(
             {name: batch.attn_metadata for name in names},
@@ -274,8 +332,10 @@ class ModelRunner:
             slot_mapping={name: batch.slot_mapping for name in names},
         ):
             if get_forward_context().ubatch_slices is None:
-                return model(batch.input_ids, batch.positions)
-            return self._run_ubatches(batch, names, descriptor)
+                inputs = ForwardInputs(batch.input_ids, batch.positions, batch.slot_mapping)
+                return self.graphs.run(descriptor, mode, inputs)
+            hidden = self._run_ubatches(batch, names, descriptor)
+            return GraphRun(hidden, "eager", "micro-batched (each micro-batch runs eagerly)")
 
     def _run_ubatches(
         self, batch: InputBatch, names: list[str], descriptor: BatchDescriptor

@@ -6,8 +6,10 @@ request; the runner puts an :class:`AttentionMetadata` for every attention layer
 forward context's ``attn_metadata`` (a dict keyed by layer name) and each token's KV-cache
 slot into ``slot_mapping`` (same keys). A layer writes the new tokens' keys and values into
 its cache, then each request's queries attend to the request's cached tokens up to
-themselves. Padding tokens (slot -1) are neither written nor attended to; their output is
-zero, so they cannot change the real tokens' outputs.
+themselves. Padding tokens (slot -1) write only to a scratch slot no token reads, and
+their output is zero, so they cannot change the real tokens' outputs. The layer computes
+from tensors alone (no host lists, no host sync), so a CUDA graph can capture it; the
+metadata stays in the context for what reads it (micro-batch slicing, the layers' check).
 """
 
 import math
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_bridge._checks import check_int
+from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.forward_context import get_forward_context
 
 __all__ = ["Attention", "AttentionMetadata", "RMSNorm", "linear"]
@@ -114,13 +117,18 @@ class Attention(nn.Module):
     """Pre-norm causal multi-head self-attention with a residual connection.
 
     ``prefix`` is the layer's name in the forward context's ``attn_metadata`` and
-    ``slot_mapping``. The KV cache (``kv_cache``: ``(2, num_slots, hidden_size)``) is bound
-    by the model runner with :meth:`bind_kv_cache`.
+    ``slot_mapping``. The KV cache (``kv_cache``: ``(2, num_slots + 1, hidden_size)``) is
+    bound by the model runner with :meth:`bind_kv_cache`; a request's region holds
+    ``max_model_len`` consecutive slots.
     """
 
-    def __init__(self, prefix: str, hidden_size: int, num_heads: int, eps: float) -> None:
+    def __init__(
+        self, prefix: str, hidden_size: int, num_heads: int, eps: float, max_model_len: int
+    ) -> None:
         super().__init__()
+        check_int("max_model_len", max_model_len, minimum=1)
         self.prefix = prefix
+        self.max_model_len = max_model_len
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -130,42 +138,76 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
 
     def bind_kv_cache(self, num_slots: int) -> None:
-        """Allocate this layer's KV cache: ``num_slots`` token slots on its device."""
+        """Allocate this layer's KV cache: ``num_slots`` token slots on its device, plus one
+        scratch slot (the last) that padding tokens write to."""
         check_int("num_slots", num_slots, minimum=1)
         self.kv_cache = torch.zeros(
-            2, num_slots, self.qkv.shape[0], dtype=self.qkv.dtype, device=self.qkv.device
+            2, num_slots + 1, self.qkv.shape[0], dtype=self.qkv.dtype, device=self.qkv.device
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention of the tokens ``x`` at ``positions`` (their slots come from the
+        forward context's ``slot_mapping``).
+
+        Capturable in a CUDA graph: every shape depends only on the number of tokens and
+        ``max_model_len``, and nothing reads a tensor's value on the host. That is why it
+        does not walk ``attn_metadata`` request by request (a Python loop over host lists
+        whose lengths change from step to step under the same padded size): a token's
+        request region starts at ``slot - position``, and the token attends to the slots
+        ``start .. start + position`` of that region, masked on the device. Padding tokens
+        (slot -1) write to the scratch slot and their output is zero.
+        """
         context = get_forward_context()
-        meta = context.attn_metadata[self.prefix]
+        meta = context.attn_metadata.get(self.prefix)
+        if meta is None:
+            raise RuntimeError(f"{self.prefix}: the forward context has no attention metadata")
+        if context.cudagraph_runtime_mode is CUDAGraphMode.FULL:
+            # A FULL graph holds this layer: its shapes must not depend on the batch.
+            window = self.max_model_len
+        else:
+            # Eager: the batch's longest sequence, from the host-side metadata (no sync);
+            # a prefill then gathers its own length, not max_model_len, per token.
+            lens = [
+                c + meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+                for i, c in enumerate(meta.context_lens)
+            ]
+            window = min(self.max_model_len, max(lens, default=1))
         slots = context.slot_mapping[self.prefix]
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError(f"{self.prefix}: no KV cache bound (call bind_kv_cache first)")
-        real = meta.num_actual_tokens
+        scratch = cache.shape[1] - 1
         q, k, v = linear(self.norm(x), self.qkv).chunk(3, dim=-1)
-        cache[0, slots[:real]] = k[:real]
-        cache[1, slots[:real]] = v[:real]
-        out = torch.zeros_like(q)
-        for i in range(meta.num_reqs):
-            lo, hi = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[lo:hi] = self._attend(cache, q[lo:hi], meta.kv_starts[i], meta.context_lens[i])
+        real = slots >= 0
+        write = torch.where(real, slots, torch.full_like(slots, scratch))
+        cache[0].index_copy_(0, write, k)
+        cache[1].index_copy_(0, write, v)
+        out = self._attend(cache, q, slots, positions, real, window)
         return x + linear(out, self.out)
 
     def _attend(
-        self, cache: torch.Tensor, q: torch.Tensor, kv_start: int, context_len: int
+        self,
+        cache: torch.Tensor,
+        q: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        real: torch.Tensor,
+        window: int,
     ) -> torch.Tensor:
-        n, seq = q.shape[0], context_len + q.shape[0]
-        heads, d = self.num_heads, self.head_dim
-        keys = cache[0, kv_start : kv_start + seq].view(seq, heads, d).transpose(0, 1)
-        values = cache[1, kv_start : kv_start + seq].view(seq, heads, d).transpose(0, 1)
-        queries = q.view(n, heads, d).transpose(0, 1)
-        scores = torch.matmul(queries, keys.transpose(1, 2)).float() * self.scale
-        # Query j sits at position context_len + j and sees keys 0 .. context_len + j.
-        allowed = torch.arange(seq, device=q.device)[None, :] <= (
-            context_len + torch.arange(n, device=q.device)[:, None]
-        )
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        n, heads, d = q.shape[0], self.num_heads, self.head_dim
+        scratch = cache.shape[1] - 1
+        start = torch.where(real, slots - positions, torch.zeros_like(slots))
+        offsets = torch.arange(window, device=q.device)
+        index = (start[:, None] + offsets[None, :]).clamp(0, scratch).reshape(-1)
+        keys = cache[0].index_select(0, index).view(n, window, heads, d).permute(0, 2, 3, 1)
+        values = cache[1].index_select(0, index).view(n, window, heads, d).transpose(1, 2)
+        queries = q.view(n, heads, 1, d)
+        scores = torch.matmul(queries, keys).float() * self.scale  # (n, heads, 1, window)
+        # A token at position p sees its request's keys 0 .. p; a padding token sees key 0
+        # only (so its softmax is defined) and its output is zeroed below.
+        limit = torch.where(real, positions, torch.zeros_like(positions))
+        allowed = offsets[None, :] <= limit[:, None]
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
         probs = F.softmax(scores, dim=-1).to(q.dtype)
-        return torch.matmul(probs, values).transpose(0, 1).reshape(n, heads * d)
+        out = torch.matmul(probs, values).reshape(n, heads * d)
+        return out * real[:, None].to(out.dtype)

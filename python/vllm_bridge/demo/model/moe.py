@@ -110,6 +110,12 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, f, h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.routed(self.norm(x))
+
+    def routed(self, h: torch.Tensor) -> torch.Tensor:
+        """The experts' combined output for the normalised tokens ``h`` (no residual): the
+        part of the layer that runs the DP collectives when the context has DP metadata
+        (the model runs it eagerly between PIECEWISE graphs)."""
         context = get_forward_context()
         if context.all_moe_layers:
             expected = context.all_moe_layers[context.moe_layer_index]
@@ -119,15 +125,14 @@ class MoE(nn.Module):
                     f"{expected} (all_moe_layers {context.all_moe_layers})"
                 )
             context.moe_layer_index += 1
-        h = self.norm(x)
         if context.dp_metadata is None:
             if self.ep_size > 1:
                 raise RuntimeError(
                     f"{self.prefix} shards its experts over {self.ep_size} DP ranks but the "
                     "forward context has no dp_metadata (set_forward_context needs num_tokens)"
                 )
-            return x + self._combine(self._contributions(h))
-        return x + self._forward_dp(h, context.dp_metadata)
+            return self._combine(self._contributions(h))
+        return self._forward_dp(h, context.dp_metadata)
 
     def _forward_dp(self, h: torch.Tensor, meta: DPMetadata) -> torch.Tensor:
         n = h.shape[0]
@@ -152,18 +157,26 @@ class MoE(nn.Module):
 
     def _contributions(self, h: torch.Tensor) -> torch.Tensor:
         """``(tokens, top_k, hidden)``: ``weight_k * expert_k(h)`` for the experts this rank
-        owns, zero for the others."""
+        owns, zero for the others.
+
+        Capturable in a CUDA graph: every local expert runs on every token (a fixed
+        shape), and each (token, k) entry keeps its expert's output where the routing chose
+        that expert (a device-side select). The former version gathered each expert's
+        tokens with ``nonzero`` and skipped idle experts with ``numel() == 0``: both read
+        device values on the host (a sync) and give data-dependent shapes, which a graph
+        cannot hold. A row's values are the same as before (the same products, computed
+        row by row by :func:`linear`); only idle (token, expert) pairs cost more work.
+        """
         probs = F.softmax(linear(h, self.router).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(h.dtype)
         contrib = h.new_zeros(h.shape[0], self.top_k, h.shape[1])
         for local in range(self.num_local):
-            rows, ks = torch.nonzero(experts == self.first_expert + local, as_tuple=True)
-            if rows.numel() == 0:
-                continue
-            xe = h[rows]
-            act = F.silu(linear(xe, self.w_gate[local])) * linear(xe, self.w_up[local])
-            contrib[rows, ks] = linear(act, self.w_down[local]) * weights[rows, ks, None]
+            act = F.silu(linear(h, self.w_gate[local])) * linear(h, self.w_up[local])
+            out = linear(act, self.w_down[local])
+            chosen = experts == self.first_expert + local  # (tokens, top_k)
+            contrib = torch.where(chosen[:, :, None], out[:, None, :] * weights[:, :, None],
+                                  contrib)
         return contrib
 
     @staticmethod
