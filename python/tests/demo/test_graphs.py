@@ -61,9 +61,8 @@ def _piecewise(n: int) -> BatchDescriptor:
         ("full_and_piecewise",
          {**{_full(n): CUDAGraphMode.FULL for n in SIZES},
           **{_piecewise(n): CUDAGraphMode.PIECEWISE for n in SIZES}}),
-        ("piecewise",
-         {**{BatchDescriptor(n, None, True): CUDAGraphMode.PIECEWISE for n in SIZES},
-          **{_piecewise(n): CUDAGraphMode.PIECEWISE for n in SIZES}}),
+        # PIECEWISE keys are relaxed: one graph per size serves decode and mixed batches.
+        ("piecewise", {_piecewise(n): CUDAGraphMode.PIECEWISE for n in SIZES}),
         ("full_decode_only", {_full(n): CUDAGraphMode.FULL for n in SIZES}),
         ("none", {}),
     ],

@@ -32,7 +32,7 @@ import torch
 from vllm_bridge._checks import check_int
 from vllm_bridge.config import VllmConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
-from vllm_bridge.cudagraph_dispatch import dispatch_cudagraph
+from vllm_bridge.cudagraph_dispatch import CudagraphDispatcher
 from vllm_bridge.demo.graphs import ForwardInputs, GraphManager, GraphRun
 from vllm_bridge.demo.batch import InputBatch, RequestState, SchedulerStep, prepare_inputs
 from vllm_bridge.demo.model import weights as weights_io
@@ -139,6 +139,9 @@ class ModelRunner:
         self.moe_chunk_size = moe_chunk_size
         self.model: MoETransformer | None = None
         self.graphs: GraphManager | None = None
+        # One dispatcher for the runner's life: its keys are the graphs there are (built
+        # once, as vLLM's model runner does), and every step is dispatched through it.
+        self.dispatcher = CudagraphDispatcher(vllm_config)
         self.weights: weights_io.WeightsFile | None = None
         self.requests: dict[str, RequestState] = {}
         self._free_regions = list(range(max_num_reqs))
@@ -192,29 +195,28 @@ class ModelRunner:
         return info
 
     def _descriptor(self, padded: int, mode: CUDAGraphMode, uniform: bool) -> BatchDescriptor:
-        """The key a step of ``padded`` tokens runs under (and its graph is captured by)."""
-        return BatchDescriptor(
-            num_tokens=padded,
-            num_reqs=padded if mode is CUDAGraphMode.FULL else None,
-            uniform=uniform,
+        """The key of a step of ``padded`` tokens under ``mode``, once the DP ranks agreed
+        on both (the agreement may pad further or downgrade the mode), looked up as the
+        dispatcher does: the exact descriptor among the FULL keys, else the relaxed one
+        (``num_reqs`` None, not uniform), which is also the key of PIECEWISE and NONE."""
+        exact = BatchDescriptor(
+            num_tokens=padded, num_reqs=padded if uniform else None, uniform=uniform
         )
+        if mode is CUDAGraphMode.FULL and exact in self.dispatcher.cudagraph_keys[mode]:
+            return exact
+        return exact.relax_for_mixed_batch_cudagraphs()
 
     def graph_descriptors(self) -> dict[BatchDescriptor, CUDAGraphMode]:
-        """Every descriptor the dispatcher can return, with its mode: the graphs to capture.
-
-        The one place the runner asks the dispatcher for its keys: each capture size, as a
-        uniform decode batch and as a mixed one. A uniform decode batch has one request
-        per token, so one larger than ``max_num_reqs`` never happens and is not captured.
-        """
-        config = self.vllm_config.compilation_config
+        """Every descriptor the dispatcher can return, with its mode: the graphs to capture
+        (``CudagraphDispatcher.capture_descriptors``). A uniform decode batch here has one
+        request per token, so one of more than ``max_num_reqs`` requests (the KV-cache
+        regions) never happens and is not captured."""
         out: dict[BatchDescriptor, CUDAGraphMode] = {}
-        for size in config.cudagraph_capture_sizes:
-            for uniform in (True, False):
-                if uniform and size > self.max_num_reqs:
+        for mode, descriptors in self.dispatcher.capture_descriptors():
+            for descriptor in descriptors:
+                if descriptor.uniform and (descriptor.num_reqs or 0) > self.max_num_reqs:
                     continue
-                mode, padded = dispatch_cudagraph(config, size, uniform)
-                if mode is not CUDAGraphMode.NONE:
-                    out[self._descriptor(padded, mode, uniform)] = mode
+                out[descriptor] = mode
         return out
 
     def _capture_context(
@@ -258,7 +260,8 @@ class ModelRunner:
         num_tokens = sum(counts)
         uniform = bool(counts) and all(n == 1 for n in counts)
         configured = self.vllm_config.compilation_config
-        mode, padded = dispatch_cudagraph(self.vllm_config, num_tokens, uniform)
+        mode, key = self.dispatcher.dispatch(num_tokens, uniform)
+        padded = key.num_tokens
         should_ubatch, across, synced = coordinate_batch_across_dp(
             num_tokens_unpadded=num_tokens,
             allow_microbatching=self.parallel_config.enable_dbo,
