@@ -38,6 +38,7 @@ defmodule VllmBridge.BenchTest do
     # Part 7 runs on a CUDA device and says it was skipped otherwise (never a failure).
     assert text =~
              ~r/skipped: needs a CUDA device|target decode 8: replay >= 3x eager \(forward\): best [\d.]+x -- (met|NOT met)/
+
     # The round trip is also measured pinned to one CPU where taskset can do it.
     if Pinning.available?() do
       assert text =~ "pinned to CPU 0"

@@ -88,7 +88,10 @@ defmodule VllmBridge.Bench do
         VllmBridge.stop_pool(@pool)
       end
 
-    say.("the Python parts: multiprocessing, forward context, worker alone, CUDA graphs (3, 5-7) ...")
+    say.(
+      "the Python parts: multiprocessing, forward context, worker alone, CUDA graphs (3, 5-7) ..."
+    )
+
     mp = PythonPeers.mp_pool_apply(python, part.(:mp))
 
     # Sections 5 to 7, printed as the scripts report themselves.
