@@ -74,6 +74,23 @@ defmodule VllmBridge.DemoTest do
     assert printed =~ ~r/rank 0 ready: os pid \d+, device (cpu|cuda:\d+)/
     assert printed =~ "DP group: 2 ranks over gloo"
     for step <- 1..6, do: assert(printed =~ ~r/^#{step}\s+\d+ \/ \d+\s+\d+ \/ \d+/m)
+  end
+
+  test "each row says how its step ran, a graph mode run eagerly starred with its reason",
+       %{result: result, printed: printed} do
+    for {{_, [r0, r1]}, index} <- Enum.with_index(result.steps, 1) do
+      # without CUDA a step runs emulated (its graph's pieces) or eagerly, never "replay"
+      assert r0["graph"] in ["replay", "emulated", "eager"]
+      if r0["cudagraph_mode"] == "NONE", do: assert(r0["graph"] == "eager")
+      fallback = r0["cudagraph_mode"] != "NONE" and r0["graph"] == "eager"
+      mode = if fallback, do: r0["cudagraph_mode"] <> "*", else: r0["cudagraph_mode"]
+      graph = Enum.join(Enum.uniq([r0["graph"], r1["graph"]]), " / ")
+      assert printed =~ ~r/^#{index}\s+.*\s#{Regex.escape(mode)}\s+#{graph}\s/m
+
+      if fallback,
+        do: assert(printed =~ "  * step #{index}, ranks 0, 1: #{r0["graph_reason"]}")
+    end
+
     assert printed =~ "batch-size stats"
     assert printed =~ "tokens identical: "
     refute printed =~ "DIFFERENT"

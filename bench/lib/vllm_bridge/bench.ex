@@ -21,7 +21,12 @@ defmodule VllmBridge.Bench do
     6. the Python side alone (`bench/worker_alone.py`): the worker and the raw echo, each
        driven over its pipes by one Python process with 32 requests in flight, no BEAM:
        calls/s and CPU per call, so the throughput of part 2 can be read as the
-       Python worker's share and the BEAM's. No target; printed as it reports itself.
+       Python worker's share and the BEAM's. No target; printed as it reports itself;
+    7. CUDA graphs (`bench/cudagraph_bench.py`): the demo model's decode steps of batch
+       1, 2, 4, 8 and a mixed batch, graph replay (FULL, PIECEWISE) against eager, step
+       and capture time; target (issue 16, H100) replay at least 3x faster than eager for
+       decode batches of 8 or fewer, judged by the script itself. Without a CUDA device
+       it prints "skipped: needs a CUDA device".
 
   The report is printed and written to `bench/out/bench-<time>.txt` and
   `bench/out/latest.txt`.
@@ -37,7 +42,8 @@ defmodule VllmBridge.Bench do
     mp: [calls: 300, warmup: 30],
     tensors: [sizes_mib: [1, 16], reps: &__MODULE__.one_rep/1],
     fc_args: ["--iterations", "1000", "--repeats", "2"],
-    alone_args: ["--calls", "2000", "--rounds", "1"]
+    alone_args: ["--calls", "2000", "--rounds", "1"],
+    graph_args: ["--steps", "3", "--warmup", "1"]
   ]
 
   @doc false
@@ -82,14 +88,18 @@ defmodule VllmBridge.Bench do
         VllmBridge.stop_pool(@pool)
       end
 
-    say.("the Python parts: multiprocessing, the forward context, the worker alone (3, 5, 6) ...")
+    say.(
+      "the Python parts: multiprocessing, forward context, worker alone, CUDA graphs (3, 5-7) ..."
+    )
+
     mp = PythonPeers.mp_pool_apply(python, part.(:mp))
 
-    # Sections 5 and 6, printed as the scripts report themselves.
+    # Sections 5 to 7, printed as the scripts report themselves.
     printed =
       for {title, script, args} <- [
             {"5. forward context", "forward_context_bench.py", :fc_args},
-            {"6. the Python side alone", "worker_alone.py", :alone_args}
+            {"6. the Python side alone", "worker_alone.py", :alone_args},
+            {"7. CUDA graphs", "cudagraph_bench.py", :graph_args}
           ] do
         lines = PythonPeers.lines(python, script, part.(args))
         ["", "#{title} (bench/#{script})" | Enum.map(lines, &("   " <> &1))]

@@ -147,6 +147,9 @@ defmodule VllmBridge.Demo do
         {{rank_steps, outputs}, schedule}
       end)
 
+    notes = Report.footnotes(Enum.map(results, &elem(&1, 1)))
+    if notes != [], do: out.("* a graph mode, but the step ran eagerly:")
+    Enum.each(notes, out)
     results
   end
 

@@ -1,5 +1,5 @@
 defmodule Mix.Tasks.Vllm.Bench do
-  @shortdoc "Runs the bridge's benchmark suite (round trip, throughput, Python peer, tensors, forward context)"
+  @shortdoc "Runs the bridge's benchmark suite (round trip, throughput, Python peer, tensors, forward context, CUDA graphs)"
   @moduledoc """
   `make bench` runs `mix vllm.bench`: every benchmark of `VllmBridge.Bench` in one run,
   each beside a floor measured in the same run, with the targets marked PASS or MISS.

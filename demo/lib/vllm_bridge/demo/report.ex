@@ -6,7 +6,13 @@ defmodule VllmBridge.Demo.Report do
   A step's output (from `vllm_bridge.demo.rank.execute_model`) is a map with string keys:
   `"num_tokens"`, `"num_tokens_padded"`, `"num_tokens_across_dp"`, `"should_ubatch"`,
   `"ubatch_num_tokens"`, `"cudagraph_mode"`, `"moe_chunks"`, `"forward_ms"`, `"req_ids"`,
-  `"sampled_token_ids"`, `"skipped"`, ...
+  `"sampled_token_ids"`, `"skipped"`, `"graph"`, `"graph_reason"`, ...
+
+  Column "cudagraph" is the agreed runtime mode; column "graph" says how the forward pass
+  ran: `replay` (CUDA graphs), `emulated` (no CUDA: the captured pieces ran eagerly) or
+  `eager`. A mode other than NONE whose step still ran eagerly (its descriptor had no
+  graph) is marked with a `*` (`PIECEWISE*`), and `footnotes/1` gives each such step's
+  reason after the table.
   """
 
   @columns [
@@ -14,7 +20,8 @@ defmodule VllmBridge.Demo.Report do
     {"tokens r0/r1", 12},
     {"padded r0/r1", 12},
     {"micro-batching", 15},
-    {"cudagraph", 9},
+    {"cudagraph", 10},
+    {"graph", 8},
     {"MoE chunks", 10},
     {"forward ms r0/r1", 16},
     {"step ms", 7},
@@ -38,7 +45,8 @@ defmodule VllmBridge.Demo.Report do
       per_rank(outputs, & &1["num_tokens"]),
       per_rank(outputs, & &1["num_tokens_padded"]),
       ubatch(first),
-      if(first["skipped"], do: "-", else: first["cudagraph_mode"]),
+      mode(outputs),
+      graph(outputs),
       Integer.to_string(first["moe_chunks"]),
       per_rank(outputs, &ms(&1["forward_ms"])),
       ms(wall_ms),
@@ -49,6 +57,50 @@ defmodule VllmBridge.Demo.Report do
     |> Enum.zip(cells)
     |> Enum.map_join("  ", fn {{_name, width}, cell} -> pad(cell, width) end)
     |> String.trim_trailing()
+  end
+
+  @doc """
+  The footnotes of the rows marked `*`: for each step (its number, from 1) whose mode was
+  not NONE but a rank ran it eagerly, that rank's reason. `steps` are each step's
+  outputs, one per rank.
+  """
+  @spec footnotes([[map()]]) :: [String.t()]
+  def footnotes(steps) do
+    for {outputs, index} <- Enum.with_index(steps, 1),
+        {reason, ranks} <- fallback_reasons(outputs) do
+      label = if length(ranks) == 1, do: "rank", else: "ranks"
+      "  * step #{index}, #{label} #{Enum.join(ranks, ", ")}: #{reason}"
+    end
+  end
+
+  # The eager ranks of a step, grouped by their reason (in rank order).
+  defp fallback_reasons(outputs) do
+    outputs
+    |> Enum.with_index()
+    |> Enum.filter(fn {out, _} -> eager_fallback?(out) end)
+    |> Enum.group_by(fn {out, _} -> out["graph_reason"] || "no reason given" end, &elem(&1, 1))
+    |> Enum.sort_by(fn {_, ranks} -> ranks end)
+  end
+
+  defp mode([first | _] = outputs) do
+    cond do
+      first["skipped"] -> "-"
+      Enum.any?(outputs, &eager_fallback?/1) -> first["cudagraph_mode"] <> "*"
+      true -> first["cudagraph_mode"]
+    end
+  end
+
+  defp graph([first | _] = outputs) do
+    if first["skipped"] do
+      "-"
+    else
+      outputs |> Enum.map(& &1["graph"]) |> Enum.uniq() |> Enum.join(" / ")
+    end
+  end
+
+  # A step that had a graph mode but ran eagerly: its descriptor had no graph.
+  defp eager_fallback?(out) do
+    not out["skipped"] and out["graph"] == "eager" and out["cudagraph_mode"] != "NONE"
   end
 
   defp per_rank(outputs, fun), do: Enum.map_join(outputs, " / ", &to_string(fun.(&1)))
