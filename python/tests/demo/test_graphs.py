@@ -84,6 +84,22 @@ def test_decode_graphs_beyond_max_num_reqs_are_not_captured(weights: str) -> Non
     assert {d for d in runner.graphs.descriptors() if d.uniform} == {_full(1), _full(2)}
 
 
+def test_a_decode_padded_past_max_num_reqs_takes_the_mixed_graph_not_eager(
+    weights: str,
+) -> None:
+    # 5 decodes pad to 8, more requests than the runner holds (6): the dispatcher (its
+    # max_num_seqs capped by max_num_reqs) never offers the FULL decode key it would not
+    # capture, and the step takes the PIECEWISE graph of 8 instead of running eagerly.
+    runner = _runner(weights, "full_and_piecewise", max_num_reqs=6)
+    prompts = {r: [5 + i, 20 + i] for i, r in enumerate("abcde")}
+    runner.execute_model(SchedulerStep({r: 2 for r in prompts}, prompts))
+    decode = runner.execute_model(SchedulerStep({r: 1 for r in prompts}))
+    assert (decode.batch_descriptor, decode.cudagraph_mode) == (_piecewise(8), "PIECEWISE")
+    assert (decode.graph, decode.graph_reason) == ("emulated", None)
+    captured = runner.graphs.descriptors()
+    assert _full(4) in captured and _full(8) not in captured
+
+
 def test_each_step_hits_its_key_or_runs_eagerly_and_says_why(weights: str) -> None:
     runner = _runner(weights, "full_and_piecewise")
     prompts = {r: [3 + i, 40 + i] for i, r in enumerate("abc")}

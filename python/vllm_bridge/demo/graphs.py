@@ -27,10 +27,14 @@ the result says so (:class:`GraphRun`).
 **Without CUDA** (torch has no graphs on the CPU) the manager keeps the same bookkeeping
 (which descriptors are captured, which are skipped and why, which step hit which key) and
 "replays" by running each captured segment's pieces on the static buffers, copying the
-results into the static outputs: the same code path as on CUDA, minus the graph. Such a
-run says ``how="emulated"``, never ``"replay"``.
+results into the static outputs: the same buffers, keys and fallbacks as on CUDA, but not
+the same execution. An emulated run executes the pieces' Python every step (the MoE
+layers' order check and counter, attention's metadata lookup), which a real replay does
+not: a captured piece must not depend on per-step Python state, and the CPU run cannot
+prove that. Such a run says ``how="emulated"``, never ``"replay"``.
 """
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,11 +43,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_bridge.config import VllmConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
+from vllm_bridge.cudagraph_dispatch import CudagraphDispatcher
 from vllm_bridge.demo.model.transformer import MoETransformer, Piece
 from vllm_bridge.forward_context import BatchDescriptor
 
-__all__ = ["CaptureReport", "ForwardInputs", "GraphManager", "GraphRun"]
+__all__ = ["CaptureReport", "ForwardInputs", "GraphManager", "GraphRun", "runner_dispatcher"]
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +174,13 @@ class GraphManager:
         self.report = CaptureReport()
         self.hits: dict[BatchDescriptor, int] = {}
         self._entries: dict[BatchDescriptor, _Entry] = {}
+        self._captured = False
         self._pool: object | None = None
         self._ids = self._pos = self._slots = torch.zeros(0, dtype=torch.int64)
 
     def needs_capture(self) -> bool:
-        """Nothing captured yet."""
-        return not self._entries and not self.report.skipped
+        """Nothing captured yet (``capture`` not called)."""
+        return not self._captured
 
     def descriptors(self) -> dict[BatchDescriptor, CUDAGraphMode]:
         """The captured descriptors and their modes."""
@@ -185,9 +192,11 @@ class GraphManager:
         smaller graphs reuse the pool's memory). See the module docstring.
 
         Raises:
+            TypeError: a key is not a BatchDescriptor.
             ValueError: a mode is not FULL or PIECEWISE, or a descriptor has no tokens.
+            RuntimeError: this manager has captured already (even nothing).
         """
-        if not self.needs_capture():
+        if self._captured:
             raise RuntimeError("graphs are captured already; create a new manager")
         for descriptor, mode in descriptors.items():
             if not isinstance(descriptor, BatchDescriptor):
@@ -196,6 +205,7 @@ class GraphManager:
                 raise ValueError(f"{descriptor}: mode must be FULL or PIECEWISE, got {mode!r}")
             if descriptor.num_tokens < 1:
                 raise ValueError(f"{descriptor}: num_tokens must be >= 1")
+        self._captured = True
         if not descriptors:
             return self.report
         size = max(d.num_tokens for d in descriptors)
@@ -206,6 +216,9 @@ class GraphManager:
         if self.use_cuda:
             self._pool = torch.cuda.graph_pool_handle()
             torch.cuda.synchronize(self.device)
+            # Each torch.cuda.graph entry empties the allocator's cache: empty it first, or
+            # the blocks it frees during capture hide what the graphs take.
+            torch.cuda.empty_cache()
             free_before = torch.cuda.mem_get_info(self.device)[0]
         started = time.perf_counter()
         order = sorted(descriptors, key=lambda d: (-d.num_tokens, str(d)))
@@ -244,9 +257,15 @@ class GraphManager:
     def _capture_one(self, descriptor: BatchDescriptor, mode: CUDAGraphMode) -> _Entry:
         inputs = self._static(descriptor.num_tokens)
         pieces = self.model.pieces()
-        if self.use_cuda:  # warm-up: one eager pass (kernels chosen, workspaces made)
-            with self.context(descriptor, mode, inputs):
+        if self.use_cuda:
+            # Warm-up: one eager pass (kernels chosen, workspaces made) on a side stream,
+            # as PyTorch's recipe does: some lazy state is per stream, and the capture runs
+            # on torch.cuda.graph's own side stream.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), self.context(descriptor, mode, inputs):
                 self.model(inputs.input_ids, inputs.positions)
+            torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
         pool = self._pool if self.use_cuda else None
         entry = _Entry(mode, [])
@@ -277,6 +296,9 @@ class GraphManager:
                     state = piece.fn(*state)
         return entry
 
+    # Inference mode: the static buffers were made under it (in capture), and copying into
+    # them outside it is refused by torch.
+    @torch.inference_mode()
     def run(
         self, descriptor: BatchDescriptor, mode: CUDAGraphMode, inputs: ForwardInputs
     ) -> GraphRun:
@@ -309,3 +331,27 @@ class GraphManager:
             state = step.replay(state) if isinstance(step, _Segment) else step.fn(*state)
         self.hits[descriptor] = self.hits.get(descriptor, 0) + 1
         return GraphRun(state[0], "replay" if self.use_cuda else "emulated")
+
+
+# What a DP rank's FULL graph cannot hold: the MoE layers' collectives run between the
+# pieces (vLLM likewise downgrades the mode when a backend cannot run FULL graphs).
+_WITHOUT_FULL = {
+    CUDAGraphMode.FULL: CUDAGraphMode.PIECEWISE,
+    CUDAGraphMode.FULL_AND_PIECEWISE: CUDAGraphMode.PIECEWISE,
+    CUDAGraphMode.FULL_DECODE_ONLY: CUDAGraphMode.NONE,
+}
+
+
+def runner_dispatcher(config: VllmConfig, max_num_reqs: int, dp_size: int) -> CudagraphDispatcher:
+    """The runner's dispatcher: no decode graph for more requests than the runner holds
+    (``max_num_seqs`` capped by ``max_num_reqs``, the KV-cache regions), and, with more
+    than one DP rank, no FULL graph (the mode downgraded as :data:`_WITHOUT_FULL` says), so
+    that every key it returns is one the graph manager captures."""
+    scheduler = config.scheduler_config
+    if scheduler.max_num_seqs > max_num_reqs:
+        scheduler = dataclasses.replace(scheduler, max_num_seqs=max_num_reqs)
+        config = dataclasses.replace(config, scheduler_config=scheduler)
+    mode = config.compilation_config.cudagraph_mode
+    if dp_size > 1:
+        mode = _WITHOUT_FULL.get(mode, mode)
+    return CudagraphDispatcher(config, cudagraph_mode=mode)

@@ -32,9 +32,9 @@ import torch
 from vllm_bridge._checks import check_int
 from vllm_bridge.config import VllmConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
-from vllm_bridge.cudagraph_dispatch import CudagraphDispatcher
-from vllm_bridge.demo.graphs import ForwardInputs, GraphManager, GraphRun
+from vllm_bridge.demo.graphs import ForwardInputs, GraphManager, GraphRun, runner_dispatcher
 from vllm_bridge.demo.batch import InputBatch, RequestState, SchedulerStep, prepare_inputs
+from vllm_bridge.demo.requests import after_step, apply_step
 from vllm_bridge.demo.model import weights as weights_io
 from vllm_bridge.demo.model.config import ModelConfig
 from vllm_bridge.demo.model.layers import AttentionMetadata
@@ -141,7 +141,7 @@ class ModelRunner:
         self.graphs: GraphManager | None = None
         # One dispatcher for the runner's life: its keys are the graphs there are (built
         # once, as vLLM's model runner does), and every step is dispatched through it.
-        self.dispatcher = CudagraphDispatcher(vllm_config)
+        self.dispatcher = runner_dispatcher(vllm_config, max_num_reqs, self.dp_size)
         self.weights: weights_io.WeightsFile | None = None
         self.requests: dict[str, RequestState] = {}
         self._free_regions = list(range(max_num_reqs))
@@ -196,28 +196,25 @@ class ModelRunner:
 
     def _descriptor(self, padded: int, mode: CUDAGraphMode, uniform: bool) -> BatchDescriptor:
         """The key of a step of ``padded`` tokens under ``mode``, once the DP ranks agreed
-        on both (the agreement may pad further or downgrade the mode), looked up as the
-        dispatcher does: the exact descriptor among the FULL keys, else the relaxed one
-        (``num_reqs`` None, not uniform), which is also the key of PIECEWISE and NONE."""
-        exact = BatchDescriptor(
-            num_tokens=padded, num_reqs=padded if uniform else None, uniform=uniform
-        )
-        if mode is CUDAGraphMode.FULL and exact in self.dispatcher.cudagraph_keys[mode]:
-            return exact
-        return exact.relax_for_mixed_batch_cudagraphs()
+        on both (the agreement may pad further or downgrade the mode): the dispatcher's
+        own key for that size and mode, so the two never drift apart; the plain
+        descriptor of that size when the dispatcher has no graph of that mode for it."""
+        if mode is not CUDAGraphMode.NONE:
+            got, key = self.dispatcher.dispatch(
+                padded, uniform, disable_full=mode is not CUDAGraphMode.FULL
+            )
+            if got is mode:
+                return key
+        return BatchDescriptor(num_tokens=padded)
 
     def graph_descriptors(self) -> dict[BatchDescriptor, CUDAGraphMode]:
         """Every descriptor the dispatcher can return, with its mode: the graphs to capture
-        (``CudagraphDispatcher.capture_descriptors``). A uniform decode batch here has one
-        request per token, so one of more than ``max_num_reqs`` requests (the KV-cache
-        regions) never happens and is not captured."""
-        out: dict[BatchDescriptor, CUDAGraphMode] = {}
-        for mode, descriptors in self.dispatcher.capture_descriptors():
-            for descriptor in descriptors:
-                if descriptor.uniform and (descriptor.num_reqs or 0) > self.max_num_reqs:
-                    continue
-                out[descriptor] = mode
-        return out
+        (``CudagraphDispatcher.capture_descriptors``)."""
+        return {
+            descriptor: mode
+            for mode, descriptors in self.dispatcher.capture_descriptors()
+            for descriptor in descriptors
+        }
 
     def _capture_context(
         self, descriptor: BatchDescriptor, mode: CUDAGraphMode, inputs: ForwardInputs
@@ -381,58 +378,18 @@ class ModelRunner:
     # -- request state ---------------------------------------------------------------------
 
     def _update_requests(self, step: SchedulerStep) -> None:
-        """Apply finished and new requests. Checks everything first (ids, token ids, the
-        tokens each request can compute, the length limit): a refused step changes
-        nothing, and is refused before this rank enters the step's collectives."""
-        vocab = self.model_config.vocab_size
-        staying = set(self.requests) - set(step.finished)
-        for req_id, prompt in step.new_requests.items():
-            if req_id in staying:
-                raise ValueError(f"request {req_id!r} is already running")
-            for token in prompt:
-                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                    raise ValueError(
-                        f"request {req_id!r}: token id {token!r} is not in 0..{vocab - 1}"
-                    )
-        known = staying | set(step.new_requests)
-        unknown = [r for r in step.num_scheduled_tokens if r not in known]
-        if unknown:
-            raise ValueError(f"scheduled request(s) {unknown} are not running (never added?)")
-        max_len = self.model_config.max_model_len
-        for req_id, n in step.num_scheduled_tokens.items():
-            if req_id in step.new_requests:
-                computed, known_tokens = 0, len(step.new_requests[req_id])
-            else:
-                state = self.requests[req_id]
-                computed, known_tokens = state.num_computed, len(state.token_ids)
-            if n > known_tokens - computed:
-                raise ValueError(
-                    f"request {req_id!r} has {known_tokens - computed} token(s) to compute, "
-                    f"{n} were scheduled"
-                )
-            if computed + n > max_len:
-                raise ValueError(
-                    f"request {req_id!r} would reach {computed + n} tokens, beyond "
-                    f"max_model_len {max_len}"
-                )
-        freed = [self.requests[r].region for r in step.finished if r in self.requests]
-        if len(staying) + len(step.new_requests) > self.max_num_reqs:
-            raise ValueError(
-                f"{len(staying) + len(step.new_requests)} requests would run at once; "
-                f"this runner holds at most max_num_reqs={self.max_num_reqs}"
-            )
-        for req_id in step.finished:
-            self.requests.pop(req_id, None)
-        self._free_regions.extend(freed)
-        for req_id, prompt in step.new_requests.items():
-            region = self._free_regions.pop(0)
-            self.requests[req_id] = RequestState(req_id, list(prompt), len(prompt), 0, region)
+        """Apply finished and new requests, every check first (:func:`apply_step`)."""
+        apply_step(
+            self.requests,
+            self._free_regions,
+            step,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.model_config.max_model_len,
+            max_num_reqs=self.max_num_reqs,
+        )
 
     def _after_step(self, batch: InputBatch, sampled: list[int]) -> None:
-        for req_id, n in zip(batch.req_ids, batch.num_scheduled):
-            self.requests[req_id].num_computed += n
-        for req_id, token in zip(batch.sample_req_ids, sampled):
-            self.requests[req_id].token_ids.append(int(token))
+        after_step(self.requests, batch, sampled)
 
     def request_tokens(self, req_id: str) -> list[int]:
         """Every known token of a running request: its prompt, then the sampled ones."""
