@@ -55,7 +55,7 @@ defmodule VllmBridge.Pool do
   """
   @spec start(name(), keyword()) :: {:ok, pid()} | {:error, Error.t()}
   def start(name, opts \\ []) do
-    with :ok <- app_started(),
+    with :ok <- Directory.app_started(),
          {:ok, opts} <- Options.validate(opts) do
       spec = {VllmBridge.Pool.Supervisor, {name, opts}}
 
@@ -267,9 +267,5 @@ defmodule VllmBridge.Pool do
         "pool #{inspect(name)} is not started (running: #{inspect(Directory.pools())})"
       )
     end)
-  end
-
-  defp app_started do
-    if Directory.started?(), do: :ok, else: {:error, Directory.not_started(fn -> nil end)}
   end
 end

@@ -35,7 +35,10 @@ defmodule VllmBridge.Stream do
   @spec new(Wire.target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) ::
           {:ok, Enumerable.t()} | {:error, Error.t()}
   def new(target, args, kwargs, opts) do
-    with :ok <- app_started(),
+    # Without the application nothing could serve the stream: said now, as a call would,
+    # not raised from its enumeration. (A missing pool is found when enumeration begins:
+    # the pool may be started in between.)
+    with :ok <- Directory.app_started(),
          {:ok, _checked} <- Runtime.resolve(opts, :stream),
          {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
       {:ok,
@@ -45,13 +48,6 @@ defmodule VllmBridge.Stream do
          &stop/1
        )}
     end
-  end
-
-  # Without the application nothing could serve the stream: said now, as a call would,
-  # not raised from its enumeration. (A missing pool is found when enumeration begins:
-  # the pool may be started in between.)
-  defp app_started do
-    if Directory.started?(), do: :ok, else: {:error, Directory.not_started(fn -> nil end)}
   end
 
   defp start(target, args, kwargs, parts, opts) do

@@ -1,3 +1,5 @@
+Code.require_file("../support/bindings_helpers.exs", __DIR__)
+
 defmodule VllmBridge.Bindings.SymlinksTest do
   @moduledoc """
   `mix vllm.gen.bindings` follows no symbolic link out of the project: a folder or file
@@ -10,6 +12,8 @@ defmodule VllmBridge.Bindings.SymlinksTest do
   use ExUnit.Case, async: false
   @moduletag :capture_log
   @moduletag timeout: 300_000
+
+  import VllmBridge.BindingsHelpers, only: [gen_task!: 2, gen_task_error: 2]
 
   alias VllmBridge.Bindings.Generator
   alias VllmBridge.Bindings.Gen.Files
@@ -58,30 +62,6 @@ defmodule VllmBridge.Bindings.SymlinksTest do
     :ok = File.ln_s(target, Path.join(project, path))
   end
 
-  defp task!(dir, argv) do
-    Mix.shell(Mix.Shell.Process)
-
-    try do
-      File.cd!(dir, fn -> Mix.Task.rerun("vllm.gen.bindings", argv) end)
-      collect([])
-    after
-      Mix.shell(Mix.Shell.IO)
-    end
-  end
-
-  defp collect(acc) do
-    receive do
-      {:mix_shell, :info, [line]} -> collect([line | acc])
-    after
-      0 -> Enum.reverse(acc)
-    end
-  end
-
-  defp task_error(dir, argv) do
-    e = assert_raise Mix.Error, fn -> task!(dir, argv) end
-    Exception.message(e)
-  end
-
   test "a linked folder and a linked marker file under --out are neither followed nor deleted",
        %{project: project, outside: outside, before: before} do
     link!(outside, project, "lib/my_app/py/link")
@@ -90,7 +70,7 @@ defmodule VllmBridge.Bindings.SymlinksTest do
     link!(Path.join(outside, "gone.ex"), project, "lib/my_app/py/dangling.ex")
     File.write!(Path.join(project, "lib/my_app/py/stale.ex"), @marker)
 
-    lines = task!(project, @run ++ ~w(--out lib/my_app/py))
+    lines = gen_task!(project, @run ++ ~w(--out lib/my_app/py))
 
     assert "deleted lib/my_app/py/stale.ex" in lines
     refute Enum.any?(lines, &(&1 =~ ~r/link|old\.ex|dangling/)), inspect(lines)
@@ -100,7 +80,7 @@ defmodule VllmBridge.Bindings.SymlinksTest do
     assert File.read_link!(Path.join(project, "lib/my_app/py/link")) == outside
     assert {:ok, _} = File.read_link(Path.join(project, "lib/my_app/py/dangling.ex"))
     assert File.regular?(Path.join(project, "lib/my_app/py/my_model/module.ex"))
-    assert List.last(task!(project, @run ++ ~w(--out lib/my_app/py --check))) =~ "up to date"
+    assert List.last(gen_task!(project, @run ++ ~w(--out lib/my_app/py --check))) =~ "up to date"
   end
 
   test "a generated file is not written through a linked folder or a linked file",
@@ -109,7 +89,7 @@ defmodule VllmBridge.Bindings.SymlinksTest do
     link!(outside, project, "lib/a/py/my_model")
 
     for extra <- [[], ["--check"]] do
-      message = task_error(project, @run ++ ~w(--out lib/a/py) ++ extra)
+      message = gen_task_error(project, @run ++ ~w(--out lib/a/py) ++ extra)
       assert message =~ "lib/a/py/my_model/module.ex", message
       assert message =~ "outside the project", message
     end
@@ -119,7 +99,7 @@ defmodule VllmBridge.Bindings.SymlinksTest do
 
     # A generated file's own path is a link (to a file outside).
     link!(Path.join(outside, "precious.ex"), project, "lib/b/py/my_model/kind.ex")
-    message = task_error(project, @run ++ ~w(--out lib/b/py))
+    message = gen_task_error(project, @run ++ ~w(--out lib/b/py))
     assert message =~ "lib/b/py/my_model/kind.ex is a symbolic link", message
     assert snapshot(outside) == before
     assert File.ls!(Path.join(project, "lib/b/py/my_model")) == ["kind.ex"]
@@ -131,18 +111,18 @@ defmodule VllmBridge.Bindings.SymlinksTest do
     link!(outside, project, "lib/parent")
 
     for out <- ~w(lib/out_link lib/out_link/sub lib/parent/py) do
-      message = task_error(project, @run ++ ["--out", out])
+      message = gen_task_error(project, @run ++ ["--out", out])
       assert message =~ ~s(--out "#{out}" leads outside the project), message
       assert message =~ outside, message
     end
 
     # A link to the project root itself would make the whole project the task's folder.
     link!("..", project, "lib/root_link")
-    message = task_error(project, @run ++ ~w(--out lib/root_link))
+    message = gen_task_error(project, @run ++ ~w(--out lib/root_link))
     assert message =~ ~s(--out "lib/root_link" must be a folder inside the project), message
 
     link!("loop", project, "lib/loop")
-    message = task_error(project, @run ++ ~w(--out lib/loop/py))
+    message = gen_task_error(project, @run ++ ~w(--out lib/loop/py))
     assert message =~ ~s(--out "lib/loop/py": a loop of symbolic links), message
     assert snapshot(outside) == before
   end
@@ -152,7 +132,7 @@ defmodule VllmBridge.Bindings.SymlinksTest do
     File.write!(Path.join(project, "lib/real_py/stale.ex"), @marker)
     link!("real_py", project, "lib/py_link")
 
-    lines = task!(project, @run ++ ~w(--out lib/py_link))
+    lines = gen_task!(project, @run ++ ~w(--out lib/py_link))
     assert "deleted lib/py_link/stale.ex" in lines
     assert File.regular?(Path.join(project, "lib/real_py/my_model/module.ex"))
     refute File.exists?(Path.join(project, "lib/real_py/stale.ex"))

@@ -12,6 +12,8 @@ defmodule VllmBridge.Bindings.UserModulesTest do
   @moduletag :capture_log
   @moduletag timeout: 300_000
 
+  import VllmBridge.BindingsHelpers, only: [gen_task!: 2, gen_task_error: 2]
+
   alias VllmBridge.Bindings.Gen.Files
   alias VllmBridge.Codec.Registry
 
@@ -33,26 +35,6 @@ defmodule VllmBridge.Bindings.UserModulesTest do
     dir
   end
 
-  # Runs the task in `dir` (its project root); the shell's info lines.
-  defp task!(dir, argv) do
-    Mix.shell(Mix.Shell.Process)
-
-    try do
-      File.cd!(dir, fn -> Mix.Task.rerun("vllm.gen.bindings", argv) end)
-      collect([])
-    after
-      Mix.shell(Mix.Shell.IO)
-    end
-  end
-
-  defp collect(acc) do
-    receive do
-      {:mix_shell, :info, [line]} -> collect([line | acc])
-    after
-      0 -> Enum.reverse(acc)
-    end
-  end
-
   defp files(dir) do
     dir
     |> Path.join("**/*")
@@ -65,16 +47,11 @@ defmodule VllmBridge.Bindings.UserModulesTest do
   # A generated module (compiled by the tests, so named at run time).
   defp py(name), do: Module.concat(["MyApp.Py", name])
 
-  defp task_error(dir, argv) do
-    e = assert_raise Mix.Error, fn -> task!(dir, argv) end
-    Exception.message(e)
-  end
-
   setup_all do
     dir = Path.join(System.tmp_dir!(), "vb_user_app_#{System.unique_integer([:positive])}")
     File.mkdir_p!(dir)
     on_exit(fn -> File.rm_rf!(dir) end)
-    lines = task!(dir, @args)
+    lines = gen_task!(dir, @args)
     paths = Enum.map(@expected, &Path.join(dir, &1))
     {:ok, modules, warnings} = Kernel.ParallelCompiler.compile(paths, return_diagnostics: true)
     %{dir: dir, lines: lines, compiled: modules, warnings: warnings}
@@ -223,14 +200,16 @@ defmodule VllmBridge.Bindings.UserModulesTest do
   describe "--check" do
     test "passes on fresh files and fails naming a changed and a stale file" do
       dir = tmp_project!()
-      task!(dir, @args)
-      assert List.last(task!(dir, @args ++ ["--check"])) == "bindings are up to date (5 files)"
+      gen_task!(dir, @args)
+
+      assert List.last(gen_task!(dir, @args ++ ["--check"])) ==
+               "bindings are up to date (5 files)"
 
       File.write!(Path.join(dir, "lib/my_app/py/my_model/kind.ex"), "# edited\n", [:append])
       stale = "lib/my_app/py/old/module.ex"
       File.mkdir_p!(Path.join(dir, "lib/my_app/py/old"))
       File.write!(Path.join(dir, stale), Files.marker() <> " from the Python module old.\n")
-      message = task_error(dir, @args ++ ["--check"])
+      message = gen_task_error(dir, @args ++ ["--check"])
       assert message =~ "lib/my_app/py/my_model/kind.ex (differs)"
       assert message =~ "#{stale} (stale)"
     end
@@ -250,7 +229,7 @@ defmodule VllmBridge.Bindings.UserModulesTest do
         File.write!(Path.join(dir, path), text)
       end
 
-      lines = task!(dir, @args)
+      lines = gen_task!(dir, @args)
       assert "deleted #{stale}" in lines
       refute File.exists?(Path.join(dir, stale))
       assert File.exists?(Path.join(dir, hand))
@@ -266,11 +245,11 @@ defmodule VllmBridge.Bindings.UserModulesTest do
     test "an unknown module, and one that fails to import", %{dir: dir} do
       base = ~w(--prefix MyApp.Py --out lib/py --python-path) ++ [@user_dir]
 
-      assert task_error(dir, ["--module", "no_such_user_mod" | base]) =~
+      assert gen_task_error(dir, ["--module", "no_such_user_mod" | base]) =~
                "no_such_user_mod (ModuleNotFoundError: No module named 'no_such_user_mod'); " <>
                  "fix the module"
 
-      assert task_error(dir, ["--module", "my_broken" | base]) =~
+      assert gen_task_error(dir, ["--module", "my_broken" | base]) =~
                "my_broken (RuntimeError: my_broken fails on purpose)"
 
       assert files(dir) == []
@@ -312,7 +291,7 @@ defmodule VllmBridge.Bindings.UserModulesTest do
       ]
 
       for {argv, expected} <- cases do
-        assert task_error(dir, argv) =~ expected, inspect(argv)
+        assert gen_task_error(dir, argv) =~ expected, inspect(argv)
       end
 
       assert files(dir) == ["afile"]
@@ -325,10 +304,10 @@ defmodule VllmBridge.Bindings.UserModulesTest do
       File.chmod!(python, 0o755)
       base = ~w(--module my_model --prefix MyApp.Py --out lib/py --python)
 
-      assert task_error(dir, base ++ [python]) =~
+      assert gen_task_error(dir, base ++ [python]) =~
                "the Python #{python} has no vllm_bridge package: install it"
 
-      assert task_error(dir, base ++ ["/no/such/python"]) =~
+      assert gen_task_error(dir, base ++ ["/no/such/python"]) =~
                "the Python /no/such/python cannot be run"
 
       # No --python, no config, no VLLM_BRIDGE_PYTHON: says how to name one.
@@ -338,7 +317,7 @@ defmodule VllmBridge.Bindings.UserModulesTest do
       System.delete_env("VLLM_BRIDGE_PYTHON")
 
       try do
-        assert task_error(dir, Enum.drop(base, -1)) =~
+        assert gen_task_error(dir, Enum.drop(base, -1)) =~
                  "no Python interpreter: pass --python PATH"
       after
         with {:ok, v} <- old_config, do: Application.put_env(:vllm_bridge, :python, v)
@@ -357,7 +336,7 @@ defmodule VllmBridge.Bindings.UserModulesTest do
       """)
 
       in_other = fn argv ->
-        Mix.Project.in_project(:vb_other_app, dir, fn _ -> task_error(dir, argv) end)
+        Mix.Project.in_project(:vb_other_app, dir, fn _ -> gen_task_error(dir, argv) end)
       end
 
       assert in_other.([]) =~ "name the Python modules to bind: mix vllm.gen.bindings --module"

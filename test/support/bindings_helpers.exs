@@ -1,7 +1,8 @@
 defmodule VllmBridge.BindingsHelpers do
   @moduledoc false
   # Helpers for the tests of the generated bindings (test/bindings): a pool that the
-  # bindings reach without `__runtime__` options, and the exported arities of a module.
+  # bindings reach without `__runtime__` options, the exported arities of a module, and
+  # the bindings task run in a project folder.
 
   @pool :bindings
 
@@ -54,5 +55,31 @@ defmodule VllmBridge.BindingsHelpers do
     {:ok, port} = :inet.port(socket)
     :gen_tcp.close(socket)
     port
+  end
+
+  @doc "Runs `mix vllm.gen.bindings argv` in `dir` (its project root); the shell's info lines."
+  def gen_task!(dir, argv) do
+    Mix.shell(Mix.Shell.Process)
+
+    try do
+      File.cd!(dir, fn -> Mix.Task.rerun("vllm.gen.bindings", argv) end)
+      collect_info([])
+    after
+      Mix.shell(Mix.Shell.IO)
+    end
+  end
+
+  @doc "The message of the `Mix.Error` that `gen_task!(dir, argv)` raises (fails if none)."
+  def gen_task_error(dir, argv) do
+    e = ExUnit.Assertions.assert_raise(Mix.Error, fn -> gen_task!(dir, argv) end)
+    Exception.message(e)
+  end
+
+  defp collect_info(acc) do
+    receive do
+      {:mix_shell, :info, [line]} -> collect_info([line | acc])
+    after
+      0 -> Enum.reverse(acc)
+    end
   end
 end

@@ -69,16 +69,18 @@ defmodule VllmBridge.Pool.Directory do
   else `otherwise` (a function that builds the error of a missing pool, session, ...).
   """
   @spec not_started((() -> VllmBridge.Error.t())) :: VllmBridge.Error.t()
-  def not_started(otherwise) do
-    if started?() do
-      otherwise.()
-    else
-      VllmBridge.Error.new(
-        :bad_argument,
-        "the :vllm_bridge application is not started (it starts with an app that depends " <>
-          "on it; in a script or iex, Application.ensure_all_started(:vllm_bridge))"
-      )
-    end
+  def not_started(otherwise), do: if(started?(), do: otherwise.(), else: app_error())
+
+  @doc "`:ok` while the application runs, else its not-started error."
+  @spec app_started() :: :ok | {:error, VllmBridge.Error.t()}
+  def app_started, do: if(started?(), do: :ok, else: {:error, app_error()})
+
+  defp app_error do
+    VllmBridge.Error.new(
+      :bad_argument,
+      "the :vllm_bridge application is not started (it starts with an app that depends " <>
+        "on it; in a script or iex, Application.ensure_all_started(:vllm_bridge))"
+    )
   end
 
   @doc false

@@ -135,18 +135,7 @@ defmodule VllmBridge.Pool.Options do
 
   # The folders of `python_path`, absolute, each checked to be a folder now: a typo would
   # otherwise surface as an import error in every worker.
-  defp python_path(dirs) do
-    Enum.reduce_while(dirs, {:ok, []}, fn entry, {:ok, acc} ->
-      case python_dir(entry) do
-        {:ok, dir} -> {:cont, {:ok, [dir | acc]}}
-        {:error, why} -> {:halt, bad("pool option python_path: #{why}")}
-      end
-    end)
-    |> case do
-      {:ok, acc} -> {:ok, Enum.reverse(acc)}
-      error -> error
-    end
-  end
+  defp python_path(dirs), do: map_ok(dirs, &python_dir/1, "python_path")
 
   defp python_dir({app, path}) when is_atom(app) and is_binary(path) do
     case :code.lib_dir(app) do
@@ -172,12 +161,23 @@ defmodule VllmBridge.Pool.Options do
   # the python_path folders in front of its PYTHONPATH (the one worker_env gives, else the
   # BEAM's, which the port would pass on).
   defp envs(opts, dirs) do
-    size = opts[:size]
+    map_ok(
+      0..(opts[:size] - 1),
+      fn i ->
+        with {:ok, env} <- worker_env(opts[:worker_env], i),
+             do: {:ok, with_python_path(env, dirs)}
+      end,
+      "worker_env"
+    )
+  end
 
-    Enum.reduce_while(0..(size - 1), {:ok, []}, fn i, {:ok, acc} ->
-      case worker_env(opts[:worker_env], i) do
-        {:ok, env} -> {:cont, {:ok, [with_python_path(env, dirs) | acc]}}
-        {:error, why} -> {:halt, bad("pool option worker_env: #{why}")}
+  # `fun` on each element, in order: `{:ok, results}`, or the first `{:error, why}` as a
+  # bad_argument naming the option.
+  defp map_ok(enum, fun, option) do
+    Enum.reduce_while(enum, {:ok, []}, fn x, {:ok, acc} ->
+      case fun.(x) do
+        {:ok, y} -> {:cont, {:ok, [y | acc]}}
+        {:error, why} -> {:halt, bad("pool option #{option}: #{why}")}
       end
     end)
     |> case do
