@@ -144,11 +144,12 @@ defmodule VllmBridge.Bench do
   # Part 8's lines go before the targets; its targets after the others.
   defp erlport_report(report, targets, erl, ten) do
     {head, tail} = Enum.split_while(report, &(not String.starts_with?(&1, "targets (")))
+    head = if List.last(head) == "", do: Enum.drop(head, -1), else: head
     {lines, new} = Erlport.Report.lines(erl, ten)
 
     marks = Enum.map(new, fn {name, ok} -> "   #{if ok, do: "PASS", else: "MISS"}  #{name}" end)
 
-    {head ++ lines ++ tail ++ marks,
+    {head ++ lines ++ [""] ++ tail ++ marks,
      targets ++ Enum.map(new, fn {name, ok} -> {name, if(ok, do: :pass, else: :miss)} end)}
   end
 

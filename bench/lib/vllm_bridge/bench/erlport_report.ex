@@ -41,7 +41,7 @@ defmodule VllmBridge.Bench.Erlport.Report do
       ] ++ binary_rows(erl.binaries, ten)
 
     targets = [
-      {"full-stack round trip p50 at or below erlport's (#{us(f50)} / #{us(e50)} = #{x(f50 / e50)})",
+      {"full-stack round trip p50 at or below erlport's (#{Stats.fmt(f50)} / #{Stats.fmt(e50)} us = #{x(f50 / e50)})",
        f50 <= e50},
       {"throughput at least 1.3x erlport's (#{x(thr.full / thr.erlport)})",
        thr.full >= 1.3 * thr.erlport},
