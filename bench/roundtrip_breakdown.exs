@@ -10,6 +10,9 @@
 #   direct-1t the same, the worker started without its watcher and lifeline threads (a
 #             throwaway monkeypatch at start-up, not a mode of the worker: it measures what
 #             the extra threads cost a round trip);
+#   wproc     a request built once, sent with VllmBridge.Call.Request.call/3 straight to
+#             a pool worker's process: the worker process's own work without the
+#             caller's (options, binding, encoding, routing, checkout);
 #   hop-both  the same worker behind a process that owns its port: the caller sends the
 #             frame to it, it writes it, and forwards the reply (the bridge's two process
 #             hops, none of its bookkeeping);
@@ -206,17 +209,35 @@ peer_pids = %{
   full: Enum.map(pool_workers, & &1.os_pid),
   direct: [os_pid.(direct)],
   "direct-1t": [os_pid.(single)],
+  wproc: Enum.map(pool_workers, & &1.os_pid),
   "hop-both": [os_pid.(elem(owned, 1))],
   "hop-reply": [os_pid.(elem(owned2, 1))],
   echo: [os_pid.(echo)],
   erlport: erl_os
 }
 
+wpid = hd(pool_workers).pid
+
+{:ok, wparts} =
+  VllmBridge.Call.Wire.encode_invoke(
+    {"vllm_bridge.forward_context", "is_forward_context_available"},
+    [],
+    %{}
+  )
+
+wreq =
+  VllmBridge.Call.Request.new("call",
+    pre: [VllmBridge.Call.Wire.value(nil)],
+    post: wparts,
+    target: {"vllm_bridge.forward_context", "is_forward_context_available"}
+  )
+
 subjects =
   [
     full: fn -> Trivial.call(pool_name: :breakdown) end,
     direct: fn -> Direct.roundtrip(direct, frame) end,
     "direct-1t": fn -> Direct.roundtrip(single, frame) end,
+    wproc: fn -> VllmBridge.Call.Request.call(wpid, wreq, :infinity) end,
     "hop-both": fn -> Owner.call(owned, frame, :owner) end,
     "hop-reply": fn -> Owner.call(owned2, frame, :caller) end,
     echo: fn -> RawEcho.roundtrip(echo, body) end
