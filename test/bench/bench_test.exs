@@ -7,7 +7,7 @@ defmodule VllmBridge.BenchTest do
   use ExUnit.Case, async: false
 
   alias VllmBridge.Bench
-  alias VllmBridge.Bench.{Pinning, RawEcho, Stats}
+  alias VllmBridge.Bench.{Erlport, Pinning, RawEcho, Stats}
 
   @moduletag timeout: 300_000
 
@@ -24,7 +24,8 @@ defmodule VllmBridge.BenchTest do
           "4. tensors",
           "5. forward context",
           "6. the Python side alone",
-          "7. CUDA graphs"
+          "7. CUDA graphs",
+          "8. erlport"
         ] do
       assert text =~ section
     end
@@ -39,18 +40,53 @@ defmodule VllmBridge.BenchTest do
     assert text =~
              ~r/skipped: needs a CUDA device|target decode 8: replay >= 3x eager \(forward\): best [\d.]+x -- (met|NOT met)/
 
+    # Part 8 runs where ERLPORT_DIR holds a built erlport, and says why it was skipped
+    # otherwise; its two erlport targets exist only when it ran (the tensor target always).
+    erlport_targets =
+      case Erlport.find() do
+        {:ok, _} ->
+          assert text =~ ~r/erlport :python.call +p50 +[\d.]+ us +p99 +[\d.]+ us/
+          assert text =~ ~r/full \/ erlport [\d.]+x, full \/ raw [\d.]+%, erlport \/ raw [\d.]+%/
+          2
+
+        {:skip, why} ->
+          assert text =~ "8. erlport (issue 19): skipped: #{why}"
+          0
+      end
+
     # The round trip is also measured pinned to one CPU where taskset can do it.
     if Pinning.available?() do
       assert text =~ "pinned to CPU 0"
-      assert length(targets) == 5
+      assert length(targets) == 6 + erlport_targets
     else
       assert text =~ "not pinned to one CPU"
-      assert length(targets) == 4
+      assert length(targets) == 5 + erlport_targets
     end
 
     assert Enum.all?(targets, fn {_name, verdict} -> verdict in [:pass, :miss] end)
     # the quick run measures 16 MiB at most, so the 64 MiB target cannot pass
     assert {_, :miss} = List.last(targets)
+  end
+
+  test "erlport is skipped with a reason naming what is missing, never half-loaded" do
+    saved = System.get_env("ERLPORT_DIR")
+    empty = Path.join(System.tmp_dir!(), "erlport-missing-#{System.unique_integer([:positive])}")
+    File.mkdir_p!(empty)
+
+    try do
+      System.delete_env("ERLPORT_DIR")
+      assert {:skip, "ERLPORT_DIR is not set" <> _} = Erlport.find()
+      System.put_env("ERLPORT_DIR", empty)
+      assert {:skip, why} = Erlport.find()
+      assert why =~ empty and why =~ "ebin/python.beam"
+      File.mkdir_p!(Path.join(empty, "ebin"))
+      File.write!(Path.join(empty, "ebin/python.beam"), "")
+      assert {:skip, why} = Erlport.find()
+      assert why =~ "priv/python3/erlport/erlang.py"
+    after
+      if saved, do: System.put_env("ERLPORT_DIR", saved), else: System.delete_env("ERLPORT_DIR")
+      File.rm_rf!(empty)
+    end
   end
 
   test "the raw echo returns every frame unchanged, also through an owner in FIFO order" do

@@ -26,13 +26,19 @@ defmodule VllmBridge.Bench do
        1, 2, 4, 8 and a mixed batch, graph replay (FULL, PIECEWISE) against eager, step
        and capture time; target (issue 16, H100) replay at least 3x faster than eager for
        decode batches of 8 or fewer, judged by the script itself. Without a CUDA device
-       it prints "skipped: needs a CUDA device".
+       it prints "skipped: needs a CUDA device";
+    8. erlport (`VllmBridge.Bench.Erlport`, issue 19), when `ERLPORT_DIR` holds a build of
+       it (`bench/erlport/build.sh`): `:python.call` of the same Python function beside
+       the full stack and the raw echo, round trip and throughput, and binary round trips
+       of 1, 16 and 64 MiB beside part 4's tensors; targets: the full stack's p50 at or
+       below erlport's, its throughput at least 1.3x erlport's, 64 MiB tensors at 1 GB/s
+       or more and at least 2x the raw echo's figure. Skipped, saying why, without erlport.
 
   The report is printed and written to `bench/out/bench-<time>.txt` and
   `bench/out/latest.txt`.
   """
 
-  alias VllmBridge.Bench.{Latency, Pinning, PythonPeers, Stats, Tensors, Throughput}
+  alias VllmBridge.Bench.{Erlport, Latency, Pinning, PythonPeers, Stats, Tensors, Throughput}
 
   @pool :vllm_bench
 
@@ -41,6 +47,14 @@ defmodule VllmBridge.Bench do
     throughput: [duration_ms: 300],
     mp: [calls: 300, warmup: 30],
     tensors: [sizes_mib: [1, 16], reps: &__MODULE__.one_rep/1],
+    erlport: [
+      calls: 500,
+      rounds: 5,
+      warmup: 50,
+      duration_ms: 300,
+      sizes_mib: [1],
+      reps: &__MODULE__.one_rep/1
+    ],
     fc_args: ["--iterations", "1000", "--repeats", "2"],
     alone_args: ["--calls", "2000", "--rounds", "1"],
     graph_args: ["--steps", "3", "--warmup", "1"]
@@ -65,7 +79,7 @@ defmodule VllmBridge.Bench do
     say.("starting a pool of 2 workers and the raw echo processes ...")
     {:ok, _} = VllmBridge.start_pool(@pool, size: 2, max_in_flight: 32)
 
-    {hello, lat, thr, ten} =
+    {hello, lat, thr, ten, erl} =
       try do
         {:ok, [w | _]} = VllmBridge.Pool.workers(@pool)
         hello = VllmBridge.Worker.hello(w.pid)
@@ -83,7 +97,8 @@ defmodule VllmBridge.Bench do
         thr = Map.put(thr, :default_pool, default_pool_rate(part.(:throughput)))
         say.("tensors (section 4) ...")
         ten = Tensors.run(@pool, python, part.(:tensors))
-        {hello, lat, thr, ten}
+        erl = erlport_part(python, part.(:erlport), say)
+        {hello, lat, thr, ten, erl}
       after
         VllmBridge.stop_pool(@pool)
       end
@@ -106,9 +121,36 @@ defmodule VllmBridge.Bench do
       end
 
     {report, targets} = report(hello, lat, thr, mp, ten, Enum.concat(printed), opts[:quick])
+
+    {report, targets} = erlport_report(report, targets, erl, ten)
     Enum.each(report, out)
     if Keyword.get(opts, :write, true), do: write(report, out)
     %{report: report, targets: targets}
+  end
+
+  # Part 8, or why it is skipped.
+  defp erlport_part(python, opts, say) do
+    case Erlport.find() do
+      {:ok, dir} ->
+        say.("erlport (section 8, #{dir}) ...")
+        Map.put(Erlport.run(@pool, python, opts), :dir, dir)
+
+      {:skip, why} ->
+        say.("erlport (section 8): skipped: #{why}")
+        {:skip, why}
+    end
+  end
+
+  # Part 8's lines go before the targets; its targets after the others.
+  defp erlport_report(report, targets, erl, ten) do
+    {head, tail} = Enum.split_while(report, &(not String.starts_with?(&1, "targets (")))
+    head = if List.last(head) == "", do: Enum.drop(head, -1), else: head
+    {lines, new} = Erlport.Report.lines(erl, ten)
+
+    marks = Enum.map(new, fn {name, ok} -> "   #{if ok, do: "PASS", else: "MISS"}  #{name}" end)
+
+    {head ++ lines ++ [""] ++ tail ++ marks,
+     targets ++ Enum.map(new, fn {name, ok} -> {name, if(ok, do: :pass, else: :miss)} end)}
   end
 
   # The round trip through workers that poll 100 us before sleeping (`poll_us`).

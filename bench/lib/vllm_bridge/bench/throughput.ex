@@ -50,8 +50,12 @@ defmodule VllmBridge.Bench.Throughput do
     Enum.max(for _round <- 1..2, do: rate(full, callers, duration))
   end
 
-  # `callers` processes call `call.(i)` in a loop from a common start until the deadline.
-  defp rate(call, callers, duration) do
+  @doc """
+  Calls per second of `call.(i)` made in a loop by `callers` processes (`i` = 1..callers)
+  from a common start for `duration` ms; every result must pass `Stats.check!/1`.
+  """
+  @spec rate((pos_integer() -> term()), pos_integer(), pos_integer()) :: float()
+  def rate(call, callers, duration) do
     parent = self()
 
     pids =
