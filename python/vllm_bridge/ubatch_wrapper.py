@@ -20,8 +20,8 @@ runnable. With them it:
 
 **Failure.** Every wait is bounded. A failing thread wakes its sibling, tells the other
 DP ranks through the group's store, and every rank ends the step with that error; the DP
-group is then rebuilt on every rank so the next step runs normally (why each part:
-:mod:`vllm_bridge.dp._ubatch_sync`). No thread outlives the call.
+group is then drained on every rank (each collective posted anywhere gets its partner) so
+the next step runs normally (why each part: :mod:`vllm_bridge.dp._ubatch_sync`). No thread outlives the call.
 
 Differences from vLLM's: non-micro-batched runs are not wrapped in a CUDA-graph wrapper
 here (the demo's graph manager does those); each micro-batch's DP metadata counts its own
@@ -243,7 +243,7 @@ class UBatchWrapper:
                 if sync is not None else None
             ),
         )
-        run.sync = sync  # type: ignore[attr-defined]
+        run.sync = sync
         contexts = make_ubatch_contexts(
             num_micro_batches=len(ubatch_slices),
             compute_stream=compute_stream,
@@ -351,13 +351,13 @@ class UBatchWrapper:
         error, or another rank's as UBatchAbortedError), else the outputs in order."""
         run = metadata[0].context.run
         error = run.error
-        sync = getattr(run, "sync", None)
+        sync = run.sync
         message = None
         if error is not None:
             message = str(error) if isinstance(error, UBatchAbortedError) else self._describe(
                 error, run.error_ubatch or 0
             )
-        failure = sync.finish(message) if sync is not None else message
+        failure = sync.finish(message, run.posted, run.works) if sync is not None else message
         if error is not None and not isinstance(error, UBatchAbortedError):
             raise error
         if failure is not None:

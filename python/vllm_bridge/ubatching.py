@@ -114,6 +114,11 @@ class UBatchRun:
         self.peer_failure = peer_failure
         self.on_failure = on_failure
         self.contexts: list[UBatchContext] = []
+        # Every collective the run posted, in order, and its work: what the DP group needs
+        # to be drained after a failure (vllm_bridge.dp._ubatch_sync).
+        self.posted: list[Any] = []
+        self.works: list[Any] = []
+        self.sync: Any = None  # the run's link to the other DP ranks, if any
 
     def fail(self, exc: BaseException, ubatch_id: int) -> None:
         """Record ``exc`` (the first failure wins), then wake every waiting thread."""
@@ -235,26 +240,37 @@ class UBatchContext:
 
     # -- a collective as a hand-over point -------------------------------------------------
 
-    def launch(self, what: str, start: Callable[[], Any]) -> Any:
+    def launch(self, what: str, start: Callable[[], Any], description: Any = None) -> Any:
         """Issue a collective (``start()`` returns its async work): on CUDA on the comm
-        stream, after it has waited for the compute stream."""
+        stream, after it has waited for the compute stream. ``description`` (what it was)
+        is kept with the work in the run's log."""
         self.run.check()
         self._inject("launch", what)
         if self.comm_stream is None:
-            return start()
-        self.comm_stream.wait_stream(self.compute_stream)
-        with torch.cuda.stream(self.comm_stream):
-            return start()
+            work = start()
+        else:
+            self.comm_stream.wait_stream(self.compute_stream)
+            with torch.cuda.stream(self.comm_stream):
+                work = start()
+        with self.run.lock:
+            self.run.posted.append(description)
+            self.run.works.append(work)
+        return work
 
-    def handover_and_wait(self, what: str, work: Any, timeout_s: float) -> None:
-        """Hand the turn over while ``work`` is in flight, then wait on it (bounded).
+    def handover(self, what: str) -> None:
+        """Hand the turn over while this thread's collective is in flight; returns when the
+        turn is back (or at once when the other micro-batch has finished)."""
+        self.yield_()
+        self._inject("resume", what)
+
+    def wait(self, what: str, work: Any, timeout_s: float) -> None:
+        """Wait on this thread's collective (bounded), after :meth:`handover`.
 
         Raises:
             UBatchAbortedError: another thread, or another rank, failed meanwhile.
             TimeoutError: the collective did not complete within ``timeout_s``.
+            RuntimeError: the collective itself failed.
         """
-        self.yield_()
-        self._inject("resume", what)
         index = self.num_collectives
         self.num_collectives += 1
         if self.comm_stream is not None and torch.cuda.is_current_stream_capturing():

@@ -52,9 +52,8 @@ from vllm_bridge.dp._decide import (
     cudagraph_mode_value,
     decide,
 )
-from vllm_bridge.dp import _ubatch_sync
 from vllm_bridge.dp._rendezvous import rendezvous
-from vllm_bridge.dp._ubatch_sync import UBatchRunSync
+from vllm_bridge.dp._ubatch_sync import UBatchRunSync, describe
 from vllm_bridge.dp._settings import DEFAULT_TIMEOUT_S, resolve_settings
 from vllm_bridge.platforms import rank_device
 from vllm_bridge.ubatch import check_ubatch_thresholds
@@ -114,7 +113,6 @@ class _State:
     info: DPGroupInfo
     store: dist.Store
     broken: str | None = None
-    generation: int = 0  # times the group was rebuilt after a failed micro-batched run
     ubatch_runs: int = 0  # micro-batched runs begun (the same count on every rank)
 
 
@@ -220,9 +218,14 @@ def _sync_device(info: DPGroupInfo, parallel_config: ParallelConfig) -> torch.de
 
 
 def _collective(
-    what: str, expected_size: int, expected_rank: int, start: Callable[[], Any]
+    what: str,
+    expected_size: int,
+    expected_rank: int,
+    start: Callable[[], Any],
+    tensor: torch.Tensor,
 ) -> None:
-    """Run one collective (``start()`` returns its async work) with the group's checks.
+    """Run one collective (``start()`` returns its async work on ``tensor``, this rank's
+    input) with the group's checks.
 
     Holds the process lock (collectives of one process never interleave), checks the group
     against the caller's config, waits at most the group's timeout, and marks the group
@@ -241,8 +244,9 @@ def _collective(
             work = start()
             _wait(state, what, lambda: work.wait(timeout=datetime.timedelta(seconds=info.timeout_s)))
             return
-        work = ubatch.launch(what, start)
-    _wait(state, what, lambda: ubatch.handover_and_wait(what, work, info.timeout_s))
+        work = ubatch.launch(what, start, describe(what, tensor))
+    ubatch.handover(what)
+    _wait(state, what, lambda: ubatch.wait(what, work, info.timeout_s))
 
 
 def _usable_state(expected_size: int, expected_rank: int) -> _State:
@@ -290,7 +294,7 @@ def begin_ubatch_run() -> UBatchRunSync | None:
         state = _state
         if state is None:
             return None
-        sync = UBatchRunSync(state, _lock, DPTimeoutError, state.generation, state.ubatch_runs)
+        sync = UBatchRunSync(state, _lock, state.ubatch_runs)
         state.ubatch_runs += 1
         return sync
 
@@ -309,7 +313,11 @@ def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
     """
     wire = _for_the_group(tensor)
     _collective(
-        "all_reduce", expected_size, expected_rank, lambda: dist.all_reduce(wire, async_op=True)
+        "all_reduce",
+        expected_size,
+        expected_rank,
+        lambda: dist.all_reduce(wire, async_op=True),
+        wire,
     )
     if wire is not tensor:
         tensor.copy_(wire)
@@ -340,6 +348,7 @@ def dp_all_gather(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
         expected_size,
         expected_rank,
         lambda: dist.all_gather(parts, tensor, async_op=True),
+        tensor,
     )
     return torch.stack(parts).to(device)
 
