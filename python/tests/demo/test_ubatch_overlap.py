@@ -41,13 +41,15 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_weights(str(path), seed=13, model=MODEL)["path"]
 
 
-def _one_rank(path: str, merged_steps: list[dict[str, Any]]) -> list[dict[str, tuple]]:
+def _one_rank(
+    path: str, merged_steps: list[dict[str, Any]], device: str = "cpu"
+) -> list[dict[str, tuple]]:
     """The merged schedule on one rank without DP: ``{req: (token, logits)}`` per step."""
     config = VllmConfig(
         parallel_config=ParallelConfig(is_moe_model=True),
         compilation_config=CompilationConfig(cudagraph_mode="none"),
     )
-    runner = ModelRunner(config, device="cpu")
+    runner = ModelRunner(config, device=device)
     runner.load_model(path)
     outs = []
     for step in merged_steps:
@@ -114,6 +116,26 @@ def test_overlapped_run_matches_the_sequential_run_and_one_rank(
     first_b = points.index((1, 0, "launch", "all_gather"))
     first_a_resume = points.index((0, 0, "resume", "all_gather"))
     assert points.index((0, 0, "launch", "all_gather")) < first_b < first_a_resume
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none is available here)")
+def test_overlapped_run_on_cuda_matches_the_sequential_run_and_one_rank(
+    ranks: Ranks, weights: str
+) -> None:
+    # Both ranks on the GPU(s) (rank mod device count), the collectives over gloo through
+    # the CPU; each micro-batch thread computes on the compute stream and launches its
+    # collectives from the comm stream.
+    schedule = make_schedule(seed=8, num_steps=STEPS)
+    per_rank = [[vars(row[r]) for row in schedule] for r in range(2)]
+    overlapped = ranks.run(weights, {"ubatch_overlap": True, "device": "cuda"}, per_rank)
+    sequential = ranks.run(weights, {"ubatch_overlap": False, "device": "cuda"}, per_rank)
+    reference = _one_rank(weights, [vars(merge(row)) for row in schedule], device="cuda")
+    for step in range(STEPS):
+        got = _by_request(overlapped, step)
+        _assert_same(got, reference[step], f"step {step} vs one rank on the GPU")
+        _assert_same(got, _by_request(sequential, step), f"step {step} vs sequential")
+    assert any(o["ubatch_run"] == "overlapped" for o in overlapped[0].outputs)
+    _no_ubatch_threads(overlapped)
 
 
 def _failing_then_next(rank: int) -> list[dict[str, Any]]:

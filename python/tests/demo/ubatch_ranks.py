@@ -82,6 +82,9 @@ def _serve(conn: Connection, rank: int, port: int, threads: int) -> None:
                 raise InjectedFault(f"injected on DP rank {rank} at {key}")
 
             kwargs = dict(kwargs)
+            device = kwargs.pop("device", "cpu")
+            if device == "cuda":
+                device = f"cuda:{rank % torch.cuda.device_count()}"
             parallel = ParallelConfig(
                 data_parallel_size=2,
                 data_parallel_rank=rank,
@@ -97,7 +100,7 @@ def _serve(conn: Connection, rank: int, port: int, threads: int) -> None:
             )
             set_fault_injector(injector)
             try:
-                runner = ModelRunner(config, device="cpu", **kwargs)
+                runner = ModelRunner(config, device=device, **kwargs)
                 runner.load_model(path)
                 for step in steps:
                     try:
