@@ -24,7 +24,8 @@ defmodule VllmBridge.BenchTest do
           "4. tensors",
           "5. forward context",
           "6. the Python side alone",
-          "7. CUDA graphs"
+          "7. CUDA graphs",
+          "8. micro-batch overlap"
         ] do
       assert text =~ section
     end
@@ -38,6 +39,10 @@ defmodule VllmBridge.BenchTest do
     # Part 7 runs on a CUDA device and says it was skipped otherwise (never a failure).
     assert text =~
              ~r/skipped: needs a CUDA device|target decode 8: replay >= 3x eager \(forward\): best [\d.]+x -- (met|NOT met)/
+
+    # Part 8 runs on the CPU always, and on CUDA or says it was skipped.
+    assert text =~ ~r/cpu: sequential \/ overlapped [\d.]+x/
+    assert text =~ ~r/cuda: skipped: needs a CUDA device|target cuda: overlap >= 1.15x/
 
     # The round trip is also measured pinned to one CPU where taskset can do it.
     if Pinning.available?() do

@@ -26,7 +26,11 @@ defmodule VllmBridge.Bench do
        1, 2, 4, 8 and a mixed batch, graph replay (FULL, PIECEWISE) against eager, step
        and capture time; target (issue 16, H100) replay at least 3x faster than eager for
        decode batches of 8 or fewer, judged by the script itself. Without a CUDA device
-       it prints "skipped: needs a CUDA device".
+       it prints "skipped: needs a CUDA device";
+    8. micro-batch overlap (`bench/ubatch_bench.py`): DP=2 MoE steps over gloo, the two
+       micro-batches overlapped on two threads against run one after the other, on the
+       CPU and on CUDA when present; target (issue 17, GPU) overlap at least 1.15x
+       faster, judged by the script itself.
 
   The report is printed and written to `bench/out/bench-<time>.txt` and
   `bench/out/latest.txt`.
@@ -43,7 +47,8 @@ defmodule VllmBridge.Bench do
     tensors: [sizes_mib: [1, 16], reps: &__MODULE__.one_rep/1],
     fc_args: ["--iterations", "1000", "--repeats", "2"],
     alone_args: ["--calls", "2000", "--rounds", "1"],
-    graph_args: ["--steps", "3", "--warmup", "1"]
+    graph_args: ["--steps", "3", "--warmup", "1"],
+    ubatch_args: ["--steps", "2", "--warmup", "1", "--repeats", "1"]
   ]
 
   @doc false
@@ -89,17 +94,19 @@ defmodule VllmBridge.Bench do
       end
 
     say.(
-      "the Python parts: multiprocessing, forward context, worker alone, CUDA graphs (3, 5-7) ..."
+      "the Python parts: multiprocessing, forward context, worker alone, CUDA graphs, " <>
+        "micro-batch overlap (3, 5-8) ..."
     )
 
     mp = PythonPeers.mp_pool_apply(python, part.(:mp))
 
-    # Sections 5 to 7, printed as the scripts report themselves.
+    # Sections 5 to 8, printed as the scripts report themselves.
     printed =
       for {title, script, args} <- [
             {"5. forward context", "forward_context_bench.py", :fc_args},
             {"6. the Python side alone", "worker_alone.py", :alone_args},
-            {"7. CUDA graphs", "cudagraph_bench.py", :graph_args}
+            {"7. CUDA graphs", "cudagraph_bench.py", :graph_args},
+            {"8. micro-batch overlap", "ubatch_bench.py", :ubatch_args}
           ] do
         lines = PythonPeers.lines(python, script, part.(args))
         ["", "#{title} (bench/#{script})" | Enum.map(lines, &("   " <> &1))]
