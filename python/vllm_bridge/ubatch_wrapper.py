@@ -15,8 +15,8 @@ runnable. With them it:
    (see :mod:`vllm_bridge.ubatching`), so one's all-gather / all-reduce overlaps the
    other's compute;
 4. in FULL mode on CUDA, captures the micro-batched run in one CUDA graph the first time a
-   token count is seen and replays it after (:meth:`_capture_ubatches`), keyed by the
-   token count.
+   token count is seen and replays it after (:meth:`_capture_ubatches`, in
+   :mod:`vllm_bridge.ubatch_graphs`), keyed by the token count.
 
 **Failure.** Every wait is bounded. A failing thread wakes its sibling, tells the other
 DP ranks through the group's store, and every rank ends the step with that error; the DP
@@ -49,6 +49,7 @@ from vllm_bridge.forward_context import (
     override_forward_context,
 )
 from vllm_bridge.sm_control import SMControlContextManager, create_sm_control
+from vllm_bridge.ubatch_graphs import CUDAGraphMetaData, UBatchGraphs, ubatch_graph_action
 from vllm_bridge.ubatching import UBatchAbortedError, UBatchContext, UBatchRun, make_ubatch_contexts
 
 __all__ = [
@@ -75,29 +76,6 @@ class UbatchMetadata:
     num_tokens: int
 
 
-@dataclass
-class CUDAGraphMetaData:
-    """A captured micro-batched run: the graph, the micro-batches it was captured with
-    (their inputs are slices of ``static_inputs``, which each replay refills) and its
-    output (the graph's static output: read it before the next replay)."""
-
-    cudagraph: Any  # torch.cuda.CUDAGraph
-    ubatch_metadata: list[UbatchMetadata]
-    outputs: Any | None = None
-    static_inputs: dict[str, torch.Tensor] | None = None
-
-
-def ubatch_graph_action(
-    mode: CUDAGraphMode, num_tokens: int, captured: dict[int, Any] | set[int], graphs: bool
-) -> str:
-    """What a micro-batched run of ``num_tokens`` tokens does under runtime ``mode``:
-    ``"capture"`` (FULL, no graph of that size yet), ``"replay"`` (FULL, captured) or
-    ``"eager"`` (any other mode, or ``graphs`` False: no CUDA)."""
-    if mode is not CUDAGraphMode.FULL or not graphs:
-        return "eager"
-    return "replay" if num_tokens in captured else "capture"
-
-
 def _ubatch_dp_metadata(meta: DPMetadata | None, num_tokens: int) -> DPMetadata | None:
     """The micro-batch's DP counts: every rank splits at the same point, so each rank's
     micro-batch ``i`` has ``num_tokens`` tokens."""
@@ -107,7 +85,7 @@ def _ubatch_dp_metadata(meta: DPMetadata | None, num_tokens: int) -> DPMetadata 
     return DPMetadata(torch.max(counts), counts)
 
 
-class UBatchWrapper:
+class UBatchWrapper(UBatchGraphs):
     """Runs a micro-batched forward pass on two threads (see the module docstring).
 
     Args:
@@ -374,61 +352,3 @@ class UBatchWrapper:
             ubatch_metadata[0].context.cpu_wait_event.set()
             self._join(ubatch_metadata, threads)
         return self._finish(ubatch_metadata, results)
-
-    # -- CUDA graphs of micro-batched runs ----------------------------------------------------
-
-    def _capture_ubatches(
-        self, ubatch_metadata: list[UbatchMetadata], model: Callable[..., Any], kwargs: dict
-    ) -> Any:
-        """Capture a micro-batched run in one CUDA graph, stored by token count.
-
-        The threads start first and each creates its CUDA state before going to sleep in
-        its context; then the main thread begins the capture on the compute stream and
-        wakes micro-batch 0; the threads run to the end (their kernels, on the capture
-        stream and the comm stream forked from it, go into the graph); the main thread
-        stores the graph and replays it once for this call's output.
-        """
-        num_tokens = sum(m.num_tokens for m in ubatch_metadata)
-        # Warm-up (kernels chosen, workspaces allocated) by one eager micro-batched run;
-        # a fresh set of contexts for the capture itself.
-        self._run_ubatches(ubatch_metadata, model)
-        context = get_forward_context()
-        static = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        metadata = self._make_ubatch_metadata(
-            ubatch_slices=context.ubatch_slices,
-            attn_metadata=context.attn_metadata,
-            input_ids=static["input_ids"],
-            positions=static["positions"],
-            inputs_embeds=static.get("inputs_embeds"),
-            intermediate_tensors=kwargs.get("intermediate_tensors"),
-            compute_stream=side,
-            dp_metadata=context.dp_metadata,
-            batch_descriptor=context.batch_descriptor,
-            cudagraph_runtime_mode=CUDAGraphMode.NONE,
-            slot_mapping=context.slot_mapping,
-        )
-        graph = CUDAGraphMetaData(torch.cuda.CUDAGraph(), metadata, static_inputs=static)
-        with override_forward_context(None):
-            results, threads = self._start_threads(metadata, model, capture=True)
-            try:
-                with torch.cuda.graph(graph.cudagraph, stream=side, pool=self.graph_pool):
-                    metadata[0].context.cpu_wait_event.set()
-                    self._join(metadata, threads)
-                    graph.outputs = self._finish(metadata, results)
-            finally:
-                self._join(metadata, threads)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.cudagraphs[num_tokens] = graph
-        out = self._replay(num_tokens, kwargs)
-        self.last_run = "captured"
-        return out
-
-    def _replay(self, num_tokens: int, kwargs: dict) -> Any:
-        graph = self.cudagraphs[num_tokens]
-        for name, buffer in (graph.static_inputs or {}).items():
-            buffer.copy_(kwargs[name])
-        graph.cudagraph.replay()
-        self.last_run = "replayed"
-        return graph.outputs

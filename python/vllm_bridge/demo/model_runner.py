@@ -35,6 +35,7 @@ from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.demo.graphs import ForwardInputs, GraphManager, GraphRun, runner_dispatcher
 from vllm_bridge.demo.batch import InputBatch, RequestState, SchedulerStep, prepare_inputs
 from vllm_bridge.demo.requests import after_step, apply_step
+from vllm_bridge.demo.sequential_ubatches import run_ubatches_sequentially
 from vllm_bridge.demo.model import weights as weights_io
 from vllm_bridge.demo.model.config import ModelConfig
 from vllm_bridge.demo.model.layers import AttentionMetadata
@@ -44,7 +45,6 @@ from vllm_bridge.forward_context import (
     BatchDescriptor,
     DPMetadata,
     create_forward_context,
-    get_forward_context,
     override_forward_context,
     set_forward_context,
 )
@@ -367,41 +367,14 @@ class ModelRunner:
                 inputs = ForwardInputs(batch.input_ids, batch.positions, batch.slot_mapping)
                 return self.graphs.run(descriptor, mode, inputs)
             if not self.ubatch_overlap:
-                hidden = self._run_ubatches_sequentially(batch)
+                hidden = run_ubatches_sequentially(
+                    self.model, self.vllm_config, batch.input_ids, batch.positions
+                )
                 return GraphRun(hidden, "eager", "micro-batched (one after the other, eager)")
             hidden = self.ubatch_wrapper(input_ids=batch.input_ids, positions=batch.positions)
             return GraphRun(
                 hidden, "eager", "micro-batched (two threads overlapping at the MoE collectives)"
             )
-
-    def _run_ubatches_sequentially(self, batch: InputBatch) -> torch.Tensor:
-        """Run each micro-batch under its own forward context, one after the other.
-
-        The reference the overlapped run (:class:`UBatchWrapper`) is compared with: each
-        micro-batch sees the same context (its attention metadata, slots and DP counts),
-        without the overlap. The first writes its tokens' keys and values to the cache
-        before the second attends to them. Every rank splits at the same point (the ranks
-        agreed on one padded size), so the MoE collectives stay in lockstep.
-        """
-        outer = get_forward_context()
-        outputs = []
-        for i, ubatch in enumerate(outer.ubatch_slices or []):
-            a, b = ubatch.token_slice.start, ubatch.token_slice.stop
-            dp_meta = None
-            if self.dp_size > 1:
-                counts = torch.full((self.dp_size,), b - a, dtype=torch.int32)
-                dp_meta = DPMetadata.make(self.parallel_config, b - a, counts)
-            context = create_forward_context(
-                outer.attn_metadata[i],
-                self.vllm_config,
-                dp_metadata=dp_meta,
-                cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                batch_descriptor=outer.batch_descriptor,
-                slot_mapping=outer.slot_mapping[i],
-            )
-            with override_forward_context(context):
-                outputs.append(self.model(batch.input_ids[a:b], batch.positions[a:b]))
-        return torch.cat(outputs)
 
     def _moe_chunks(self, across: torch.Tensor | None, padded: int, ubatches: list | None) -> int:
         """DP chunks one MoE layer walked in this step (summed over micro-batches)."""
