@@ -114,6 +114,9 @@ class UBatchWrapper(UBatchGraphs):
         self.compilation_config = vllm_config.compilation_config
         self.device = torch.device(device)
         self.use_cuda = self.device.type == "cuda"
+        if self.use_cuda and self.device.index is None:
+            # The threads call torch.cuda.set_device, which needs an index.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_ubatches = vllm_config.parallel_config.num_ubatches
         self.comm_stream = torch.cuda.Stream(device=self.device) if self.use_cuda else None
         # The micro-batch threads plus the main thread.
@@ -335,7 +338,14 @@ class UBatchWrapper(UBatchGraphs):
             message = str(error) if isinstance(error, UBatchAbortedError) else self._describe(
                 error, run.error_ubatch or 0
             )
-        failure = sync.finish(message, run.posted, run.works) if sync is not None else message
+        try:
+            failure = sync.finish(message, run.posted, run.works) if sync is not None else message
+        except RuntimeError as exc:
+            # The ranks could not end the run together: the group is marked broken.
+            raise UBatchAbortedError(
+                f"ending the micro-batched run on every DP rank failed ({exc}); "
+                f"the run itself {'failed: ' + message if message else 'had succeeded here'}"
+            ) from exc
         if error is not None and not isinstance(error, UBatchAbortedError):
             raise error
         if failure is not None:

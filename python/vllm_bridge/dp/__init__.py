@@ -69,9 +69,9 @@ __all__ = [
     "dp_all_reduce",
     "dp_group_info",
     "init_dp_group",
-    "UBatchRunSync",
-    "begin_ubatch_run",
 ]
+# begin_ubatch_run / UBatchRunSync are for vllm_bridge.ubatch_wrapper only: left out of
+# __all__, so they are not part of the generated Elixir bindings.
 
 
 
