@@ -25,7 +25,8 @@ defmodule VllmBridge.BenchTest do
           "5. forward context",
           "6. the Python side alone",
           "7. CUDA graphs",
-          "8. erlport"
+          "9. erlport",
+          "8. micro-batch overlap"
         ] do
       assert text =~ section
     end
@@ -40,7 +41,7 @@ defmodule VllmBridge.BenchTest do
     assert text =~
              ~r/skipped: needs a CUDA device|target decode 8: replay >= 3x eager \(forward\): best [\d.]+x -- (met|NOT met)/
 
-    # Part 8 runs where ERLPORT_DIR holds a built erlport, and says why it was skipped
+    # Part 9 runs where ERLPORT_DIR holds a built erlport, and says why it was skipped
     # otherwise; its two erlport targets exist only when it ran (the tensor target always).
     erlport_targets =
       case Erlport.find() do
@@ -50,9 +51,13 @@ defmodule VllmBridge.BenchTest do
           2
 
         {:skip, why} ->
-          assert text =~ "8. erlport (issue 19): skipped: #{why}"
+          assert text =~ "9. erlport (issue 19): skipped: #{why}"
           0
       end
+
+    # Part 8 runs on the CPU always, and on CUDA or says it was skipped.
+    assert text =~ ~r/cpu: sequential \/ overlapped [\d.]+x/
+    assert text =~ ~r/cuda: skipped: needs a CUDA device|target cuda: overlap >= 1.15x/
 
     # The round trip is also measured pinned to one CPU where taskset can do it.
     if Pinning.available?() do

@@ -27,7 +27,11 @@ defmodule VllmBridge.Bench do
        and capture time; target (issue 16, H100) replay at least 3x faster than eager for
        decode batches of 8 or fewer, judged by the script itself. Without a CUDA device
        it prints "skipped: needs a CUDA device";
-    8. erlport (`VllmBridge.Bench.Erlport`, issue 19), when `ERLPORT_DIR` holds a build of
+    8. micro-batch overlap (`bench/ubatch_bench.py`): DP=2 MoE steps over gloo, the two
+       micro-batches overlapped on two threads against run one after the other, on the
+       CPU and on CUDA when present; target (issue 17, GPU) overlap at least 1.15x
+       faster, judged by the script itself;
+    9. erlport (`VllmBridge.Bench.Erlport`, issue 19), when `ERLPORT_DIR` holds a build of
        it (`bench/erlport/build.sh`): `:python.call` of the same Python function beside
        the full stack and the raw echo, round trip and throughput, and binary round trips
        of 1, 16 and 64 MiB beside part 4's tensors; targets: the full stack's p50 at or
@@ -57,7 +61,8 @@ defmodule VllmBridge.Bench do
     ],
     fc_args: ["--iterations", "1000", "--repeats", "2"],
     alone_args: ["--calls", "2000", "--rounds", "1"],
-    graph_args: ["--steps", "3", "--warmup", "1"]
+    graph_args: ["--steps", "3", "--warmup", "1"],
+    ubatch_args: ["--steps", "2", "--warmup", "1", "--repeats", "1"]
   ]
 
   @doc false
@@ -104,17 +109,19 @@ defmodule VllmBridge.Bench do
       end
 
     say.(
-      "the Python parts: multiprocessing, forward context, worker alone, CUDA graphs (3, 5-7) ..."
+      "the Python parts: multiprocessing, forward context, worker alone, CUDA graphs, " <>
+        "micro-batch overlap (3, 5-8) ..."
     )
 
     mp = PythonPeers.mp_pool_apply(python, part.(:mp))
 
-    # Sections 5 to 7, printed as the scripts report themselves.
+    # Sections 5 to 8, printed as the scripts report themselves.
     printed =
       for {title, script, args} <- [
             {"5. forward context", "forward_context_bench.py", :fc_args},
             {"6. the Python side alone", "worker_alone.py", :alone_args},
-            {"7. CUDA graphs", "cudagraph_bench.py", :graph_args}
+            {"7. CUDA graphs", "cudagraph_bench.py", :graph_args},
+            {"8. micro-batch overlap", "ubatch_bench.py", :ubatch_args}
           ] do
         lines = PythonPeers.lines(python, script, part.(args))
         ["", "#{title} (bench/#{script})" | Enum.map(lines, &("   " <> &1))]
@@ -128,20 +135,20 @@ defmodule VllmBridge.Bench do
     %{report: report, targets: targets}
   end
 
-  # Part 8, or why it is skipped.
+  # Part 9, or why it is skipped.
   defp erlport_part(python, opts, say) do
     case Erlport.find() do
       {:ok, dir} ->
-        say.("erlport (section 8, #{dir}) ...")
+        say.("erlport (section 9, #{dir}) ...")
         Map.put(Erlport.run(@pool, python, opts), :dir, dir)
 
       {:skip, why} ->
-        say.("erlport (section 8): skipped: #{why}")
+        say.("erlport (section 9): skipped: #{why}")
         {:skip, why}
     end
   end
 
-  # Part 8's lines go before the targets; its targets after the others.
+  # Part 9's lines go before the targets; its targets after the others.
   defp erlport_report(report, targets, erl, ten) do
     {head, tail} = Enum.split_while(report, &(not String.starts_with?(&1, "targets (")))
     head = if List.last(head) == "", do: Enum.drop(head, -1), else: head

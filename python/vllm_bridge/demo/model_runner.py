@@ -35,6 +35,7 @@ from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.demo.graphs import ForwardInputs, GraphManager, GraphRun, runner_dispatcher
 from vllm_bridge.demo.batch import InputBatch, RequestState, SchedulerStep, prepare_inputs
 from vllm_bridge.demo.requests import after_step, apply_step
+from vllm_bridge.demo.sequential_ubatches import run_ubatches_sequentially
 from vllm_bridge.demo.model import weights as weights_io
 from vllm_bridge.demo.model.config import ModelConfig
 from vllm_bridge.demo.model.layers import AttentionMetadata
@@ -44,12 +45,12 @@ from vllm_bridge.forward_context import (
     BatchDescriptor,
     DPMetadata,
     create_forward_context,
-    get_forward_context,
     override_forward_context,
     set_forward_context,
 )
 from vllm_bridge.platforms import current_platform
 from vllm_bridge.ubatch import maybe_create_ubatch_slices
+from vllm_bridge.ubatch_wrapper import UBatchWrapper
 
 __all__ = ["ModelRunner", "StepOutput"]
 
@@ -78,6 +79,10 @@ class StepOutput:
         graph: How the forward pass ran: ``"replay"`` (CUDA graphs), ``"emulated"`` (no
             CUDA: the descriptor's captured pieces ran eagerly) or ``"eager"``.
         graph_reason: Why it ran eagerly (``None`` otherwise).
+        ubatch_run: How the micro-batches ran (``None`` when not micro-batched):
+            ``"overlapped"`` (two threads taking turns at the MoE collectives,
+            :class:`~vllm_bridge.ubatch_wrapper.UBatchWrapper`) or ``"sequential"`` (one
+            after the other on the calling thread).
     """
 
     num_tokens: int = 0
@@ -98,6 +103,7 @@ class StepOutput:
     skipped: bool = False
     graph: str = "eager"
     graph_reason: str | None = None
+    ubatch_run: str | None = None
 
 
 class ModelRunner:
@@ -111,6 +117,9 @@ class ModelRunner:
         device: Where the model lives; ``None``: CUDA when available, else CPU.
         max_num_reqs: Requests held at once (KV-cache regions).
         moe_chunk_size: Most tokens per rank in one DP chunk of an MoE layer.
+        ubatch_overlap: When the ranks agree to micro-batch, run the micro-batches on two
+            threads that overlap at the collectives (True) or one after the other (False;
+            kept as the reference the overlapped run is compared with).
     """
 
     def __init__(
@@ -120,6 +129,7 @@ class ModelRunner:
         device: str | torch.device | None = None,
         max_num_reqs: int = 64,
         moe_chunk_size: int = 32,
+        ubatch_overlap: bool = True,
     ) -> None:
         if not isinstance(vllm_config, VllmConfig):
             raise TypeError(f"vllm_config must be a VllmConfig, got {vllm_config!r}")
@@ -127,6 +137,9 @@ class ModelRunner:
             raise TypeError(f"model_config must be a ModelConfig or None, got {model_config!r}")
         check_int("max_num_reqs", max_num_reqs, minimum=1)
         check_int("moe_chunk_size", moe_chunk_size, minimum=1)
+        if not isinstance(ubatch_overlap, bool):
+            raise TypeError(f"ubatch_overlap must be a bool, got {ubatch_overlap!r}")
+        self.ubatch_overlap = ubatch_overlap
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -139,6 +152,7 @@ class ModelRunner:
         self.moe_chunk_size = moe_chunk_size
         self.model: MoETransformer | None = None
         self.graphs: GraphManager | None = None
+        self.ubatch_wrapper: UBatchWrapper | None = None
         # One dispatcher for the runner's life: its keys are the graphs there are (built
         # once, as vLLM's model runner does), and every step is dispatched through it.
         self.dispatcher = runner_dispatcher(vllm_config, max_num_reqs, self.dp_size)
@@ -190,6 +204,10 @@ class ModelRunner:
         compilation.static_all_moe_layers = model.moe_layer_names()
         self.model, self.weights = model, info
         self.graphs = GraphManager(model, self.device, self._capture_context)
+        # Runtime mode NONE: micro-batching needs DP > 1, and with DP the runner never runs
+        # FULL graphs (the collectives go through gloo or the CPU with bounded waits: not
+        # capturable), so this wrapper never captures. Its capture path has its own tests.
+        self.ubatch_wrapper = UBatchWrapper(model, self.vllm_config, CUDAGraphMode.NONE, self.device)
         if compilation.cudagraph_mode is not CUDAGraphMode.NONE:
             self.graphs.capture(self.graph_descriptors())
         return info
@@ -310,6 +328,10 @@ class ModelRunner:
             logits=logits.cpu(),
             graph=ran.how,
             graph_reason=ran.reason,
+            ubatch_run=(
+                None if ubatch_slices is None
+                else "overlapped" if self.ubatch_overlap else "sequential"
+            ),
         )
 
     def _forward(
@@ -321,52 +343,38 @@ class ModelRunner:
         ubatch_slices: list | None,
     ) -> GraphRun:
         names = list(self.vllm_config.compilation_config.static_forward_context)
+        attn: dict | list = {name: batch.attn_metadata for name in names}
+        slots: dict | list = {name: batch.slot_mapping for name in names}
+        if ubatch_slices is not None:
+            # One entry per micro-batch: what each micro-batch's forward context carries.
+            attn, slots = [], []
+            for ubatch in ubatch_slices:
+                a, b = ubatch.token_slice.start, ubatch.token_slice.stop
+                meta = batch.attn_metadata.slice(a, b)
+                attn.append({name: meta for name in names})
+                slots.append({name: batch.slot_mapping[a:b] for name in names})
         with set_forward_context(
-            {name: batch.attn_metadata for name in names},
+            attn,
             self.vllm_config,
             num_tokens=batch.num_tokens_padded,
             num_tokens_across_dp=across,
             cudagraph_runtime_mode=mode,
             batch_descriptor=descriptor,
             ubatch_slices=ubatch_slices,
-            slot_mapping={name: batch.slot_mapping for name in names},
+            slot_mapping=slots,
         ):
-            if get_forward_context().ubatch_slices is None:
+            if ubatch_slices is None:
                 inputs = ForwardInputs(batch.input_ids, batch.positions, batch.slot_mapping)
                 return self.graphs.run(descriptor, mode, inputs)
-            hidden = self._run_ubatches(batch, names, descriptor)
-            return GraphRun(hidden, "eager", "micro-batched (each micro-batch runs eagerly)")
-
-    def _run_ubatches(
-        self, batch: InputBatch, names: list[str], descriptor: BatchDescriptor
-    ) -> torch.Tensor:
-        """Run each micro-batch under its own forward context, one after the other.
-
-        vLLM overlaps micro-batches on two threads and CUDA streams; here they run in turn,
-        which keeps what each sees (its own context, attention metadata, slots and DP
-        counts) without the overlap. The first writes its tokens' keys and values to the
-        cache before the second attends to them. Every rank splits at the same point (the
-        ranks agreed on one padded size), so the MoE collectives stay in lockstep.
-        """
-        outputs = []
-        for ubatch in get_forward_context().ubatch_slices or []:
-            a, b = ubatch.token_slice.start, ubatch.token_slice.stop
-            meta = batch.attn_metadata.slice(a, b)
-            dp_meta = None
-            if self.dp_size > 1:
-                counts = torch.full((self.dp_size,), b - a, dtype=torch.int32)
-                dp_meta = DPMetadata.make(self.parallel_config, b - a, counts)
-            context = create_forward_context(
-                {name: meta for name in names},
-                self.vllm_config,
-                dp_metadata=dp_meta,
-                cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                batch_descriptor=descriptor,
-                slot_mapping={name: batch.slot_mapping[a:b] for name in names},
+            if not self.ubatch_overlap:
+                hidden = run_ubatches_sequentially(
+                    self.model, self.vllm_config, batch.input_ids, batch.positions
+                )
+                return GraphRun(hidden, "eager", "micro-batched (one after the other, eager)")
+            hidden = self.ubatch_wrapper(input_ids=batch.input_ids, positions=batch.positions)
+            return GraphRun(
+                hidden, "eager", "micro-batched (two threads overlapping at the MoE collectives)"
             )
-            with override_forward_context(context):
-                outputs.append(self.model(batch.input_ids[a:b], batch.positions[a:b]))
-        return torch.cat(outputs)
 
     def _moe_chunks(self, across: torch.Tensor | None, padded: int, ubatches: list | None) -> int:
         """DP chunks one MoE layer walked in this step (summed over micro-batches)."""

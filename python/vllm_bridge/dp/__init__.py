@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from vllm_bridge._ubatch_current import UBatchAbortedError, current_ubatch_context
 from vllm_bridge._checks import check_bool, check_int, check_optional_bool, check_optional_int
 from vllm_bridge.config import ParallelConfig
 from vllm_bridge.dp._decide import (
@@ -52,6 +53,7 @@ from vllm_bridge.dp._decide import (
     decide,
 )
 from vllm_bridge.dp._rendezvous import rendezvous
+from vllm_bridge.dp._ubatch_sync import UBatchRunSync, describe
 from vllm_bridge.dp._settings import DEFAULT_TIMEOUT_S, resolve_settings
 from vllm_bridge.platforms import rank_device
 from vllm_bridge.ubatch import check_ubatch_thresholds
@@ -68,6 +70,8 @@ __all__ = [
     "dp_group_info",
     "init_dp_group",
 ]
+# begin_ubatch_run / UBatchRunSync are for vllm_bridge.ubatch_wrapper only: left out of
+# __all__, so they are not part of the generated Elixir bindings.
 
 
 
@@ -109,6 +113,7 @@ class _State:
     info: DPGroupInfo
     store: dist.Store
     broken: str | None = None
+    ubatch_runs: int = 0  # micro-batched runs begun (the same count on every rank)
 
 
 _lock = threading.Lock()  # guards _state and serialises collectives within this process
@@ -213,41 +218,85 @@ def _sync_device(info: DPGroupInfo, parallel_config: ParallelConfig) -> torch.de
 
 
 def _collective(
-    what: str, expected_size: int, expected_rank: int, start: Callable[[], Any]
+    what: str,
+    expected_size: int,
+    expected_rank: int,
+    start: Callable[[], Any],
+    tensor: torch.Tensor,
 ) -> None:
-    """Run one collective (``start()`` returns its async work) with the group's checks.
+    """Run one collective (``start()`` returns its async work on ``tensor``, this rank's
+    input) with the group's checks.
 
     Holds the process lock (collectives of one process never interleave), checks the group
     against the caller's config, waits at most the group's timeout, and marks the group
     broken when a peer does not take part.
+
+    Inside a micro-batch thread (:mod:`vllm_bridge.ubatching`) the collective is a
+    hand-over point: it is launched under the lock (so the issue order stays the threads'
+    deterministic turn order), then the thread hands its turn to the other micro-batch and
+    waits on the work only when the turn comes back, outside the lock.
     """
+    ubatch = current_ubatch_context()
+    with _lock:
+        state = _usable_state(expected_size, expected_rank)
+        info = state.info
+        if ubatch is None:
+            work = start()
+            _wait(state, what, lambda: work.wait(timeout=datetime.timedelta(seconds=info.timeout_s)))
+            return
+        work = ubatch.launch(what, start, describe(what, tensor))
+    ubatch.handover(what)
+    _wait(state, what, lambda: ubatch.wait(what, work, info.timeout_s))
+
+
+def _usable_state(expected_size: int, expected_rank: int) -> _State:
+    """The joined group, checked against the caller's config; raises when there is none,
+    it does not match, or it broke earlier. Called under ``_lock``."""
+    state = _state
+    if state is None:
+        raise DPGroupError(
+            f"data_parallel_size is {expected_size} but this process has not joined a "
+            "DP group; call vllm_bridge.dp.init_dp_group(...) on every rank first"
+        )
+    info = state.info
+    if (info.world_size, info.rank) != (expected_size, expected_rank):
+        raise DPGroupError(
+            f"parallel_config says DP rank {expected_rank} of {expected_size} but this "
+            f"process joined as rank {info.rank} of {info.world_size}"
+        )
+    if state.broken is not None:
+        raise DPGroupError(
+            f"the DP group is unusable after an earlier failure ({state.broken}); "
+            "call destroy_dp_group() and init_dp_group() again"
+        )
+    return state
+
+
+def _wait(state: _State, what: str, wait: Callable[[], None]) -> None:
+    """Run ``wait()``; a collective that failed or timed out marks the group broken."""
+    info = state.info
+    try:
+        wait()
+    except UBatchAbortedError:
+        raise  # another micro-batch or rank failed: the micro-batch wrapper recovers
+    except (RuntimeError, TimeoutError) as exc:
+        state.broken = str(exc).splitlines()[0]
+        raise DPTimeoutError(
+            f"DP rank {info.rank} of {info.world_size}: the {what} did not complete "
+            f"within {info.timeout_s} s; a peer is missing or stuck ({state.broken})"
+        ) from exc
+
+
+def begin_ubatch_run() -> UBatchRunSync | None:
+    """Number a micro-batched run (every rank begins the same runs in the same order) and
+    return its link to the other ranks; ``None`` when this process has joined no DP group."""
     with _lock:
         state = _state
         if state is None:
-            raise DPGroupError(
-                f"data_parallel_size is {expected_size} but this process has not joined a "
-                "DP group; call vllm_bridge.dp.init_dp_group(...) on every rank first"
-            )
-        info = state.info
-        if (info.world_size, info.rank) != (expected_size, expected_rank):
-            raise DPGroupError(
-                f"parallel_config says DP rank {expected_rank} of {expected_size} but this "
-                f"process joined as rank {info.rank} of {info.world_size}"
-            )
-        if state.broken is not None:
-            raise DPGroupError(
-                f"the DP group is unusable after an earlier failure ({state.broken}); "
-                "call destroy_dp_group() and init_dp_group() again"
-            )
-        work = start()
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=info.timeout_s))
-        except RuntimeError as exc:
-            state.broken = str(exc).splitlines()[0]
-            raise DPTimeoutError(
-                f"DP rank {info.rank} of {info.world_size}: the {what} did not complete "
-                f"within {info.timeout_s} s; a peer is missing or stuck ({state.broken})"
-            ) from exc
+            return None
+        sync = UBatchRunSync(state, _lock, state.ubatch_runs)
+        state.ubatch_runs += 1
+        return sync
 
 
 def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) -> torch.Tensor:
@@ -264,7 +313,11 @@ def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
     """
     wire = _for_the_group(tensor)
     _collective(
-        "all_reduce", expected_size, expected_rank, lambda: dist.all_reduce(wire, async_op=True)
+        "all_reduce",
+        expected_size,
+        expected_rank,
+        lambda: dist.all_reduce(wire, async_op=True),
+        wire,
     )
     if wire is not tensor:
         tensor.copy_(wire)
@@ -295,6 +348,7 @@ def dp_all_gather(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
         expected_size,
         expected_rank,
         lambda: dist.all_gather(parts, tensor, async_op=True),
+        tensor,
     )
     return torch.stack(parts).to(device)
 

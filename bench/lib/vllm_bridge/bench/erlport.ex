@@ -1,6 +1,6 @@
 defmodule VllmBridge.Bench.Erlport do
   @moduledoc """
-  Part 8: the peer a user would pick instead of the bridge, erlport (v0.11.0), beside the
+  Part 9: the peer a user would pick instead of the bridge, erlport (v0.11.0), beside the
   full stack and the raw echo in the same run (issue 19).
 
   erlport is not a dependency of the project: it is built outside the repository with

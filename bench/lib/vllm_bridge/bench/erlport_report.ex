@@ -1,6 +1,6 @@
 defmodule VllmBridge.Bench.Erlport.Report do
   @moduledoc """
-  The lines and targets of part 8 (`VllmBridge.Bench.Erlport`): the full stack against
+  The lines and targets of part 9 (`VllmBridge.Bench.Erlport`): the full stack against
   erlport, both against the raw echo floor, and issue 19's targets. The tensor target
   is judged from part 4's figures even when erlport is skipped.
   """
@@ -8,12 +8,12 @@ defmodule VllmBridge.Bench.Erlport.Report do
   alias VllmBridge.Bench.Stats
 
   @doc """
-  `{lines, targets}` for part 8's result `erl` (or `{:skip, why}`) and part 4's tensor
+  `{lines, targets}` for part 9's result `erl` (or `{:skip, why}`) and part 4's tensor
   figures `ten`; each target is `{name, passed?}`.
   """
   @spec lines(map() | {:skip, String.t()}, [map()]) :: {[String.t()], [{String.t(), boolean()}]}
   def lines({:skip, why}, ten) do
-    {["", "8. erlport (issue 19): skipped: #{why}"], [tensor_target(ten)]}
+    {["", "9. erlport (issue 19): skipped: #{why}"], [tensor_target(ten)]}
   end
 
   def lines(erl, ten) do
@@ -24,7 +24,7 @@ defmodule VllmBridge.Bench.Erlport.Report do
     lines =
       [
         "",
-        "8. erlport v0.11 (ERLPORT_DIR=#{erl.dir}), in the same run, rounds alternating",
+        "9. erlport v0.11 (ERLPORT_DIR=#{erl.dir}), in the same run, rounds alternating",
         "   round trip, one caller (#{length(lat.full)} calls each); erlport runs the same Python " <>
           "function: :python.call(p, :\"vllm_bridge.forward_context\", :is_forward_context_available, [])",
         row("full stack", lat.full),
