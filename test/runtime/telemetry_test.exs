@@ -20,6 +20,9 @@ defmodule VllmBridge.Runtime.TelemetryTest do
 
   alias VllmBridge.Error
 
+  # The stand-in :telemetry is loaded at run time (setup_all).
+  @compile {:no_warn_undefined, :telemetry}
+
   @call [:vllm_bridge, :call]
   @diag "vllm_bridge.bridge.diag"
 
@@ -159,6 +162,102 @@ defmodule VllmBridge.Runtime.TelemetryTest do
       assert %{error: :python_exception, python_type: "ValueError", worker: 0} = ex_md
       assert ex_m.chunks == 0
       refute_event(@call ++ [:stop])
+    end
+  end
+
+  describe "call_all" do
+    test "a span per worker, overlapping, each with its worker's index" do
+      pool = start_pool!(:tel_all, size: 2)
+      await_idle!(pool)
+      record(pool, call_events())
+
+      assert {:ok, [3, 3]} = VllmBridge.call_all(pool, {@diag, "add"}, [1, 2])
+
+      # Both requests are sent before either reply is awaited: two starts, then two stops.
+      {_, s1} = next_event(@call ++ [:start])
+      {_, s2} = next_event(@call ++ [:start])
+      {_, e1} = next_event(@call ++ [:stop])
+      {_, e2} = next_event(@call ++ [:stop])
+
+      assert [s1.telemetry_span_context, s2.telemetry_span_context] ==
+               [e1.telemetry_span_context, e2.telemetry_span_context]
+
+      assert [e1.worker, e2.worker] == [0, 1]
+      assert Enum.all?([e1, e2], &match?(%{request_kind: :call, error: nil, session_id: nil}, &1))
+    end
+  end
+
+  describe "span/3" do
+    setup do
+      test = self()
+      id = {:span_test, make_ref()}
+
+      :telemetry.attach_many(
+        id,
+        for(e <- [:start, :stop, :exception], do: [:tel_test, :work, e]),
+        fn event, m, md, _ -> send(test, {:telemetry_event, event, m, md}) end,
+        nil
+      )
+
+      on_exit(fn -> :telemetry.detach(id) end)
+    end
+
+    test "stop: the result returned, extra measurements and the stop metadata" do
+      assert :done ==
+               VllmBridge.Telemetry.span([:tel_test, :work], %{rank: 1}, fn ->
+                 {:done, %{tokens: 8}, %{mode: :eager}}
+               end)
+
+      {_, %{rank: 1}, :stop, m, md} = next_span([:tel_test, :work])
+      assert %{tokens: 8} = m
+      assert %{rank: 1, mode: :eager} = md
+
+      assert 7 == VllmBridge.Telemetry.span([:tel_test, :work], %{}, fn -> {7, %{two: 2}} end)
+      {_, _, :stop, _, %{two: 2}} = next_span([:tel_test, :work])
+    end
+
+    test "exception: what fun raised, exited with or threw goes on, after the event" do
+      for {class, fun} <- [
+            error: fn -> raise ArgumentError, "bad" end,
+            exit: fn -> exit(:gone) end,
+            throw: fn -> throw(:ball) end
+          ] do
+        caught =
+          try do
+            VllmBridge.Telemetry.span([:tel_test, :work], %{rank: 2}, fun)
+          catch
+            k, r -> {k, r}
+          end
+
+        {_, _, :exception, _, md} = next_span([:tel_test, :work])
+        assert {md.kind, md.reason} == caught
+        assert md.kind == class and md.rank == 2 and is_list(md.stacktrace)
+      end
+    end
+  end
+
+  describe "README.md's handler" do
+    test "compiles, attaches and logs a failed call and a worker that exits" do
+      pool = start_pool!(:tel_readme, size: 1)
+      [%{os_pid: os_pid}] = workers!(pool)
+      readme = File.read!(Path.expand("../../README.md", __DIR__))
+      [_, section] = String.split(readme, "## Observability\n", parts: 2)
+      [_, code | _] = String.split(section, ~r/^```(elixir)?\n/m, parts: 3)
+      Code.compile_string(code)
+      handler = Module.concat([MyApp, BridgeLog])
+      :ok = handler.attach()
+      on_exit(fn -> :telemetry.detach("my-app-vllm-bridge") end)
+
+      log =
+        ExUnit.CaptureLog.capture_log(fn ->
+          {:error, _} = VllmBridge.call({@diag, "fail"}, ["x"], %{}, pool_name: pool)
+          System.cmd("kill", ["-KILL", "#{os_pid}"])
+          wait_until(fn -> hd(workers!(pool)).os_pid != os_pid end)
+        end)
+
+      assert log =~ ~s(call {"#{@diag}", "fail"} on :tel_readme worker 0: )
+      assert log =~ "error :python_exception"
+      assert log =~ "worker 0 of :tel_readme went down: the Python worker exited with status"
     end
   end
 

@@ -1,8 +1,8 @@
 # A stand-in for the `:telemetry` library (a hex package this machine cannot fetch), for
 # the tests of VllmBridge.Telemetry's events: the part of its API the tests use,
 # `attach/4`, `attach_many/4`, `detach/1`, `list_handlers/1` and `execute/3`, with its
-# behaviour: handlers are kept in an ETS table and called in the process that emits the
-# event, and a handler that raises is detached.
+# behaviour: handlers are kept in an ETS table keyed by event (an event costs one lookup)
+# and called in the process that emits the event, and a handler that raises is detached.
 #
 # Loaded only by the tests that attach handlers (`VllmBridge.TelemetryHelpers.load!/0`):
 # until then `:telemetry` is not loaded and the bridge takes its path without telemetry.
@@ -20,18 +20,25 @@ defmodule :telemetry do
   def attach_many(id, events, fun, config) when is_function(fun, 4) do
     table()
 
-    if :ets.insert_new(@table, {id, events, fun, config}),
-      do: :ok,
-      else: {:error, :already_exists}
+    # One row per event of a handler, keyed by the event, as :telemetry keeps them: an
+    # event is one lookup.
+    if :ets.match(@table, {:_, id, :_, :_}) == [] do
+      :ets.insert(@table, for(event <- events, do: {event, id, fun, config}))
+      :ok
+    else
+      {:error, :already_exists}
+    end
   end
 
   @doc false
   def detach(id) do
     table()
 
-    case :ets.take(@table, id) do
-      [_] -> :ok
-      [] -> {:error, :not_found}
+    if :ets.match(@table, {:_, id, :_, :_}) == [] do
+      {:error, :not_found}
+    else
+      :ets.match_delete(@table, {:_, id, :_, :_})
+      :ok
     end
   end
 
@@ -39,21 +46,20 @@ defmodule :telemetry do
   def list_handlers(prefix) do
     table()
 
-    for {id, events, _fun, _config} <- :ets.tab2list(@table),
-        event <- events,
+    for {event, id, _fun, _config} <- :ets.tab2list(@table),
         List.starts_with?(event, prefix),
         do: %{id: id, event_name: event}
   end
 
   @doc false
   def execute(event, measurements, metadata) when is_map(measurements) and is_map(metadata) do
-    for {id, events, fun, config} <- handlers(), event in events do
+    for {^event, id, fun, config} <- handlers(event) do
       try do
         fun.(event, measurements, metadata, config)
       catch
         class, reason ->
           # As :telemetry does: a failing handler is detached (and says so).
-          :ets.delete(@table, id)
+          :ets.match_delete(@table, {:_, id, :_, :_})
 
           IO.warn(
             "telemetry stand-in: handler #{inspect(id)} detached: #{inspect({class, reason})}"
@@ -65,8 +71,8 @@ defmodule :telemetry do
   end
 
   # Nothing attached yet (no table): no handler.
-  defp handlers do
-    :ets.tab2list(@table)
+  defp handlers(event) do
+    :ets.lookup(@table, event)
   rescue
     ArgumentError -> []
   end
@@ -79,7 +85,7 @@ defmodule :telemetry do
       {pid, ref} =
         spawn_monitor(fn ->
           try do
-            :ets.new(@table, [:set, :public, :named_table, read_concurrency: true])
+            :ets.new(@table, [:bag, :public, :named_table, read_concurrency: true])
           rescue
             # Another process made it meanwhile.
             ArgumentError -> :ok
