@@ -138,13 +138,12 @@ defmodule VllmBridge.Stream do
   end
 
   # The span ends with :exception for whatever the stream raises (its errors are raised:
-  # see the moduledoc), and is marked ended, so that stop/1, which Stream.resource runs
-  # after, does not end it again.
+  # see the moduledoc). A start that fails: Stream.resource runs no stop/1 after it.
   defp raise_observed(obs, e) do
     raise e
   rescue
     e ->
-      ended(obs, :error, e, __STACKTRACE__)
+      CallSpan.exception(obs.span, :error, e, __STACKTRACE__, obs.worker, measurements(obs))
       reraise e, __STACKTRACE__
   end
 
@@ -158,6 +157,9 @@ defmodule VllmBridge.Stream do
       :erlang.raise(class, reason, __STACKTRACE__)
   end
 
+  # A stream that raised while enumerated: Stream.resource runs stop/1 after, with the
+  # state from before the raise, so the span is marked ended (in this process, which
+  # enumerates it) for stop/1 not to end it again; stop/1 removes the mark.
   @ended_key :vllm_bridge_stream_span_ended
 
   defp ended(obs, class, reason, stacktrace) do

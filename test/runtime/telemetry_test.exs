@@ -162,6 +162,19 @@ defmodule VllmBridge.Runtime.TelemetryTest do
       assert %{error: :python_exception, python_type: "ValueError", worker: 0} = ex_md
       assert ex_m.chunks == 0
       refute_event(@call ++ [:stop])
+      # Nothing of the span is left in the enumerating process.
+      assert for({{:vllm_bridge_stream_span_ended, _}, _} <- Process.get(), do: 1) == []
+    end
+
+    test "a stream that cannot start (no such pool) ends with :exception too" do
+      pool = :tel_no_stream_pool
+      record(pool, call_events())
+      {:ok, s} = VllmBridge.stream({@diag, "count"}, [3], %{}, pool_name: pool)
+      assert_raise Error, ~r/not started/, fn -> Enum.to_list(s) end
+
+      {_, %{pool: ^pool, request_kind: :stream}, :exception, _, ex_md} = next_span(@call)
+      assert %{error: :bad_argument, worker: nil, reason: %Error{type: :bad_argument}} = ex_md
+      refute_event(@call ++ [:stop])
     end
   end
 
