@@ -269,13 +269,15 @@ defmodule VllmBridge.Worker.Starting do
     if state.setup, do: :erlang.unalias(state.setup)
     put_stage("ready")
     state = %{state | phase: :ready, setup: nil}
-    Events.started(state)
 
     if state.meta do
       Directory.worker_up(state.pool, state.index, self(), state.instance)
       Slots.put_load(state.meta, state.index, 0)
       Slots.kick(state.meta)
     end
+
+    # Once it takes calls: a handler may look it up (VllmBridge.Pool.workers/1).
+    Events.started(state)
 
     Process.send_after(self(), :sweep, Worker.sweep_every())
 
