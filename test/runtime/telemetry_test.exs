@@ -312,6 +312,8 @@ defmodule VllmBridge.Runtime.TelemetryTest do
       pool = :tel_life
       record(pool, worker_events())
       {:ok, _} = VllmBridge.start_pool(pool, size: 2)
+      # (Stopped below; this only for a test that fails before.)
+      on_exit(fn -> VllmBridge.stop_pool(pool) end)
 
       starts = for _ <- 1..2, do: next_event([:vllm_bridge, :worker, :start])
       {:ok, ws} = VllmBridge.Pool.workers(pool)
