@@ -294,7 +294,7 @@ defmodule VllmBridge.Worker do
 
   @impl true
   def terminate(reason, state) do
-    ended(state, reason)
+    Events.ended(state, reason, Calls.size(state.calls))
     shut(state, "the worker is shutting down")
     # A start cut short (the pool stopped meanwhile) leaves no start-up stderr file.
     if state[:stderr], do: Launcher.delete_stderr(state.stderr)
@@ -407,21 +407,6 @@ defmodule VllmBridge.Worker do
     Events.exited(state, why, Calls.size(state.calls))
     {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
-
-  # The telemetry event of the end of this process (VllmBridge.Worker.Events), unless it
-  # was sent already: a Python process that went down (down/2) or a start that failed
-  # (VllmBridge.Worker.Starting) is an :exit said when it happened; a stop asked for is a
-  # :stop; a crash of this process itself an :exit.
-  defp ended(_state, {:shutdown, {kind, _}}) when kind in [:worker_exit, :start_failed], do: :ok
-  defp ended(%{phase: :failed}, _reason), do: :ok
-
-  defp ended(state, reason) when reason in [:normal, :shutdown],
-    do: Events.stopped(state, reason)
-
-  defp ended(state, {:shutdown, _} = reason), do: Events.stopped(state, reason)
-
-  defp ended(state, reason),
-    do: Events.exited(state, Exception.format_exit(reason), Calls.size(state.calls))
 
   @doc false
   @spec label(map()) :: String.t()

@@ -65,6 +65,25 @@ defmodule VllmBridge.Worker.Events do
     :ok
   end
 
+  @doc """
+  The event of the end of a worker process that stops with `reason` (its `terminate/2`),
+  unless it was told already: a Python process that went down or a start that failed is
+  an `:exit` told when it happened; a stop asked for is a `:stop`; a crash of the worker
+  process itself an `:exit` (`in_flight` requests lost).
+  """
+  @spec ended(map(), term(), non_neg_integer()) :: :ok
+  def ended(_state, {:shutdown, {kind, _}}, _in_flight)
+      when kind in [:worker_exit, :start_failed],
+      do: :ok
+
+  def ended(%{phase: :failed}, _reason, _in_flight), do: :ok
+
+  def ended(state, reason, _in_flight) when reason in [:normal, :shutdown],
+    do: stopped(state, reason)
+
+  def ended(state, {:shutdown, _} = reason, _in_flight), do: stopped(state, reason)
+  def ended(state, reason, in_flight), do: exited(state, Exception.format_exit(reason), in_flight)
+
   defp metadata(state) do
     %{
       pool: state.pool,
