@@ -2,7 +2,8 @@ defmodule VllmBridge.DoctestTest do
   @moduledoc """
   The examples in `VllmBridge`'s docs run as written, against real workers: the
   moduledoc's starts and stops a pool of its own, the functions' use the pool
-  `:default`, started here (no other test starts one of that name).
+  `:default`, started here (no other test starts one of that name). Also
+  `VllmBridge.Telemetry`'s.
   """
   use ExUnit.Case, async: false
 
@@ -13,4 +14,6 @@ defmodule VllmBridge.DoctestTest do
   end
 
   doctest VllmBridge
+  # Its examples hold with :telemetry loaded or not (the stand-in of the telemetry tests).
+  doctest VllmBridge.Telemetry
 end

@@ -25,6 +25,8 @@ defmodule VllmBridge.Stream do
 
   alias VllmBridge.{Error, Ref}
   alias VllmBridge.Call.{Request, Route, Run, Runtime, Wire}
+  alias VllmBridge.Call.Span, as: CallSpan
+  alias VllmBridge.Telemetry
   alias VllmBridge.Pool.Directory
   alias VllmBridge.Session.LooseRefs
   alias VllmBridge.Worker.Messages
@@ -44,33 +46,152 @@ defmodule VllmBridge.Stream do
       {:ok,
        Stream.resource(
          fn -> start(target, args, kwargs, parts, opts) end,
-         &next/1,
+         &next_observed/1,
          &stop/1
        )}
     end
   end
 
+  # With `:telemetry` loaded the stream runs in a `[:vllm_bridge, :call]` span of kind
+  # :stream, from the start of its enumeration to its end (VllmBridge.Telemetry): the
+  # state's `obs` holds the span and what it counts; nil when not observed.
   defp start(target, args, kwargs, parts, opts) do
-    with {:ok, rt} <- Runtime.resolve(opts, :stream),
-         {:ok, route} <- Route.resolve(rt, "stream", Run.bound_ref(target), {args, kwargs}),
-         # The target, for the worker's messages (a stream that costs it its process).
-         req =
-           Request.new("stream", pre: [Wire.value(route.session_id)], post: parts, target: target),
-         {:ok, pid, _i} <- Route.checkout(route, req, rt.deadline) do
-      handle = Request.send_request(pid, req, rt.deadline, holds_slot: true, replies: :stream)
+    if Telemetry.enabled?(),
+      do: start_observed(target, args, kwargs, parts, opts),
+      else: start_plain(target, args, kwargs, parts, opts)
+  end
 
-      %{
-        handle: handle,
-        deadline: rt.deadline,
-        idle: rt.timeout,
-        done: false,
-        loose: !route.session_id,
-        # The worker's window, which it sends before the first chunk.
-        window: nil,
-        read: 0
-      }
+  defp start_plain(target, args, kwargs, parts, opts) do
+    with {:ok, rt, route} <- resolve(target, args, kwargs, opts),
+         req = request(route, parts, target),
+         {:ok, pid, _i} <- Route.checkout(route, req, rt.deadline) do
+      open(pid, req, rt, route, nil)
     else
       {:error, %Error{} = e} -> raise e
+    end
+  end
+
+  defp start_observed(target, args, kwargs, parts, opts) do
+    t0 = System.monotonic_time()
+    system_time = System.system_time()
+
+    case resolve(target, args, kwargs, opts) do
+      {:ok, rt, route} ->
+        span = CallSpan.start("stream", target, route, rt, t0, system_time)
+        req = request(route, parts, target)
+        t1 = System.monotonic_time()
+        checkout = Route.checkout(route, req, rt.deadline)
+
+        obs = %{
+          span: span,
+          worker: nil,
+          queue_time: System.monotonic_time() - t1,
+          request_bytes: req.size,
+          reply_bytes: 0,
+          chunks: 0
+        }
+
+        case checkout do
+          {:ok, pid, index} -> open(pid, req, rt, route, %{obs | worker: index})
+          {:error, e} -> raise_observed(obs, e)
+        end
+
+      {:error, rt, e} ->
+        span = CallSpan.start("stream", target, nil, rt, t0, system_time)
+        raise_observed(%{span: span, worker: nil}, e)
+    end
+  end
+
+  defp resolve(target, args, kwargs, opts) do
+    case Runtime.resolve(opts, :stream) do
+      {:ok, rt} ->
+        case Route.resolve(rt, "stream", Run.bound_ref(target), {args, kwargs}) do
+          {:ok, route} -> {:ok, rt, route}
+          {:error, e} -> {:error, rt, e}
+        end
+
+      # new/4 resolved the same options: only a change of the application's config
+      # in between gets here.
+      {:error, e} ->
+        {:error, %Runtime{}, e}
+    end
+  end
+
+  # The target, for the worker's messages (a stream that costs it its process).
+  defp request(route, parts, target),
+    do: Request.new("stream", pre: [Wire.value(route.session_id)], post: parts, target: target)
+
+  defp open(pid, req, rt, route, obs) do
+    handle = Request.send_request(pid, req, rt.deadline, holds_slot: true, replies: :stream)
+
+    %{
+      handle: handle,
+      deadline: rt.deadline,
+      idle: rt.timeout,
+      done: false,
+      loose: !route.session_id,
+      # The worker's window, which it sends before the first chunk.
+      window: nil,
+      read: 0,
+      obs: obs
+    }
+  end
+
+  # The span ends with :exception for whatever the stream raises (its errors are raised:
+  # see the moduledoc). A start that fails: Stream.resource runs no stop/1 after it.
+  defp raise_observed(obs, e) do
+    raise e
+  rescue
+    e ->
+      CallSpan.exception(obs.span, :error, e, __STACKTRACE__, obs.worker, measurements(obs))
+      reraise e, __STACKTRACE__
+  end
+
+  defp next_observed(%{obs: nil} = st), do: next(st)
+
+  defp next_observed(st) do
+    next(st)
+  catch
+    class, reason ->
+      ended(st.obs, class, reason, __STACKTRACE__)
+      :erlang.raise(class, reason, __STACKTRACE__)
+  end
+
+  # A stream that raised while enumerated: Stream.resource runs stop/1 after, with the
+  # state from before the raise, so the span is marked ended (in this process, which
+  # enumerates it) for stop/1 not to end it again; stop/1 removes the mark.
+  @ended_key :vllm_bridge_stream_span_ended
+
+  defp ended(obs, class, reason, stacktrace) do
+    CallSpan.exception(obs.span, class, reason, stacktrace, obs.worker, measurements(obs))
+    Process.put({@ended_key, obs.span.metadata.telemetry_span_context}, true)
+  end
+
+  @counted [:queue_time, :request_bytes, :reply_bytes, :chunks]
+
+  defp measurements(%{queue_time: _} = obs), do: Map.take(obs, @counted)
+  defp measurements(_obs), do: %{}
+
+  # A chunk read: counted when observed.
+  defp count(%{obs: nil} = st, _bin), do: st
+
+  defp count(%{obs: obs} = st, bin),
+    do: %{
+      st
+      | obs: %{obs | chunks: obs.chunks + 1, reply_bytes: obs.reply_bytes + byte_size(bin)}
+    }
+
+  # The span's :stop: the stream ended (`halted` false) or its consumer stopped reading
+  # first (true). Not when it raised (ended/4 did it).
+  defp stop_span(%{obs: nil}), do: :ok
+
+  defp stop_span(%{obs: obs, done: done}) do
+    case Process.delete({@ended_key, obs.span.metadata.telemetry_span_context}) do
+      true ->
+        :ok
+
+      nil ->
+        CallSpan.stop(obs.span, :ok, obs.worker, measurements(obs), %{halted: not done})
     end
   end
 
@@ -83,7 +204,7 @@ defmodule VllmBridge.Stream do
           {:ok, value} ->
             # Outside a session, what the chunk references belongs to this process.
             if st.loose, do: LooseRefs.track(self(), Ref.collect(value, session: :none))
-            {[value], credit(pid, id, st)}
+            {[value], credit(pid, id, count(st, bin))}
 
           {:error, e} ->
             raise e
@@ -148,7 +269,12 @@ defmodule VllmBridge.Stream do
     Request.flush(mref)
   end
 
-  defp stop(%{done: true} = st), do: finished(st)
+  defp stop(st) do
+    settle(st)
+    stop_span(st)
+  end
+
+  defp settle(%{done: true} = st), do: finished(st)
 
   # Chunks already on their way hold references nobody else can reach (outside a session
   # nobody would ever release them; in one, they would hold their objects until it
@@ -157,7 +283,7 @@ defmodule VllmBridge.Stream do
   # those of later ones itself). The answer comes on an alias of its own: the stream's
   # may be gone already (a stream that raised), and the worker's messages keep their
   # order whatever alias they use.
-  defp stop(%{handle: {pid, id, mref}} = st) do
+  defp settle(%{handle: {pid, id, mref}} = st) do
     ack = :erlang.monitor(:process, pid, [{:alias, :demonitor}])
     Messages.send_settle(pid, id, ack)
     refs = drain(mref, ack, [])

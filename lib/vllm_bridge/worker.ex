@@ -64,7 +64,7 @@ defmodule VllmBridge.Worker do
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.{Calls, Framer, Hello, Launcher, Messages, PythonLog, Starting}
+  alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, PythonLog, Starting}
   alias VllmBridge.Worker.Messages.Submit
 
   @start_timeout 60_000
@@ -293,7 +293,8 @@ defmodule VllmBridge.Worker do
   def handle_info(_other, state), do: {:noreply, state}
 
   @impl true
-  def terminate(_reason, state) do
+  def terminate(reason, state) do
+    Events.ended(state, reason, Calls.size(state.calls))
     shut(state, "the worker is shutting down")
     # A start cut short (the pool stopped meanwhile) leaves no start-up stderr file.
     if state[:stderr], do: Launcher.delete_stderr(state.stderr)
@@ -403,6 +404,7 @@ defmodule VllmBridge.Worker do
     )
 
     why = state.killed || event
+    Events.exited(state, why, Calls.size(state.calls))
     {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
 

@@ -1,3 +1,5 @@
+Code.require_file("../support/telemetry_helpers.exs", __DIR__)
+
 defmodule VllmBridge.DemoTest do
   @moduledoc """
   The demo through the whole bridge: two real Python workers as DP ranks 0 and 1 run a
@@ -12,15 +14,35 @@ defmodule VllmBridge.DemoTest do
 
   @moduletag timeout: 300_000
 
+  # The stand-in :telemetry is loaded at run time (VllmBridge.TelemetryHelpers.load!/0).
+  @compile {:no_warn_undefined, :telemetry}
+  @step [:vllm_bridge, :runner, :step]
+
   setup_all do
     dir = Path.join(System.tmp_dir!(), "vllm_demo_test_#{System.unique_integer([:positive])}")
     on_exit(fn -> File.rm_rf(dir) end)
     {:ok, lines} = Agent.start_link(fn -> [] end)
     out = fn line -> Agent.update(lines, &[line | &1]) end
+    # The runner's step spans, in the order they were emitted.
+    VllmBridge.TelemetryHelpers.load!()
+    {:ok, spans} = Agent.start_link(fn -> [] end)
+    record = fn event, m, md, _ -> Agent.update(spans, &[{event, m, md} | &1]) end
+
+    :ok =
+      :telemetry.attach_many(
+        __MODULE__,
+        for(e <- [:start, :stop, :exception], do: @step ++ [e]),
+        record,
+        nil
+      )
+
     result = Demo.run(steps: 6, seed: 7, pool: :demo_test, weights_dir: dir, out: out)
+    :telemetry.detach(__MODULE__)
     printed = lines |> Agent.get(&Enum.reverse/1) |> Enum.join("\n")
+    step_events = Agent.get(spans, &Enum.reverse/1)
     Agent.stop(lines)
-    %{result: result, printed: printed}
+    Agent.stop(spans)
+    %{result: result, printed: printed, step_events: step_events}
   end
 
   test "the DP run equals one rank running the same tokens", %{result: result} do
@@ -99,6 +121,39 @@ defmodule VllmBridge.DemoTest do
     assert printed =~ "batch-size stats"
     assert printed =~ "tokens identical: "
     refute printed =~ "DIFFERENT"
+  end
+
+  test "each step of the runner is a telemetry span carrying its report's figures",
+       %{result: result, step_events: events} do
+    starts = for {event, m, md} <- events, event == @step ++ [:start], do: {m, md}
+    stops = for {event, m, md} <- events, event == @step ++ [:stop], do: {m, md}
+    assert for({event, _, _} <- events, event == @step ++ [:exception], do: event) == []
+    # 6 steps of 2 ranks in the DP run, then the check's 6 merged steps on rank 0 alone.
+    assert length(starts) == 18 and length(stops) == 18
+    {dp, check} = Enum.split(stops, 12)
+
+    figures = fn m, md ->
+      {md.rank, m.num_tokens, m.num_tokens_padded, m.num_reqs, m.moe_chunks, md.cudagraph_mode,
+       md.graph, md.should_ubatch, md.skipped}
+    end
+
+    expected =
+      for {_, outs} <- result.steps, {out, rank} <- Enum.with_index(outs) do
+        {rank, out["num_tokens"], out["num_tokens_padded"], out["num_reqs"], out["moe_chunks"],
+         out["cudagraph_mode"], out["graph"], out["should_ubatch"], out["skipped"]}
+      end
+
+    assert Enum.sort(for {m, md} <- dp, do: figures.(m, md)) == Enum.sort(expected)
+    assert Enum.all?(check, fn {_m, md} -> md.rank == 0 end)
+
+    for {m, md} <- stops do
+      assert md.error == nil and is_binary(md.session_id)
+      # The runner's own times (Python) sit inside the call that carried them.
+      assert m.forward_time <= m.step_time and m.step_time <= m.duration
+    end
+
+    contexts = for {_m, md} <- starts, do: md.telemetry_span_context
+    assert Enum.sort(contexts) == Enum.sort(for {_m, md} <- stops, do: md.telemetry_span_context)
   end
 
   test "the pool is gone afterwards" do

@@ -21,7 +21,7 @@ defmodule VllmBridge.Demo do
   `run/1` returns what happened (for tests) and prints through `:out`.
   """
 
-  alias VllmBridge.Demo.{Check, Ranks, Report, Schedule}
+  alias VllmBridge.Demo.{Check, Ranks, Report, Schedule, Step}
   alias Vllm.Dp.Module, as: Dp
   alias Vllm.ForwardContext.Module, as: FC
   alias Vllm.Demo.Rank.Module, as: Runner
@@ -155,7 +155,7 @@ defmodule VllmBridge.Demo do
 
   defp execute(ranks, rank, rank_steps) do
     step = Enum.at(rank_steps, rank)
-    Ranks.run!(ranks, rank, "execute_model", &Check.execute(step, &1))
+    Ranks.run!(ranks, rank, "execute_model", &Step.execute(step, &1, rank))
   end
 
   defp stats(ranks, out) do

@@ -12,6 +12,8 @@ defmodule VllmBridge.Call.All do
 
   alias VllmBridge.{Error, Pool, Ref}
   alias VllmBridge.Call.{Request, Route, Runtime, Wire}
+  alias VllmBridge.Call.Span, as: CallSpan
+  alias VllmBridge.Telemetry
   alias VllmBridge.Pool.Directory
   alias VllmBridge.Session.LooseRefs
 
@@ -28,9 +30,11 @@ defmodule VllmBridge.Call.All do
          {:ok, meta} <- Pool.meta(pool) do
       req = Request.new("call", pre: [Wire.value(nil)], post: parts, target: target)
 
+      observed = Telemetry.enabled?()
+
       results =
         0..(meta.size - 1)
-        |> Enum.map(&send_to(meta, &1, req, rt.deadline))
+        |> Enum.map(&send_to(meta, &1, req, rt, target, observed))
         |> Enum.map(&await(&1, rt, target))
 
       # Whatever came back, references in it are the caller's (none is lost when
@@ -78,6 +82,31 @@ defmodule VllmBridge.Call.All do
 
   defp module_target(_target), do: :ok
 
+  # With `:telemetry` loaded, each worker's call is a `[:vllm_bridge, :call]` span of its
+  # own (VllmBridge.Telemetry): they overlap, each with its own span context.
+  defp send_to(meta, i, req, rt, _target, false), do: send_to(meta, i, req, rt.deadline)
+
+  defp send_to(meta, i, req, rt, target, true) do
+    t0 = System.monotonic_time()
+    route = %Route{meta: meta, constraint: {:only, i}}
+    span = CallSpan.start("call", target, route, rt, t0, System.system_time())
+
+    case send_to(meta, i, req, rt.deadline) do
+      {:sent, handle} ->
+        {:sent, handle, {span, i, System.monotonic_time() - t0, req.size}}
+
+      {:error, _} = error ->
+        sizes = %{
+          queue_time: System.monotonic_time() - t0,
+          request_bytes: req.size,
+          reply_bytes: 0
+        }
+
+        CallSpan.stop(span, error, nil, sizes)
+        error
+    end
+  end
+
   defp send_to(meta, i, req, deadline) do
     case Directory.worker(meta.name, i) do
       nil ->
@@ -97,18 +126,30 @@ defmodule VllmBridge.Call.All do
     end
   end
 
-  defp await({:sent, handle}, rt, target) do
-    case Request.await(handle, rt.deadline) do
-      {:error, %Error{type: :timeout} = e} ->
-        {:error,
-         %{e | message: "call #{describe(target)}: #{e.message} (timeout #{rt.timeout} ms)"}}
+  defp await({:sent, handle}, rt, target),
+    do: handle |> Request.await(rt.deadline) |> named(rt, target)
 
-      other ->
-        other
-    end
+  defp await({:sent, handle, {span, i, queue_time, request_bytes}}, rt, target) do
+    {result, reply_bytes} = Request.await_sized(handle, rt.deadline)
+    result = named(result, rt, target)
+
+    CallSpan.stop(span, result, i, %{
+      queue_time: queue_time,
+      request_bytes: request_bytes,
+      reply_bytes: reply_bytes
+    })
+
+    result
   end
 
   defp await({:error, _} = error, _rt, _target), do: error
+
+  defp named({:error, %Error{type: :timeout} = e}, rt, target),
+    do:
+      {:error,
+       %{e | message: "call #{describe(target)}: #{e.message} (timeout #{rt.timeout} ms)"}}
+
+  defp named(result, _rt, _target), do: result
 
   # The error names each worker that failed and why; the first failure gives its type
   # (and Python type and traceback); details.results has every worker's result, in order.

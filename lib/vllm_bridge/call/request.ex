@@ -114,9 +114,26 @@ defmodule VllmBridge.Call.Request do
 
   def call(pid, req, deadline, opts) do
     handle = send_request(pid, req, deadline, holds_slot: Keyword.get(opts, :holds_slot, false))
-    # An enter's reply holds the only handle of its context: settled, not dropped.
-    await(handle, deadline, on_timeout: if(req.kind == "enter", do: :cancel_enter, else: :cancel))
+    await(handle, deadline, on_timeout: on_timeout(req))
   end
+
+  @doc """
+  `call/4`, and the byte size of the reply's frame (0 when none came: a worker that
+  went down, a timeout): for the call's telemetry span (VllmBridge.Call.Run).
+  """
+  @spec call_sized(pid() | nil, t(), integer() | :infinity, holds_slot: boolean()) ::
+          {{:ok, term()} | {:error, Error.t()}, non_neg_integer()}
+  def call_sized(pid, req, deadline, opts \\ [])
+  def call_sized(nil, req, deadline, opts), do: {call(nil, req, deadline, opts), 0}
+
+  def call_sized(pid, req, deadline, opts) do
+    handle = send_request(pid, req, deadline, holds_slot: Keyword.get(opts, :holds_slot, false))
+    await_sized(handle, deadline, on_timeout: on_timeout(req))
+  end
+
+  # An enter's reply holds the only handle of its context: settled, not dropped.
+  defp on_timeout(%{kind: "enter"}), do: :cancel_enter
+  defp on_timeout(_req), do: :cancel
 
   @doc "Sends `req` and returns at once (`t:send_opts/0`)."
   @spec send_request(pid(), t(), integer() | :infinity, send_opts()) :: handle()
@@ -205,9 +222,19 @@ defmodule VllmBridge.Call.Request do
   """
   @spec await(handle(), integer() | :infinity, await_opts()) ::
           {:ok, term()} | {:error, Error.t()}
-  def await({pid, id, mref}, deadline, opts \\ []) do
+  def await(handle, deadline, opts \\ []), do: receive_reply(handle, deadline, opts, false)
+
+  @doc "`await/3`, and the byte size of the reply's frame (0 when none came)."
+  @spec await_sized(handle(), integer() | :infinity, await_opts()) ::
+          {{:ok, term()} | {:error, Error.t()}, non_neg_integer()}
+  def await_sized(handle, deadline, opts \\ []),
+    do: sized(receive_reply(handle, deadline, opts, true))
+
+  # `sized`: whether the reply's size is wanted ({:sized, result, bytes} instead of the
+  # result), so that a call that is not observed pays nothing for it.
+  defp receive_reply({pid, id, mref}, deadline, opts, sized) do
     receive do
-      Messages.reply(^mref, bin) -> Wire.decode_reply(bin)
+      Messages.reply(^mref, bin) -> decode(bin, sized)
       Messages.worker_exit(^mref, message) -> worker_exit(message)
       Messages.reply_error(^mref, e) -> {:error, e}
       {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
@@ -215,22 +242,30 @@ defmodule VllmBridge.Call.Request do
       Runtime.remaining(deadline) ->
         case Keyword.get(opts, :on_timeout, :cancel) do
           :cancel ->
-            give_up({pid, id, mref}, "no reply to request #{id} before its deadline")
+            settle({pid, id, mref}, "no reply to request #{id} before its deadline", sized)
 
           :forget ->
-            forget({pid, id, mref})
+            late_reply(
+              mref,
+              "no reply to request #{id} before its deadline; it still runs",
+              sized
+            )
 
           :cancel_enter ->
-            give_up(
+            settle(
               {pid, id, mref},
-              "no reply to enter #{id} before its deadline; the context is not left entered"
+              "no reply to enter #{id} before its deadline; the context is not left entered",
+              sized
             )
         end
     end
   end
 
-  defp forget({_pid, id, mref}),
-    do: late_reply(mref, "no reply to request #{id} before its deadline; it still runs")
+  defp decode(bin, false), do: Wire.decode_reply(bin)
+  defp decode(bin, true), do: {:sized, Wire.decode_reply(bin), byte_size(bin)}
+
+  defp sized({:sized, result, bytes}), do: {result, bytes}
+  defp sized(result), do: {result, 0}
 
   @doc """
   Gives up on a request, settling it with the worker process: asks it to cancel the
@@ -241,12 +276,14 @@ defmodule VllmBridge.Call.Request do
   no longer listens, so nothing it carries is lost unseen.
   """
   @spec give_up(handle(), String.t()) :: {:ok, term()} | {:error, Error.t()}
-  def give_up({pid, id, mref}, message) do
+  def give_up(handle, message), do: settle(handle, message, false)
+
+  defp settle({pid, id, mref}, message, sized) do
     Messages.send_settle(pid, id, mref)
 
     result =
       receive do
-        Messages.reply(^mref, bin) -> Wire.decode_reply(bin)
+        Messages.reply(^mref, bin) -> decode(bin, sized)
         Messages.cancelled(^mref) -> {:error, Error.new(:timeout, message)}
         Messages.worker_exit(^mref, worker_message) -> worker_exit(worker_message)
         Messages.reply_error(^mref, e) -> {:error, e}
@@ -275,11 +312,11 @@ defmodule VllmBridge.Call.Request do
 
   # Deactivates the alias, then takes a reply that made it in before that, else drops
   # whatever else arrived and answers :timeout with `message`.
-  defp late_reply(mref, message) do
+  defp late_reply(mref, message, sized) do
     Process.demonitor(mref, [:flush])
 
     receive do
-      Messages.reply(^mref, bin) -> Wire.decode_reply(bin)
+      Messages.reply(^mref, bin) -> decode(bin, sized)
     after
       0 ->
         flush(mref)

@@ -6,6 +6,8 @@ defmodule VllmBridge.Call.Run do
 
   alias VllmBridge.{Error, Ref}
   alias VllmBridge.Call.{Request, Route, Runtime, Wire}
+  alias VllmBridge.Call.Span, as: CallSpan
+  alias VllmBridge.Telemetry
   alias VllmBridge.Session.LooseRefs
 
   # `what:` the target the request runs (`{module, path}` or `{ref, path}`), or a short
@@ -21,36 +23,127 @@ defmodule VllmBridge.Call.Run do
   # session's next call still finds the context exited.
   @cleanups ["exit", "release"]
 
-  @doc "Runs a request of `kind` whose encoded fields are `parts` (`t:opts/0`)."
+  @doc """
+  Runs a request of `kind` whose encoded fields are `parts` (`t:opts/0`). With
+  `:telemetry` loaded it runs inside a `[:vllm_bridge, :call]` span (VllmBridge.Telemetry);
+  without, the one check is all it costs.
+  """
   @spec run(Runtime.t(), String.t(), [iodata()], opts()) :: {:ok, term()} | {:error, Error.t()}
   def run(%Runtime{} = rt, kind, parts, opts) do
+    if Telemetry.enabled?(),
+      do: observed(rt, kind, parts, opts),
+      else: plain(rt, kind, parts, opts)
+  end
+
+  defp plain(rt, kind, parts, opts) do
     what = Keyword.fetch!(opts, :what)
 
     result =
-      with {:ok, route} <-
-             Route.resolve(rt, kind, Keyword.get(opts, :bound), Keyword.get(opts, :payload)),
-           req =
-             Request.new(kind,
-               pre: [Wire.value(route.session_id)],
-               post: parts,
-               timed: Keyword.get(opts, :timed, true),
-               target: what
-             ),
+      with {:ok, route} <- resolve(rt, kind, opts),
+           req = request(kind, route, parts, what, opts),
            {:ok, pid, _index} <- Route.checkout(route, req, rt.deadline) do
-        if kind in @cleanups do
-          pid
-          |> Request.send_request(req, :infinity, holds_slot: true, cancel_on_caller_exit: false)
-          |> Request.await(rt.deadline, on_timeout: :forget)
-        else
-          pid |> Request.call(req, rt.deadline, holds_slot: true) |> adopt_loose(route)
-        end
+        exchange(pid, req, kind, route, rt)
       end
 
-    case result do
-      {:error, %Error{type: :timeout} = e} -> {:error, timed_out(e, kind, what, rt)}
-      other -> other
+    named(result, kind, what, rt)
+  end
+
+  # The same steps, timed: the span starts when the request enters (its metadata once the
+  # route is known: pool and session), the queue time is the checkout's (waiting for
+  # room on a worker), and the reply's size comes back with it. A returned error ends the
+  # span with :stop and the error in its metadata; only something raised, thrown or
+  # exited with in this process ends it with :exception (as Ecto and Finch do).
+  defp observed(rt, kind, parts, opts) do
+    what = Keyword.fetch!(opts, :what)
+    t0 = System.monotonic_time()
+    system_time = System.system_time()
+
+    case resolve(rt, kind, opts) do
+      {:ok, route} ->
+        span = CallSpan.start(kind, what, route, rt, t0, system_time)
+
+        try do
+          req = request(kind, route, parts, what, opts)
+          t1 = System.monotonic_time()
+
+          case Route.checkout(route, req, rt.deadline) do
+            {:ok, pid, index} ->
+              queue_time = System.monotonic_time() - t1
+              {result, reply_bytes} = exchange_sized(pid, req, kind, route, rt)
+              result = named(result, kind, what, rt)
+
+              CallSpan.stop(span, result, index, %{
+                queue_time: queue_time,
+                request_bytes: req.size,
+                reply_bytes: reply_bytes
+              })
+
+              result
+
+            {:error, _} = error ->
+              result = named(error, kind, what, rt)
+
+              CallSpan.stop(span, result, nil, %{
+                queue_time: System.monotonic_time() - t1,
+                request_bytes: req.size,
+                reply_bytes: 0
+              })
+
+              result
+          end
+        catch
+          class, reason ->
+            CallSpan.exception(span, class, reason, __STACKTRACE__)
+            :erlang.raise(class, reason, __STACKTRACE__)
+        end
+
+      {:error, _} = error ->
+        # Refused before it had a route (no such pool or session, a lost reference): a
+        # span of its own, so that every request that entered has one.
+        result = named(error, kind, what, rt)
+        span = CallSpan.start(kind, what, nil, rt, t0, system_time)
+        CallSpan.stop(span, result, nil, %{queue_time: 0, request_bytes: 0, reply_bytes: 0})
+        result
     end
   end
+
+  defp resolve(rt, kind, opts),
+    do: Route.resolve(rt, kind, Keyword.get(opts, :bound), Keyword.get(opts, :payload))
+
+  defp request(kind, route, parts, what, opts) do
+    Request.new(kind,
+      pre: [Wire.value(route.session_id)],
+      post: parts,
+      timed: Keyword.get(opts, :timed, true),
+      target: what
+    )
+  end
+
+  defp exchange(pid, req, kind, _route, rt) when kind in @cleanups do
+    pid
+    |> Request.send_request(req, :infinity, holds_slot: true, cancel_on_caller_exit: false)
+    |> Request.await(rt.deadline, on_timeout: :forget)
+  end
+
+  defp exchange(pid, req, _kind, route, rt),
+    do: pid |> Request.call(req, rt.deadline, holds_slot: true) |> adopt_loose(route)
+
+  # `exchange/5`, with the byte size of the reply frame (0 when none came).
+  defp exchange_sized(pid, req, kind, _route, rt) when kind in @cleanups do
+    pid
+    |> Request.send_request(req, :infinity, holds_slot: true, cancel_on_caller_exit: false)
+    |> Request.await_sized(rt.deadline, on_timeout: :forget)
+  end
+
+  defp exchange_sized(pid, req, _kind, route, rt) do
+    {result, bytes} = Request.call_sized(pid, req, rt.deadline, holds_slot: true)
+    {adopt_loose(result, route), bytes}
+  end
+
+  defp named({:error, %Error{type: :timeout} = e}, kind, what, rt),
+    do: {:error, timed_out(e, kind, what, rt)}
+
+  defp named(result, _kind, _what, _rt), do: result
 
   @doc "The reference a target is bound to (`{%Ref{}, path}`), or nil."
   @spec bound_ref(term()) :: Ref.t() | nil

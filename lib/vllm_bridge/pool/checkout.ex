@@ -19,6 +19,7 @@ defmodule VllmBridge.Pool.Checkout do
   alias VllmBridge.Error
   alias VllmBridge.Call.Runtime
   alias VllmBridge.Pool.{Meta, Slots}
+  alias VllmBridge.Telemetry
 
   @typedoc "Which workers a call may take."
   @type constraint ::
@@ -68,6 +69,8 @@ defmodule VllmBridge.Pool.Checkout do
           {:ok, i}
 
         {^alias, :full} ->
+          queue_full(meta, constraint)
+
           {:error,
            Error.new(
              :queue_full,
@@ -88,6 +91,20 @@ defmodule VllmBridge.Pool.Checkout do
     Process.demonitor(mon, [:flush])
     result
   end
+
+  # Told in the refused caller's process, as its call's own span is (VllmBridge.Telemetry).
+  defp queue_full(meta, constraint) do
+    if Telemetry.enabled?() do
+      Telemetry.execute(
+        [:vllm_bridge, :pool, :queue_full],
+        %{system_time: System.system_time(), queue_size: meta.queue_size},
+        %{pool: meta.name, worker: worker(constraint)}
+      )
+    end
+  end
+
+  defp worker({_how, i}), do: i
+  defp worker(:any), do: nil
 
   # A slot granted just before the queue saw the withdrawal is given back.
   defp withdraw(meta, alias, mon) do

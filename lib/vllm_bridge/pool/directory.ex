@@ -11,7 +11,9 @@ defmodule VllmBridge.Pool.Directory do
   #   * `{{:session, id}, %VllmBridge.Session{}}` and `{{:touch, id, index}}` - open sessions
   #     and the other workers a session's `:hint` calls ran on;
   #   * `{{:down, name, index}, instance, why}` - why the last process at that index went
-  #     down (one row per index, overwritten), so that a session lost with it can say why.
+  #     down (one row per index, overwritten), so that a session lost with it can say why;
+  #   * `{{:starts, name, index}, n}` - how many worker processes started at that index
+  #     (the worker's restart count: VllmBridge.Worker.Events).
   #
   # Reads are concurrent; each writer owns its rows (a pool's queue its `:pool` row, a
   # worker its `:worker`/`:instance` rows, the session manager the session rows).
@@ -91,6 +93,7 @@ defmodule VllmBridge.Pool.Directory do
   @spec delete_pool(term()) :: true
   def delete_pool(name) do
     :ets.match_delete(@table, {{:down, name, :_}, :_, :_})
+    :ets.match_delete(@table, {{:starts, name, :_}, :_})
     :ets.delete(@table, {:pool, name})
   end
 
@@ -136,6 +139,14 @@ defmodule VllmBridge.Pool.Directory do
     end
 
     :ok
+  end
+
+  @doc false
+  # A worker process starts at `index` of pool `name`: how many started there before it.
+  @spec count_start(term(), non_neg_integer()) :: non_neg_integer()
+  def count_start(name, index) do
+    key = {:starts, name, index}
+    :ets.update_counter(@table, key, 1, {key, 0}) - 1
   end
 
   @doc false

@@ -29,7 +29,7 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Worker
   alias VllmBridge.Call.Wire
-  alias VllmBridge.Worker.{Calls, Framer, Hello, Launcher, Messages, OnStart}
+  alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, OnStart}
 
   # The worker module whose start-up stderr is captured: ours takes the BEAM's stderr back
   # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own keeps the
@@ -51,10 +51,17 @@ defmodule VllmBridge.Worker.Starting do
     # that started it, linked) exits, whatever its reason.
     Process.flag(:trap_exit, true)
 
-    if meta do
-      Slots.put_load(meta, index, Slots.down())
-      Directory.clear_worker(pool, index)
-    end
+    # (Native time: when the start began, for the telemetry events' durations.)
+    born = System.monotonic_time()
+
+    restarts =
+      if meta do
+        Slots.put_load(meta, index, Slots.down())
+        Directory.clear_worker(pool, index)
+        Directory.count_start(pool, index)
+      else
+        0
+      end
 
     stderr =
       if Keyword.get(opts, :worker_module, @own_worker) == @own_worker,
@@ -94,6 +101,11 @@ defmodule VllmBridge.Worker.Starting do
           failed: nil,
           # Why the Python process was killed, once this process killed it (cancel_grace).
           killed: nil,
+          # For the telemetry events (VllmBridge.Worker.Events): when the start began,
+          # how long the hello took (native), processes at this index before this one.
+          born: born,
+          handshake_time: nil,
+          restarts: restarts,
           start_timeout: start_timeout,
           cancel_grace: Keyword.fetch!(opts, :cancel_grace),
           shutdown_grace: Keyword.fetch!(opts, :shutdown_grace)
@@ -226,6 +238,7 @@ defmodule VllmBridge.Worker.Starting do
         instance: hello["instance"],
         os_pid: hello["pid"],
         stream_window: Hello.stream_window(hello),
+        handshake_time: System.monotonic_time() - state.born,
         stderr: nil
     }
 
@@ -262,6 +275,9 @@ defmodule VllmBridge.Worker.Starting do
       Slots.put_load(state.meta, state.index, 0)
       Slots.kick(state.meta)
     end
+
+    # Once it takes calls: a handler may look it up (VllmBridge.Pool.workers/1).
+    Events.started(state)
 
     Process.send_after(self(), :sweep, Worker.sweep_every())
 
@@ -332,6 +348,8 @@ defmodule VllmBridge.Worker.Starting do
       "vllm_bridge worker #{Worker.label(state)} failed to start: #{e.message}" <>
         if(is_binary(e.traceback) and e.traceback != "", do: "\n" <> e.traceback, else: "")
     )
+
+    Events.exited(state, e.message, length(state.pending))
 
     # A Python process that is still there is closed (and killed at once).
     state = kill(state)

@@ -8,8 +8,7 @@ defmodule VllmBridge.Demo.Check do
   runs agree bit for bit, which the model is built to do; see `vllm_bridge.demo.model.moe`).
   """
 
-  alias VllmBridge.Demo.{Ranks, Schedule}
-  alias Vllm.Demo.Rank.Module, as: Runner
+  alias VllmBridge.Demo.{Ranks, Schedule, Step}
   alias VllmBridge.Tensor
 
   @typedoc "What the check found."
@@ -42,17 +41,11 @@ defmodule VllmBridge.Demo.Check do
 
   @doc """
   Runs one step of a schedule (`VllmBridge.Demo.Schedule`) on the rank whose runtime
-  options `rt` are, through the generated binding of `vllm_bridge.demo.rank.execute_model`.
+  options `rt` are, through the generated binding of `vllm_bridge.demo.rank.execute_model`
+  (`VllmBridge.Demo.Step`, which times it in a telemetry span).
   """
   @spec execute(map(), keyword()) :: {:ok, map()} | {:error, VllmBridge.Error.t()}
-  def execute(step, rt) do
-    Runner.execute_model(
-      step["num_scheduled_tokens"],
-      step["new_requests"],
-      step["finished"],
-      __runtime__: rt
-    )
-  end
+  def execute(step, rt), do: Step.execute(step, rt, 0)
 
   @doc """
   Whether a check passed: tokens compared, none different, and the logits within
