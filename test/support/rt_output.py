@@ -60,9 +60,14 @@ def die_with(text: str, status: int = 3) -> None:
     os._exit(status)
 
 
-def log(name: str, level: str, message: str) -> int:
-    """A record of ``level`` on the logger ``name``."""
-    if level not in _LEVELS:
-        raise ValueError(f"level must be one of {sorted(_LEVELS)}, got {level!r}")
-    logging.getLogger(name).log(_LEVELS[level], message)
+def log(name: str, level: str, message: str, own_level: str | None = None) -> int:
+    """A record of ``level`` on the logger ``name`` (set to ``own_level`` first, as a
+    library sets its own logger's level)."""
+    for value in (level, own_level or "debug"):
+        if value not in _LEVELS:
+            raise ValueError(f"level must be one of {sorted(_LEVELS)}, got {value!r}")
+    logger = logging.getLogger(name)
+    if own_level is not None:
+        logger.setLevel(_LEVELS[own_level])
+    logger.log(_LEVELS[level], message)
     return os.getpid()
