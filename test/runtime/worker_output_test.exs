@@ -224,6 +224,51 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
     end
   end
 
+  describe "routine start and stop" do
+    test "write nothing to stdout or stderr" do
+      {:ok, _} = VllmBridge.start_pool(:rt_output_quiet, Keyword.merge(opts([]), size: 2))
+      ws = workers!(:rt_output_quiet)
+
+      {:ok, 3} =
+        VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{},
+          pool_name: :rt_output_quiet
+        )
+
+      readers = Enum.flat_map(ws, &output_readers(&1.pid))
+      assert length(readers) == 2
+      :ok = VllmBridge.stop_pool(:rt_output_quiet)
+      # The readers log what came last once their FIFOs end, then stop.
+      wait_until(fn -> not Enum.any?(readers, &Process.alive?/1) end)
+      Enum.each(flush_logs_full(), &Process.put(:stash, Process.get(:stash, []) ++ [&1]))
+
+      lines =
+        for {_level, message, %{vllm_pool: :rt_output_quiet} = meta} <- Process.get(:stash, []),
+            Map.has_key?(meta, :python_stream),
+            do: message
+
+      assert lines == []
+    end
+  end
+
+  # The output reader linked to a worker process (VllmBridge.Worker.Output).
+  defp output_readers(worker) do
+    {:links, links} = Process.info(worker, :links)
+
+    for pid <- links,
+        is_pid(pid),
+        {:dictionary, d} = Process.info(pid, :dictionary),
+        d[:"$initial_call"] == {VllmBridge.Worker.Output, :init, 1},
+        do: pid
+  end
+
+  defp flush_logs_full(acc \\ []) do
+    receive do
+      {:log, level, message, meta} -> flush_logs_full([{level, message, meta} | acc])
+    after
+      0 -> Enum.reverse(acc)
+    end
+  end
+
   describe "cutting lines" do
     defp feed(chunks) do
       stream = %{name: :stdout, buf: "", skip: false, os_pid: nil}
