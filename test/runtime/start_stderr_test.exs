@@ -32,10 +32,21 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     %{dir: dir}
   end
 
-  # This BEAM's start-up stderr files in the temporary folder.
-  defp leftovers do
-    prefix = "vllm_bridge-stderr-#{System.pid()}-"
-    System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefix))
+  # This BEAM's start-up stderr files and output FIFOs in the temporary folder, once
+  # their workers are gone (a FIFO's reader, VllmBridge.Worker.Output, outlives its
+  # worker by up to 2 s), and the `cat` processes that read such FIFOs.
+  defp leftovers(running \\ false) do
+    prefixes = ["vllm_bridge-stderr-#{System.pid()}-", "vllm_bridge-out-#{System.pid()}-"]
+    unless running, do: wait_until(fn -> readers() == [] end, 30_000, "the readers to be gone")
+    System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefixes))
+  end
+
+  defp readers do
+    for dir <- File.ls!("/proc"),
+        {:ok, cmd} <- [File.read("/proc/#{dir}/cmdline")],
+        String.contains?(cmd, "vllm_bridge-out-#{System.pid()}-"),
+        String.starts_with?(Path.basename(hd(String.split(cmd, <<0>>))), "cat"),
+        do: dir
   end
 
   defp count(log, text), do: length(String.split(log, text)) - 1
@@ -145,7 +156,7 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     assert stderr =~ ~r/vllm_bridge-out-.*-err \(deleted\)$/
     # The fd that kept it during the start is closed, and the file gone.
     refute File.exists?("/proc/#{os_pid}/fd/5")
-    assert leftovers() == []
+    assert leftovers(:running) == []
     # The os pid is the Python process itself (the launch script exec'd it).
     assert File.read!("/proc/#{os_pid}/cmdline") =~ "vllm_bridge.bridge.worker"
 

@@ -51,8 +51,8 @@ defmodule VllmBridge.Worker.Output do
   def os_pid(pid, os_pid), do: GenServer.cast(pid, {:os_pid, os_pid})
 
   @doc """
-  The FIFOs go once the Python process has opened them (after its hello): their names
-  then serve nothing, and nothing is left in the temporary folder.
+  The Python process has opened its FIFOs (its hello came): their names go (nothing is
+  left in the temporary folder), and so do this process's own holds on them.
   """
   @spec unlink(pid()) :: :ok
   def unlink(pid), do: GenServer.cast(pid, :unlink)
@@ -93,9 +93,16 @@ defmodule VllmBridge.Worker.Output do
           {port, %{name: name, buf: "", skip: false, os_pid: port_os_pid(port)}}
         end
 
+      # Each FIFO held open read-write here until the Python process has opened it (its
+      # hello): a reader's open waits for a writer, so without this a `cat` whose Python
+      # process never opened its FIFO (a launch that failed, a BEAM that died meanwhile)
+      # would wait for ever. Read-write never waits, and takes nothing: nothing reads it.
+      holds = for path <- [out, err], do: hold(path)
+
       {:ok,
        %{
          worker: meta[:worker],
+         holds: holds,
          fifos: fifos,
          streams: streams,
          meta: [vllm_pool: meta[:pool], vllm_worker: meta[:index], os_pid: nil],
@@ -124,7 +131,7 @@ defmodule VllmBridge.Worker.Output do
 
   def handle_cast(:unlink, state) do
     unlink_fifos(state.fifos)
-    {:noreply, state}
+    {:noreply, release(state)}
   end
 
   @impl true
@@ -168,7 +175,7 @@ defmodule VllmBridge.Worker.Output do
 
   @impl true
   def terminate(_reason, state) do
-    state = report_dropped(state)
+    state = state |> release() |> report_dropped()
 
     for {port, stream} <- state.streams do
       flush(stream, state.meta)
@@ -185,6 +192,18 @@ defmodule VllmBridge.Worker.Output do
 
     unlink_fifos(state.fifos)
     :ok
+  end
+
+  defp hold(path) do
+    {:ok, io} = :file.open(path, [:read, :write, :raw, :binary])
+    io
+  end
+
+  # From now on each reader sees the end of its FIFO when the Python process (and the
+  # children that inherited its fds) have closed it.
+  defp release(state) do
+    Enum.each(state.holds, &:file.close/1)
+    %{state | holds: []}
   end
 
   defp unlink_fifos({out, err}) do
