@@ -165,6 +165,35 @@ defmodule VllmBridge.Runtime.PoolStatusTest do
     assert %{state: :ready, device: "cpu", restarts: 0} = worker!(0, :rt_status_starting)
   end
 
+  # Whether the test interpreter's torch sees a CUDA device (asked once, when this compiles).
+  @cuda (case System.cmd(Application.compile_env!(:vllm_bridge, :python), [
+                "-c",
+                "import torch; print(torch.cuda.is_available())"
+              ]) do
+           {"True\n", 0} -> true
+           _ -> false
+         end)
+
+  if not @cuda, do: @tag(skip: "needs a CUDA device")
+
+  test "a GPU worker reports its CUDA memory once CUDA is in use" do
+    assert %{device: "cuda:" <> _, cuda_allocated: nil, cuda_reserved: nil} = worker!(0)
+    {:ok, session} = Session.open(pool_name: @pool, worker: 0)
+
+    ones =
+      VllmBridge.Tensor.new(:binary.copy(<<1.0::float-32-little>>, 1024 * 1024), :float32, [
+        1024,
+        1024
+      ])
+
+    {:ok, _} = VllmBridge.call({@diag, "to_device"}, [ones, "cuda"], %{}, session_id: session.id)
+    w = worker!(0)
+    # The caching allocator keeps the block the tensor had (4 MiB) reserved.
+    assert w.cuda_reserved >= 4 * 1024 * 1024
+    assert w.cuda_allocated >= 0 and w.cuda_allocated <= w.cuda_reserved
+    Session.close(session)
+  end
+
   test "a pool that is not started, and a bad timeout, are errors naming them" do
     assert {:error, %VllmBridge.Error{type: :bad_argument, message: m}} = Pool.status(:nope)
     assert m =~ ":nope"

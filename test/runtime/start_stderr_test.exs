@@ -32,14 +32,24 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     %{dir: dir}
   end
 
-  # This BEAM's start-up stderr files and output FIFOs in the temporary folder, once
-  # their workers are gone (a FIFO's reader, VllmBridge.Worker.Output, outlives its
-  # worker by up to 2 s), and the `cat` processes that read such FIFOs.
+  # This BEAM's start-up stderr files in the temporary folder; unless the pool still
+  # runs, its output FIFOs and their readers must be gone too, within a moment (a FIFO's
+  # reader, VllmBridge.Worker.Output, outlives its worker by up to 2 s; an earlier test's
+  # may still be finishing).
   defp leftovers(running \\ false) do
-    prefixes = ["vllm_bridge-stderr-#{System.pid()}-", "vllm_bridge-out-#{System.pid()}-"]
-    unless running, do: wait_until(fn -> readers() == [] end, 30_000, "the readers to be gone")
-    System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefixes))
+    unless running do
+      wait_until(
+        fn -> readers() == [] and in_tmp("vllm_bridge-out-#{System.pid()}-") == [] end,
+        30_000,
+        "the output readers and FIFOs to be gone"
+      )
+    end
+
+    in_tmp("vllm_bridge-stderr-#{System.pid()}-")
   end
+
+  defp in_tmp(prefix),
+    do: System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefix))
 
   defp readers do
     for dir <- File.ls!("/proc"),

@@ -224,6 +224,28 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
     end
   end
 
+  describe "a reader that dies" do
+    test "its worker starts again, and its output is read again" do
+      [w | _] = workers!(@pool)
+      [reader] = output_readers(w.pid)
+      cats = for {_port, stream} <- :sys.get_state(reader).streams, do: stream.os_pid
+      assert length(cats) == 2
+      VllmBridge.Worker.Launcher.kill(hd(cats))
+
+      wait_until(
+        fn -> Enum.any?(workers!(@pool), &(&1.index == w.index and &1.os_pid != w.os_pid)) end,
+        60_000,
+        "worker #{w.index} to start again"
+      )
+
+      refute Process.alive?(reader)
+      fresh = Enum.find(workers!(@pool), &(&1.index == w.index))
+      text = unique("read-again")
+      {:ok, pid} = VllmBridge.Worker.call(fresh.pid, "rt_output", "say", [text], %{}, 60_000)
+      assert {:info, _, %{os_pid: ^pid}} = await_log(text)
+    end
+  end
+
   describe "routine start and stop" do
     test "write nothing to stdout or stderr" do
       {:ok, _} = VllmBridge.start_pool(:rt_output_quiet, Keyword.merge(opts([]), size: 2))

@@ -148,15 +148,25 @@ defmodule VllmBridge.Worker.Output do
     end
   end
 
-  def handle_info({port, {:exit_status, _}}, %{streams: streams} = state)
+  def handle_info({port, {:exit_status, status}}, %{streams: streams} = state)
       when is_map_key(streams, port) do
     stream = streams[port]
     flush(stream, state.meta)
     state = %{state | streams: Map.delete(streams, port)}
 
-    if state.draining and state.streams == %{},
-      do: {:stop, :normal, state},
-      else: {:noreply, state}
+    cond do
+      state.draining and state.streams == %{} ->
+        {:stop, :normal, state}
+
+      # A reader that ends at its FIFO's end exits 0; one that did not (killed, say)
+      # leaves the Python process writing into a FIFO nobody reads, which fails from
+      # now on (a broken pipe): the worker goes (it is linked) and starts again.
+      status != 0 and not state.draining ->
+        {:stop, {:reader_gone, stream.name, status}, state}
+
+      true ->
+        {:noreply, state}
+    end
   end
 
   # The worker process is gone: what its Python process (and its children) wrote last
@@ -175,6 +185,8 @@ defmodule VllmBridge.Worker.Output do
 
   @impl true
   def terminate(_reason, state) do
+    # The names first: once its readers are gone, nothing of this worker is left.
+    unlink_fifos(state.fifos)
     state = state |> release() |> report_dropped()
 
     for {port, stream} <- state.streams do
@@ -190,7 +202,6 @@ defmodule VllmBridge.Worker.Output do
       end
     end
 
-    unlink_fifos(state.fifos)
     :ok
   end
 

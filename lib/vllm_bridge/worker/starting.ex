@@ -31,9 +31,9 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Call.Wire
   alias VllmBridge.Worker.{Calls, Framer, Hello, Launcher, Messages, OnStart, Output, Progress}
 
-  # The worker module whose start-up stderr is captured: ours takes the BEAM's stderr back
-  # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own keeps the
-  # BEAM's stderr from the start.
+  # The worker module whose start-up stderr is captured: ours takes its stderr FIFO back
+  # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own has its
+  # stderr on the FIFO from the start (VllmBridge.Worker.Output reads it).
   @own_worker "vllm_bridge.bridge.worker"
 
   @doc false
@@ -250,7 +250,7 @@ defmodule VllmBridge.Worker.Starting do
   def handle_info(_other, state), do: {:noreply, state}
 
   # The hello came: the start-up stderr file goes (the Python process holds it open and
-  # copies it to the BEAM's stderr itself), then on_start runs, or the worker is ready.
+  # copies it to its stderr FIFO itself), then on_start runs, or the worker is ready.
   defp hello(state, hello, frames) do
     Launcher.delete_stderr(state.stderr)
     Output.unlink(state.output)

@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.bridge.conftest import next_id, spawn_worker
 from vllm_bridge.bridge.worker.server import LOG_LEVELS, parse_args
@@ -105,5 +106,21 @@ def test_pong_reports_the_running_request_and_its_age():
         assert ages == sorted(ages) and ages[-1] > ages[0] >= 0
         assert w.reply(call_id)[0] == "ok"
         assert w.ping()["running_for"] is None
+    finally:
+        w.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pong_reports_cuda_memory_once_cuda_is_in_use():
+    w = spawn_worker()
+    try:
+        assert w.ping()["cuda"] is None
+        back = w.call(D, "to_device", torch.ones(1024, 1024), "cuda")
+        assert torch.equal(back, torch.ones(1024, 1024))
+        cuda = w.ping()["cuda"]
+        assert set(cuda) == {"allocated", "reserved"}
+        # The caching allocator keeps the block the tensor had (4 MiB) reserved.
+        assert cuda["reserved"] >= 4 * 1024 * 1024
+        assert 0 <= cuda["allocated"] <= cuda["reserved"]
     finally:
         w.stop()
