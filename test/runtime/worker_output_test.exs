@@ -69,8 +69,10 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
     test "the default pool forwards warning and above, not info, with the metadata" do
       info = unique("info-record")
       warn = unique("warning-record")
-      {:ok, pid} = call(@pool, "log", ["my.lib", "info", info])
-      {:ok, ^pid} = call(@pool, "log", ["my.lib", "warning", warn])
+      # One session: both records come from one worker.
+      {:ok, s} = VllmBridge.Session.open(pool_name: @pool)
+      {:ok, pid} = call(@pool, "log", ["my.lib", "info", info], session_id: s.id)
+      {:ok, ^pid} = call(@pool, "log", ["my.lib", "warning", warn], session_id: s.id)
 
       {level, message, meta} = await_log(warn)
       assert level == :warning
@@ -154,10 +156,11 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
       assert {:info, "[python stdout] " <> ^a, %{os_pid: ^pid}} = await_log(a)
       assert {:info, "[python stdout] " <> ^b, %{os_pid: ^pid}} = await_log(b)
       c = unique("raw-c")
-      {:ok, ^pid} = call(@pool, "raw", [2, c <> "\n"], session_id: nil)
-      assert {:warning, _, %{python_stream: :stderr}} = await_log(c)
-      # The empty line between was not logged.
-      refute Enum.any?(flush_logs(), &(&1 == "[python stdout] "))
+      {:ok, pid2} = call(@pool, "raw", [2, c <> "\n"])
+      assert {:warning, _, %{python_stream: :stderr, os_pid: ^pid2}} = await_log(c)
+      # The empty line after them was not logged (looked for in what passed and what came).
+      seen = Enum.map(Process.get(:stash, []), &elem(&1, 1)) ++ flush_logs()
+      refute "[python stdout] " in seen
     end
 
     test "a child process that inherits fds 1 and 2" do
@@ -288,6 +291,28 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
       {:log, level, message, meta} -> flush_logs_full([{level, message, meta} | acc])
     after
       0 -> Enum.reverse(acc)
+    end
+  end
+
+  describe "a reader that cannot keep up" do
+    test "drops chunks past its backlog and says how many bytes" do
+      [w | _] = workers!(@pool)
+      [reader] = output_readers(w.pid)
+      port = :sys.get_state(reader).streams |> Map.keys() |> hd()
+      tag = unique("backlog")
+      # Held while 2 000 chunks arrive, as when Logger blocks it.
+      :ok = :sys.suspend(reader)
+      for i <- 1..2_000, do: send(reader, {port, {:data, "#{tag} #{i}\n"}})
+      :ok = :sys.resume(reader)
+
+      {:warning, message, meta} = await_log("bytes of output dropped")
+      assert meta.os_pid == w.os_pid
+      [_, dropped] = Regex.run(~r/(\d+) bytes of output dropped/, message)
+      assert String.to_integer(dropped) > 0
+      # The chunks it kept were logged: the last one, at least.
+      await_log("#{tag} 2000")
+      kept = Enum.count(Process.get(:stash, []), fn {_, m, _} -> String.contains?(m, tag) end)
+      assert kept < 2_000
     end
   end
 
