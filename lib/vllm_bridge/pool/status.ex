@@ -166,7 +166,19 @@ defmodule VllmBridge.Pool.Status do
     case Elixir.VllmBridge.Worker.ping(pid, timeout) do
       {:ok, %{} = pong} ->
         cuda = pong["cuda"] || %{}
-        running = running(pong["running"], pong["running_for"], local.calls)
+        # The worker's table read again, after the pong: a request Python runs was sent
+        # through the worker process before the ping was, so it is in the table now
+        # unless it has finished meanwhile (then nothing runs, as far as this status can
+        # tell).
+        calls =
+          case local(pid, timeout) do
+            {:ok, again} -> again.calls
+            :error -> local.calls
+          end
+
+        running =
+          if Map.has_key?(calls, pong["running"]),
+            do: running(pong["running"], pong["running_for"], calls)
 
         %{
           w
