@@ -183,6 +183,7 @@ defmodule VllmBridge.Pool.Status do
         %{
           w
           | state: if(running, do: :running, else: :ready),
+            in_flight: map_size(calls),
             running: running,
             queued: pong["queued"],
             sessions: pong["sessions"],
