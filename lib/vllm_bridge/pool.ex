@@ -219,6 +219,31 @@ defmodule VllmBridge.Pool do
     end
   end
 
+  @doc """
+  The status of pool `name` now: `{:ok, %VllmBridge.Pool.Status{}}` with, per worker, its
+  index, OS pid, device, state (`:starting`, `:ready`, `:running`), the running request's
+  target and age, its queue, the sessions and references it holds, its restarts, RSS and
+  CUDA memory (see `VllmBridge.Pool.Status` for every field and where it comes from).
+
+  It never waits behind a running request: each worker's Python process answers from its
+  reader thread. `opts`: `:timeout` (ms, default 1 000) for each worker's answer; a figure
+  not had in time is `nil`. The workers are asked side by side.
+  """
+  @spec status(name(), keyword()) :: {:ok, VllmBridge.Pool.Status.t()} | {:error, Error.t()}
+  def status(name, opts \\ []) do
+    case Keyword.get(opts, :timeout, 1_000) do
+      t when is_integer(t) and t >= 0 ->
+        with {:ok, meta} <- meta(name), do: {:ok, VllmBridge.Pool.Status.collect(meta, t)}
+
+      t ->
+        {:error,
+         Error.new(
+           :bad_argument,
+           "status timeout must be a non-negative integer (ms), got #{inspect(t)}"
+         )}
+    end
+  end
+
   @doc "Waits up to `timeout` ms until every worker of pool `name` serves again."
   @spec await_ready(name(), timeout()) :: :ok | {:error, Error.t()}
   def await_ready(name, timeout \\ 30_000) do

@@ -48,14 +48,16 @@ defmodule VllmBridge.Worker do
   #     and every session lost with it, says why (which request, and `cancel_grace`). As
   #     with Ctrl-C, an interruption that lands in the interrupted code's own cleanup can
   #     leave that code's state half-reset; the worker's own state is never interrupted.
-  #   * **Logs.** `log` frames go to `Logger` with the Python logger's name.
+  #   * **Logs.** `log` frames go to `Logger` with the Python logger's name
+  #     (VllmBridge.Worker.PythonLog); the Python process's stdout and stderr are read by
+  #     a process beside this one (VllmBridge.Worker.Output), never through this mailbox.
   #
   # Start options: `:python`, `:worker_module`, `:allow`, `:max_refs`, `:poll_us`,
-  # `:max_frame_bytes`, `:env` (see `VllmBridge.Worker.Launcher.open/1`), `:on_start`
+  # `:max_frame_bytes`, `:log_level`, `:env` (see `VllmBridge.Worker.Launcher.open/1`), `:on_start`
   # (`{module, function, args, kwargs}`), `:start_timeout`
   # (ms, default 60 000), `:cancel_grace` (ms, default 5 000), `:shutdown_grace` (ms the
-  # Python process is given to exit on EOF before it is killed, default 3 000), and, in a
-  # pool, `:pool`, `:index` and `:meta`.
+  # Python process is given to exit on EOF before it is killed, default 3 000),
+  # `:progress` (VllmBridge.Worker.Progress), and, in a pool, `:pool`, `:index` and `:meta`.
   use GenServer, restart: :permanent
 
   require Logger
@@ -173,6 +175,23 @@ defmodule VllmBridge.Worker do
   @spec close(GenServer.server()) :: :ok
   def close(worker), do: GenServer.call(worker, :close, :infinity)
 
+  @doc false
+  # What this process knows of itself, for VllmBridge.Pool.Status: never waits on Python.
+  @spec local_status(GenServer.server(), timeout()) :: map()
+  def local_status(worker, timeout), do: GenServer.call(worker, :status, timeout)
+
+  @doc false
+  @spec status(map()) :: map()
+  def status(state) do
+    %{
+      phase: state.phase,
+      os_pid: state.os_pid,
+      device: state.hello && state.hello["device"],
+      in_flight: Calls.size(state.calls),
+      calls: Calls.targets(state.calls)
+    }
+  end
+
   @doc "How many calls this worker has in flight (its table), for tests and diagnostics."
   @spec in_flight(GenServer.server()) :: non_neg_integer()
   def in_flight(worker), do: GenServer.call(worker, :in_flight)
@@ -196,6 +215,7 @@ defmodule VllmBridge.Worker do
 
   def handle_call(:await_ready, _from, state), do: {:reply, {:ok, state.hello}, state}
   def handle_call(:in_flight, _from, state), do: {:reply, Calls.size(state.calls), state}
+  def handle_call(:status, _from, state), do: {:reply, status(state), state}
 
   def handle_call(:close, _from, state) do
     {:stop, :normal, :ok, shut(state, "the worker was closed")}
@@ -290,6 +310,15 @@ defmodule VllmBridge.Worker do
     )
   end
 
+  # The process that reads the Python process's stdout and stderr is gone: what the
+  # Python process writes there would fail (a broken pipe), so it starts again.
+  def handle_info({:EXIT, output, reason}, %{output: output} = state) when is_pid(output) do
+    down(
+      %{state | output: nil},
+      "the reader of its stdout and stderr stopped (#{inspect(reason)})"
+    )
+  end
+
   def handle_info(_other, state), do: {:noreply, state}
 
   @impl true
@@ -347,7 +376,7 @@ defmodule VllmBridge.Worker do
         %{state | calls: Calls.finish(state.calls, id, :end, nil)}
 
       {:log, _} ->
-        PythonLog.emit(bin, label(state))
+        PythonLog.emit(bin, state)
         state
 
       other ->

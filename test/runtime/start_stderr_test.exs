@@ -32,10 +32,31 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     %{dir: dir}
   end
 
-  # This BEAM's start-up stderr files in the temporary folder.
-  defp leftovers do
-    prefix = "vllm_bridge-stderr-#{System.pid()}-"
-    System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefix))
+  # This BEAM's start-up stderr files in the temporary folder; unless the pool still
+  # runs, its output FIFOs and their readers must be gone too, within a moment (a FIFO's
+  # reader, VllmBridge.Worker.Output, outlives its worker by up to 2 s; an earlier test's
+  # may still be finishing).
+  defp leftovers(running \\ false) do
+    unless running do
+      wait_until(
+        fn -> readers() == [] and in_tmp("vllm_bridge-out-#{System.pid()}-") == [] end,
+        30_000,
+        "the output readers and FIFOs to be gone"
+      )
+    end
+
+    in_tmp("vllm_bridge-stderr-#{System.pid()}-")
+  end
+
+  defp in_tmp(prefix),
+    do: System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefix))
+
+  defp readers do
+    for dir <- File.ls!("/proc"),
+        {:ok, cmd} <- [File.read("/proc/#{dir}/cmdline")],
+        String.contains?(cmd, "vllm_bridge-out-#{System.pid()}-"),
+        String.starts_with?(Path.basename(hd(String.split(cmd, <<0>>))), "cat"),
+        do: dir
   end
 
   defp count(log, text), do: length(String.split(log, text)) - 1
@@ -135,14 +156,17 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     assert leftovers() == []
   end
 
-  test "a worker that started: its stderr is the BEAM's again, its file is gone" do
+  test "a worker that started: its stderr is its stderr FIFO again, its file is gone" do
     start_pool!(:ss_ok, size: 1)
     [%{os_pid: os_pid}] = workers!(:ss_ok)
     beam_stderr = File.read_link!("/proc/#{System.pid()}/fd/2")
-    assert File.read_link!("/proc/#{os_pid}/fd/2") == beam_stderr
-    # The fd that kept the BEAM's stderr during the start is closed, and the file gone.
+    stderr = File.read_link!("/proc/#{os_pid}/fd/2")
+    # Not the BEAM's: the FIFO its output reader reads (VllmBridge.Worker.Output).
+    refute stderr == beam_stderr
+    assert stderr =~ ~r/vllm_bridge-out-.*-err \(deleted\)$/
+    # The fd that kept it during the start is closed, and the file gone.
     refute File.exists?("/proc/#{os_pid}/fd/5")
-    assert leftovers() == []
+    assert leftovers(:running) == []
     # The os pid is the Python process itself (the launch script exec'd it).
     assert File.read!("/proc/#{os_pid}/cmdline") =~ "vllm_bridge.bridge.worker"
 
@@ -150,25 +174,28 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     assert env["pid"] == os_pid
   end
 
-  test "a BEAM whose stderr is closed (a daemon's): the launch script still runs the worker",
+  test "a BEAM whose stdout and stderr are closed (a daemon's): the launch script runs the worker",
        %{dir: dir} do
-    # The launch script itself, run the way the port runs it, but with fd 2 closed first.
+    # The launch script itself, run the way the port runs it, but with fds 1 and 2 closed
+    # first; regular files stand for the two FIFOs (the script only opens their paths).
     file = Path.join(dir, "start-stderr")
+    out = Path.join(dir, "out")
+    err = Path.join(dir, "err")
     python = Application.fetch_env!(:vllm_bridge, :python)
 
     probe =
       "import os, sys; print(os.readlink('/proc/self/fd/5'), flush=True); " <>
         "print('start-up words', file=sys.stderr)"
 
-    {exe, args, env} = Launcher.capture_command(file, python, ["-c", probe])
+    {exe, args, env} = Launcher.output_command({out, err}, file, python, ["-c", probe], [])
     env = for {k, v} <- env, do: {to_string(k), to_string(v)}
 
-    {out, status} =
-      System.cmd("/bin/sh", ["-c", ~S'exec "$@" 2>&-', "closed-stderr", exe | args], env: env)
+    {_, status} =
+      System.cmd("/bin/sh", ["-c", ~S'exec "$@" >&- 2>&-', "closed", exe | args], env: env)
 
-    # It ran (the shell did not end with status 2), with /dev/null kept for "the BEAM's
-    # stderr" and its own start-up stderr in the private file.
-    assert {out, status} == {"/dev/null\n", 0}
+    # It ran, with the stderr FIFO kept on fd 5 and its start-up stderr in the file.
+    assert status == 0
+    assert File.read!(out) == err <> "\n"
     assert File.read!(file) == "start-up words\n"
   end
 

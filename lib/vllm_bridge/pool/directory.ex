@@ -93,7 +93,6 @@ defmodule VllmBridge.Pool.Directory do
   @spec delete_pool(term()) :: true
   def delete_pool(name) do
     :ets.match_delete(@table, {{:down, name, :_}, :_, :_})
-    :ets.match_delete(@table, {{:starts, name, :_}, :_})
     :ets.delete(@table, {:pool, name})
   end
 
@@ -139,14 +138,6 @@ defmodule VllmBridge.Pool.Directory do
     end
 
     :ok
-  end
-
-  @doc false
-  # A worker process starts at `index` of pool `name`: how many started there before it.
-  @spec count_start(term(), non_neg_integer()) :: non_neg_integer()
-  def count_start(name, index) do
-    key = {:starts, name, index}
-    :ets.update_counter(@table, key, 1, {key, 0}) - 1
   end
 
   @doc false

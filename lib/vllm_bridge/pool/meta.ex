@@ -5,7 +5,8 @@ defmodule VllmBridge.Pool.Meta do
   # worker, the frame limit (`max_frame_bytes`), the queue process and its bound, and
   # `started`: one atomic, 0 while `VllmBridge.Pool.start/2` waits for the workers' first
   # start, 1 once it returned (a worker whose first start fails is then not restarted:
-  # `VllmBridge.Worker.Starting`).
+  # `VllmBridge.Worker.Starting`), and `starts`: per worker index, how many times a worker
+  # process began a start (its restarts are one less; `VllmBridge.Pool.status/1`).
 
   @enforce_keys [:name, :size, :slots, :max_in_flight, :max_frame_bytes, :queue_size]
   defstruct [
@@ -16,7 +17,8 @@ defmodule VllmBridge.Pool.Meta do
     :max_frame_bytes,
     :queue_size,
     :queue,
-    :started
+    :started,
+    :starts
   ]
 
   @type t :: %__MODULE__{
@@ -27,6 +29,7 @@ defmodule VllmBridge.Pool.Meta do
           max_frame_bytes: pos_integer(),
           queue_size: non_neg_integer(),
           queue: pid() | nil,
-          started: :atomics.atomics_ref() | nil
+          started: :atomics.atomics_ref() | nil,
+          starts: :atomics.atomics_ref() | nil
         }
 end

@@ -20,6 +20,8 @@ defmodule VllmBridge.Pool.Options do
   | `:cancel_grace` | ms a cancelled call (timed out, or its caller died) may keep running before its worker's Python process is killed and restarted; a cancel interrupts the call in Python, so only one that does not stop (stuck in C code, in an `__enter__`, or catching the interruption) reaches it (see `VllmBridge`) | 5 000 |
   | `:shutdown_grace` | ms a worker's Python process has to exit on EOF before it is killed | 3 000 |
   | `:max_restarts`, `:max_seconds` | restart intensity of the pool's supervisor | `10 + 3 * size`, 30 |
+  | `:log_level` | the Python root logger's level in each worker (`:debug`, `:info`, `:warning`, `:error`); records at or above it reach `Logger` (metadata `vllm_pool`, `vllm_worker`, `os_pid`, `python_logger`). Whatever the workers write to stdout or stderr reaches `Logger` too, line by line (see the README, "Status and logs") | `:warning` |
+  | `:progress` | called at each stage of each worker's start while `start_pool` waits (`fn info -> ... end` or `{module, function, args}`, called as `apply(module, function, [info \| args])`); `info` is a map: `pool`, `index`, `stage` (`:launch`, `:waiting` every 2 s, `:handshake`, `:on_start`, `:ready`, `:failed`), `elapsed_ms`, `os_pid`, `device`. It runs in the worker's process: one that raises is logged and not called again for that worker, and the start goes on. The same stages are the telemetry event `[:vllm_bridge, :worker, :progress]`, also on restarts | `nil` |
   | `:worker_module` | the Python module run with `-m`; it is always passed `--max-frame-bytes N` (and `--allow`, `--also-allow` (`modules:`), `--max-refs`, `--poll-us` when those are set), so a module of one's own must accept them | `"vllm_bridge.bridge.worker"` |
   """
 
@@ -43,8 +45,12 @@ defmodule VllmBridge.Pool.Options do
     shutdown_grace: 3_000,
     max_restarts: nil,
     max_seconds: 30,
-    worker_module: "vllm_bridge.bridge.worker"
+    worker_module: "vllm_bridge.bridge.worker",
+    log_level: :warning,
+    progress: nil
   ]
+
+  @log_levels [:debug, :info, :warning, :error]
 
   @keys [:python | Keyword.keys(@defaults)]
 
@@ -337,6 +343,25 @@ defmodule VllmBridge.Pool.Options do
   end
 
   defp check(:max_frame_bytes, _), do: {:error, "must be an integer (bytes)"}
+
+  defp check(:log_level, v) when v in @log_levels, do: :ok
+
+  defp check(:log_level, _),
+    do: {:error, "must be one of #{inspect(@log_levels)} (the Python root logger's level)"}
+
+  defp check(:progress, nil), do: :ok
+  defp check(:progress, f) when is_function(f, 1), do: :ok
+
+  defp check(:progress, {m, f, a}) when is_atom(m) and is_atom(f) and is_list(a) do
+    if Code.ensure_loaded?(m) and function_exported?(m, f, length(a) + 1),
+      do: :ok,
+      else: {:error, "names #{inspect(m)}.#{f}/#{length(a) + 1}, which does not exist"}
+  end
+
+  defp check(:progress, _),
+    do:
+      {:error,
+       "must be a 1-arity function or {module, function, args} (called with the stage info first)"}
 
   defp check(:worker_module, v) when is_binary(v), do: :ok
   defp check(:worker_module, _), do: {:error, "must be a module name"}

@@ -40,7 +40,8 @@ defmodule VllmBridge.Pool.Supervisor do
       max_in_flight: opts[:max_in_flight],
       max_frame_bytes: opts[:max_frame_bytes],
       queue_size: opts[:queue_size],
-      started: :atomics.new(1, signed: false)
+      started: :atomics.new(1, signed: false),
+      starts: :atomics.new(size, signed: false)
     }
 
     worker_opts =
@@ -55,7 +56,9 @@ defmodule VllmBridge.Pool.Supervisor do
         :shutdown_grace,
         :worker_module,
         :max_frame_bytes,
-        :on_start
+        :on_start,
+        :log_level,
+        :progress
       ])
 
     workers =

@@ -104,6 +104,11 @@ defmodule VllmBridge.Worker.Calls do
   end
 
   @doc false
+  # Each call in flight's `{kind, target}` (nil for messages), by id (for a status).
+  @spec targets(t()) :: %{optional(non_neg_integer()) => {String.t(), term()} | nil}
+  def targets(%__MODULE__{map: map}), do: Map.new(map, fn {id, e} -> {id, e.what} end)
+
+  @doc false
   # The alias of the caller waiting on call `id`, or nil when nobody waits.
   @spec live(t(), non_neg_integer()) :: reference() | nil
   def live(%__MODULE__{map: map}, id) do

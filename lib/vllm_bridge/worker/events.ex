@@ -6,7 +6,7 @@ defmodule VllmBridge.Worker.Events do
   # `:stop` (it was stopped: its pool stopped, `Worker.close/1`). Each is built only when
   # `:telemetry` is loaded.
   #
-  # `state` is the worker's (VllmBridge.Worker.Starting.init/1): `born` (monotonic,
+  # `state` is the worker's (VllmBridge.Worker.Starting.init/1): `started_at` (monotonic,
   # native: when its port was opened), `handshake_time` (native, once the hello came),
   # `restarts` (how many processes ran at its index of its pool before it).
 
@@ -20,7 +20,7 @@ defmodule VllmBridge.Worker.Events do
         [:vllm_bridge, :worker, :start],
         %{
           system_time: System.system_time(),
-          duration: System.monotonic_time() - state.born,
+          duration: System.monotonic_time() - state.started_at,
           handshake_time: state.handshake_time
         },
         Map.put(metadata(state), :device, device(state))
@@ -41,7 +41,7 @@ defmodule VllmBridge.Worker.Events do
         [:vllm_bridge, :worker, :exit],
         %{
           system_time: System.system_time(),
-          duration: System.monotonic_time() - state.born,
+          duration: System.monotonic_time() - state.started_at,
           in_flight: in_flight
         },
         metadata(state) |> Map.put(:reason, why) |> Map.put(:phase, phase(state))
@@ -57,7 +57,10 @@ defmodule VllmBridge.Worker.Events do
     if Telemetry.enabled?() do
       Telemetry.execute(
         [:vllm_bridge, :worker, :stop],
-        %{system_time: System.system_time(), duration: System.monotonic_time() - state.born},
+        %{
+          system_time: System.system_time(),
+          duration: System.monotonic_time() - state.started_at
+        },
         metadata(state) |> Map.put(:reason, reason) |> Map.put(:phase, phase(state))
       )
     end

@@ -35,9 +35,11 @@ defmodule VllmBridge.Worker.Launcher do
   `--also-allow`), `:max_refs` (`--max-refs`), `:poll_us` (`--poll-us`: how
   long the worker polls for the next request before it sleeps; 0, the default, sleeps at
   once), `:max_frame_bytes` (`--max-frame-bytes`, default `default_max_frame_bytes/0`),
-  `:env` (`[{name, value}]`), `:stderr_file` (a path from `stderr_file/0`, or nil: the
-  Python process writes its stderr there, not to the BEAM's, until it takes the BEAM's
-  back after its handshake; see "Start-up stderr" in docs/PROTOCOL.md).
+  `:log_level` (`--log-level`, default `:warning`), `:env` (`[{name, value}]`),
+  `:output` (`{stdout_fifo, stderr_fifo}` from `VllmBridge.Worker.Output`, or nil: the
+  BEAM's own), `:stderr_file` (with `:output`: a path from `stderr_file/0`, or nil: the
+  Python process writes its stderr there until it takes its stderr FIFO back after its
+  handshake; see "Start-up stderr" in docs/PROTOCOL.md).
   """
   @spec open(keyword()) :: {:ok, port()} | {:error, Error.t()}
   def open(opts) do
@@ -61,10 +63,16 @@ defmodule VllmBridge.Worker.Launcher do
             Enum.flat_map(Keyword.get(opts, :modules, []), &["--also-allow", &1]) ++
             max_refs_args(Keyword.get(opts, :max_refs)) ++
             poll_args(Keyword.get(opts, :poll_us, 0)) ++
+            log_level_args(Keyword.get(opts, :log_level, :warning)) ++
             ["--max-frame-bytes", Integer.to_string(max_frame_bytes(opts))]
 
         env = for {k, v} <- Keyword.get(opts, :env, []), do: {to_charlist(k), to_charlist(v)}
-        {exe, args, env} = with_capture(Keyword.get(opts, :stderr_file), python, args, env)
+
+        {exe, args, env} =
+          case Keyword.get(opts, :output) do
+            nil -> {python, args, env}
+            fifos -> output_command(fifos, Keyword.get(opts, :stderr_file), python, args, env)
+          end
 
         # :stream, not {:packet, 4}: the port's own framing would allocate whatever
         # length a header declares (see VllmBridge.Worker.Framer).
@@ -82,22 +90,21 @@ defmodule VllmBridge.Worker.Launcher do
     end
   end
 
-  # Start-up stderr. The Python process is exec'd by a tiny /bin/sh script that keeps the
-  # BEAM's stderr on fd 5 and points fd 2 at a new private file (created under umask 077,
-  # refusing one that exists; the umask is put back before the exec). The exec keeps the
-  # pid, so the port's os_pid is the Python process's, and no process is left behind.
-  # Fds 3 and 4 (the port's pipes) are not touched. After its handshake the worker puts
-  # fd 5 back on fd 2, copies what the file holds there (vllm_bridge.bridge.worker.stderr),
-  # and the worker process deletes the file; when the start fails, the file's tail goes
-  # into the error (`stderr_tail/1`) and the file is deleted.
-  #
-  # A BEAM whose own fd 2 is closed (a daemon's) gives the script none to keep: `exec 5>&2`
-  # would fail and end the shell (status 2, nothing said), so every worker would die. The
-  # script first tries fd 2 with a regular builtin (`true >&2`, whose failure does not end
-  # the shell) and keeps /dev/null on fd 5 instead: the worker starts, and its stderr after
-  # the handshake goes nowhere, as the BEAM's does.
+  # Output and start-up stderr. The Python process is exec'd by a tiny /bin/sh script
+  # that points fd 1 at the stdout FIFO and fd 2 at the stderr FIFO
+  # (VllmBridge.Worker.Output reads both, and logs what comes line by line), and, when
+  # the start-up stderr is captured, keeps the stderr FIFO on fd 5 and points fd 2 at a
+  # new private file meanwhile (created under umask 077, refusing one that exists; the
+  # umask is put back before the exec). The exec keeps the pid, so the port's os_pid is
+  # the Python process's, and no process is left behind. Fds 3 and 4 (the port's pipes)
+  # are not touched. After its handshake the worker puts fd 5 back on fd 2, copies what
+  # the file holds there (vllm_bridge.bridge.worker.stderr), and the worker process
+  # deletes the file; when the start fails, the file's tail goes into the error
+  # (`stderr_tail/1`) and the file is deleted. Nothing the worker writes reaches the
+  # BEAM's own stdout or stderr.
   @stderr_fd 5
-  @capture_script ~S'u=$(umask) && umask 077 && set -C && { if true >&2; then exec 5>&2; else exec 5>/dev/null; fi; } && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
+  @capture_script ~S'o=$1 e=$2 && shift 2 && exec 1>"$o" 5>"$e" && u=$(umask) && umask 077 && set -C && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
+  @output_script ~S'o=$1 e=$2 && shift 2 && exec 1>"$o" 2>"$e" && exec "$@"'
   @own_env ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"]
 
   @doc "The environment variables the launcher sets itself (a pool's `worker_env` may not)."
@@ -105,15 +112,21 @@ defmodule VllmBridge.Worker.Launcher do
   def own_env, do: @own_env
 
   @doc false
-  # The executable, arguments and environment that run `python args` with its start-up
-  # stderr captured in `file` (also for tests of the script itself).
-  @spec capture_command(String.t(), String.t(), [String.t()], [{charlist(), charlist()}]) ::
-          {String.t(), [String.t()], [{charlist(), charlist()}]}
-  def capture_command(file, python, args, env \\ []), do: with_capture(file, python, args, env)
+  # The executable, arguments and environment that run `python args` with its output on
+  # the FIFOs `{out, err}` and its start-up stderr captured in `file` (nil: not captured),
+  # also for tests of the script itself.
+  @spec output_command(
+          {String.t(), String.t()},
+          String.t() | nil,
+          String.t(),
+          [String.t()],
+          [{charlist(), charlist()}]
+        ) :: {String.t(), [String.t()], [{charlist(), charlist()}]}
+  def output_command({out, err}, nil, python, args, env) do
+    {"/bin/sh", ["-c", @output_script, "vllm_bridge worker", out, err, python | args], env}
+  end
 
-  defp with_capture(nil, python, args, env), do: {python, args, env}
-
-  defp with_capture(file, python, args, env) do
+  def output_command({out, err}, file, python, args, env) do
     # The launcher's own pairs last: a port's env takes the last value of a name, and these
     # must be the script's, whatever a caller's env says (a pool refuses them earlier).
     env =
@@ -123,7 +136,7 @@ defmodule VllmBridge.Worker.Launcher do
           {~c"VLLM_BRIDGE_STDERR_FD", ~c"#{@stderr_fd}"}
         ]
 
-    {"/bin/sh", ["-c", @capture_script, "vllm_bridge worker", python | args], env}
+    {"/bin/sh", ["-c", @capture_script, "vllm_bridge worker", out, err, python | args], env}
   end
 
   @doc """
@@ -192,6 +205,9 @@ defmodule VllmBridge.Worker.Launcher do
 
   defp max_refs_args(nil), do: []
   defp max_refs_args(n), do: ["--max-refs", Integer.to_string(n)]
+
+  defp log_level_args(:warning), do: []
+  defp log_level_args(level), do: ["--log-level", Atom.to_string(level)]
 
   defp poll_args(0), do: []
   defp poll_args(us), do: ["--poll-us", Integer.to_string(us)]

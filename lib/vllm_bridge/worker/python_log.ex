@@ -1,20 +1,25 @@
 defmodule VllmBridge.Worker.PythonLog do
   @moduledoc false
-  # The `log` frames of a worker (docs/PROTOCOL.md): Python logging records of level
-  # warning and above, forwarded to `Logger` with the Python logger's name as a prefix and
-  # as the `python_logger` metadata (`vllm_worker` names the worker).
+  # The `log` frames of a worker (docs/PROTOCOL.md): Python logging records at or above
+  # the pool's `log_level`, forwarded to `Logger` with the Python logger's name as a
+  # prefix, and the metadata `vllm_pool`, `vllm_worker` (the index; nil outside a pool),
+  # `os_pid` and `python_logger`.
 
   require Logger
 
-  @doc "Logs one `log` frame of the worker `label`; a malformed one is logged as such."
-  @spec emit(binary(), String.t()) :: :ok
-  def emit(bin, label) do
+  @doc "Logs one `log` frame of the worker whose state is `state`; a malformed one is logged as such."
+  @spec emit(binary(), map()) :: :ok
+  def emit(bin, state) do
+    label = VllmBridge.Worker.label(state)
+
     case VllmBridge.Codec.decode(bin) do
       {:ok, ["log", level, name, message]} ->
         Logger.log(
           level(level),
           fn -> "[python #{name}] #{message}" end,
-          vllm_worker: label,
+          vllm_pool: state.pool,
+          vllm_worker: state.pool && state.index,
+          os_pid: state.os_pid,
           python_logger: name
         )
 

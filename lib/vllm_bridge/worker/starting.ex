@@ -30,10 +30,11 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Worker
   alias VllmBridge.Call.Wire
   alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, OnStart}
+  alias VllmBridge.Worker.{Output, Progress}
 
-  # The worker module whose start-up stderr is captured: ours takes the BEAM's stderr back
-  # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own keeps the
-  # BEAM's stderr from the start.
+  # The worker module whose start-up stderr is captured: ours takes its stderr FIFO back
+  # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own has its
+  # stderr on the FIFO from the start (VllmBridge.Worker.Output reads it).
   @own_worker "vllm_bridge.bridge.worker"
 
   @doc false
@@ -51,14 +52,13 @@ defmodule VllmBridge.Worker.Starting do
     # that started it, linked) exits, whatever its reason.
     Process.flag(:trap_exit, true)
 
-    # (Native time: when the start began, for the telemetry events' durations.)
-    born = System.monotonic_time()
-
+    # Processes that ran at this index of the pool before this one (its restarts): for the
+    # telemetry events (VllmBridge.Worker.Events) and VllmBridge.Pool.status/2.
     restarts =
       if meta do
         Slots.put_load(meta, index, Slots.down())
         Directory.clear_worker(pool, index)
-        Directory.count_start(pool, index)
+        if meta.starts, do: :atomics.add_get(meta.starts, index + 1, 1) - 1, else: 0
       else
         0
       end
@@ -67,55 +67,79 @@ defmodule VllmBridge.Worker.Starting do
       if Keyword.get(opts, :worker_module, @own_worker) == @own_worker,
         do: Launcher.stderr_file()
 
-    case Launcher.open(Keyword.put(opts, :stderr_file, stderr)) do
-      {:ok, port} ->
-        put_stage("handshake")
-        start_timeout = Keyword.fetch!(opts, :start_timeout)
-        Process.send_after(self(), Messages.start_timeout(:hello), start_timeout)
+    started_at = System.monotonic_time()
 
-        state = %{
-          phase: :starting,
-          port: port,
-          framer: Framer.new(),
-          max_frame: min(Launcher.max_frame_bytes(opts), Wire.max_body_size()),
-          os_pid: Launcher.os_pid(port),
-          hello: nil,
-          instance: nil,
-          # Chunks a stream may run ahead of its reader: the hello's.
-          stream_window: nil,
-          pool: pool,
-          index: index,
-          meta: meta,
-          calls: Calls.new(meta, index),
-          # While starting: the requests that came (newest first) and the callers of
-          # await_ready/2 and close/1 (newest first), served once the start is done.
-          pending: [],
-          waiting: [],
-          # The start-up stderr file (nil once deleted, or when not captured).
-          stderr: stderr,
-          # {module, function, args, kwargs} or nil, and the alias its reply comes to
-          # while it runs.
-          on_start: Keyword.get(opts, :on_start),
-          setup: nil,
-          # Why the start failed (the phase :failed).
-          failed: nil,
-          # Why the Python process was killed, once this process killed it (cancel_grace).
-          killed: nil,
-          # For the telemetry events (VllmBridge.Worker.Events): when the start began,
-          # how long the hello took (native), processes at this index before this one.
-          born: born,
-          handshake_time: nil,
-          restarts: restarts,
-          start_timeout: start_timeout,
-          cancel_grace: Keyword.fetch!(opts, :cancel_grace),
-          shutdown_grace: Keyword.fetch!(opts, :shutdown_grace)
-        }
+    with {:ok, output, fifos} <- start_output(pool, index),
+         {:ok, port} <- Launcher.open(opts ++ [stderr_file: stderr, output: fifos]) do
+      os_pid = Launcher.os_pid(port)
+      Output.os_pid(output, os_pid)
+      put_stage("handshake")
+      start_timeout = Keyword.fetch!(opts, :start_timeout)
+      Process.send_after(self(), Messages.start_timeout(:hello), start_timeout)
 
-        {:ok, state}
+      state = %{
+        phase: :starting,
+        port: port,
+        framer: Framer.new(),
+        max_frame: min(Launcher.max_frame_bytes(opts), Wire.max_body_size()),
+        os_pid: os_pid,
+        # The process that logs the Python process's stdout and stderr.
+        output: output,
+        # When this start began (native units), and who hears of its progress.
+        started_at: started_at,
+        progress: Progress.new(pool, index, meta, Keyword.get(opts, :progress)),
+        hello: nil,
+        instance: nil,
+        # Chunks a stream may run ahead of its reader: the hello's.
+        stream_window: nil,
+        pool: pool,
+        index: index,
+        meta: meta,
+        calls: Calls.new(meta, index),
+        # While starting: the requests that came (newest first) and the callers of
+        # await_ready/2 and close/1 (newest first), served once the start is done.
+        pending: [],
+        waiting: [],
+        # The start-up stderr file (nil once deleted, or when not captured).
+        stderr: stderr,
+        # {module, function, args, kwargs} or nil, and the alias its reply comes to
+        # while it runs.
+        on_start: Keyword.get(opts, :on_start),
+        setup: nil,
+        # Why the start failed (the phase :failed).
+        failed: nil,
+        # Why the Python process was killed, once this process killed it (cancel_grace).
+        killed: nil,
+        # For the telemetry events (VllmBridge.Worker.Events): how long the hello took
+        # (native, from started_at) and the processes at this index before this one.
+        handshake_time: nil,
+        restarts: restarts,
+        start_timeout: start_timeout,
+        cancel_grace: Keyword.fetch!(opts, :cancel_grace),
+        shutdown_grace: Keyword.fetch!(opts, :shutdown_grace)
+      }
 
-      {:error, e} ->
+      Process.send_after(self(), :progress_tick, Progress.tick_ms())
+      {:ok, Progress.report(state, :launch)}
+    else
+      {:error, %Error{} = e} ->
         Launcher.delete_stderr(stderr)
         {:stop, {:shutdown, {:start_failed, e}}}
+
+      {:error, reason} ->
+        Launcher.delete_stderr(stderr)
+
+        {:stop,
+         {:shutdown,
+          {:start_failed,
+           Error.new(:worker_exit, "the worker's output could not be set up: #{inspect(reason)}")}}}
+    end
+  end
+
+  defp start_output(pool, index) do
+    case Output.start_link(pool: pool, index: index) do
+      {:ok, pid, fifos} -> {:ok, pid, fifos}
+      {:error, reason} -> {:error, reason}
     end
   end
 
@@ -132,6 +156,7 @@ defmodule VllmBridge.Worker.Starting do
       do: {:noreply, %{state | waiting: [{from, request} | state.waiting]}}
 
   def handle_call(:in_flight, _from, state), do: {:reply, Calls.size(state.calls), state}
+  def handle_call(:status, _from, state), do: {:reply, Worker.status(state), state}
 
   @spec handle_info(term(), map()) :: tuple()
   def handle_info(message, %{phase: :failed} = state), do: failed_info(message, state)
@@ -224,13 +249,20 @@ defmodule VllmBridge.Worker.Starting do
     {:noreply, %{state | pending: pending}}
   end
 
+  def handle_info(:progress_tick, %{phase: :starting} = state) do
+    Process.send_after(self(), :progress_tick, Progress.tick_ms())
+    waiting_for = if state.hello, do: :on_start, else: :handshake
+    {:noreply, Progress.report(state, :waiting, %{waiting_for: waiting_for})}
+  end
+
   # Anything else (the port's own EXIT follows its exit status, a stale timer) waits.
   def handle_info(_other, state), do: {:noreply, state}
 
   # The hello came: the start-up stderr file goes (the Python process holds it open and
-  # copies it to the BEAM's stderr itself), then on_start runs, or the worker is ready.
+  # copies it to its stderr FIFO itself), then on_start runs, or the worker is ready.
   defp hello(state, hello, frames) do
     Launcher.delete_stderr(state.stderr)
+    Output.unlink(state.output)
 
     state = %{
       state
@@ -238,12 +270,13 @@ defmodule VllmBridge.Worker.Starting do
         instance: hello["instance"],
         os_pid: hello["pid"],
         stream_window: Hello.stream_window(hello),
-        handshake_time: System.monotonic_time() - state.born,
+        handshake_time: System.monotonic_time() - state.started_at,
         stderr: nil
     }
 
     # The frames that came with the hello (a log record, say) as if they came after it.
     state = Enum.reduce(frames, state, &Worker.route(&2, &1))
+    state = Progress.report(state, :handshake)
 
     case state.on_start do
       nil -> ready(state)
@@ -256,6 +289,7 @@ defmodule VllmBridge.Worker.Starting do
       {:ok, alias, submit} ->
         Process.send_after(self(), Messages.start_timeout(:on_start), state.start_timeout)
         put_stage("on_start")
+        state = Progress.report(state, :on_start)
         {:noreply, Worker.submit(%{state | setup: alias}, submit)}
 
       {:error, e} ->
@@ -269,6 +303,7 @@ defmodule VllmBridge.Worker.Starting do
     if state.setup, do: :erlang.unalias(state.setup)
     put_stage("ready")
     state = %{state | phase: :ready, setup: nil}
+    state = Progress.report(state, :ready)
 
     if state.meta do
       Directory.worker_up(state.pool, state.index, self(), state.instance)
@@ -342,6 +377,7 @@ defmodule VllmBridge.Worker.Starting do
 
   defp start_failed(state, %Error{} = e) do
     e = %{e | message: "#{who(state)}: #{e.message}"}
+    state = Progress.report(state, :failed, %{error: e})
     # The one log of a failed start: with the Python traceback when there is one (an
     # on_start that raised), readable, since the error itself travels as a term.
     Logger.error(

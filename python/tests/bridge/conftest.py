@@ -217,9 +217,10 @@ def spawn_worker(
     stderr: int | None = None,
     support: bool = False,
     env: dict[str, str] | None = None,
+    stdout: int | None = None,
 ) -> WorkerProc:
     """Start ``python -m vllm_bridge.bridge.worker`` with its fds 3 and 4 wired to pipes
-    (``stderr=subprocess.PIPE`` captures its log output). ``support``: this directory is
+    (``stderr=subprocess.PIPE`` captures its log output, ``stdout=`` its stdout). ``support``: this directory is
     on the worker's PYTHONPATH, so that it can import (and allow-list) the test-support
     modules kept here; ``env``: more variables of the worker's environment."""
     worker_env = {**os.environ, **(env or {})}
@@ -234,6 +235,7 @@ def spawn_worker(
         pass_fds=(3, 4),
         close_fds=True,
         stderr=stderr,
+        stdout=stdout,
         env=worker_env,
     )
     os.close(r_in)

@@ -110,8 +110,11 @@ def test_enter_exit_release_close(shared_worker):
 
 def test_ping_reports_status(shared_worker):
     status = shared_worker.ping()
-    assert set(status) == {"running", "queued", "sessions", "refs"}
-    assert status["running"] is None and status["queued"] == 0
+    assert set(status) == {"running", "running_for", "queued", "sessions", "refs", "cuda"}
+    assert status["running"] is None and status["running_for"] is None
+    assert status["queued"] == 0
+    # Nothing initialised CUDA in this worker: a status does not either.
+    assert status["cuda"] is None
 
 
 def test_log_records_become_log_frames(shared_worker):

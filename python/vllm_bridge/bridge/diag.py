@@ -144,7 +144,8 @@ _LOG_LEVELS = {
 
 def log(message: str, level: str = "warning") -> None:
     """Log ``message`` on the ``vllm_bridge.bridge.diag`` logger at ``level`` (``"debug"``,
-    ``"info"``, ``"warning"`` or ``"error"``); a worker forwards warnings and above."""
+    ``"info"``, ``"warning"`` or ``"error"``); a worker forwards those at or above its
+    ``--log-level`` (default warning)."""
     levelno = _LOG_LEVELS.get(level)
     if levelno is None:
         raise ValueError(f"level must be one of {sorted(_LOG_LEVELS)}, got {level!r}")

@@ -16,7 +16,7 @@ defmodule VllmBridge.Demo.Ranks do
   task per rank): the DP collectives need every rank inside the same call at once.
   """
 
-  alias VllmBridge.{Error, Pool, Session}
+  alias VllmBridge.{Error, Session}
   alias Vllm.Demo.Rank.Module, as: Runner
 
   @enforce_keys [:pool, :sessions, :size, :master_port]
@@ -34,24 +34,24 @@ defmodule VllmBridge.Demo.Ranks do
 
   @doc """
   Starts pool `pool` of `size` workers as DP ranks and opens a session on each. While the
-  workers start (importing torch takes seconds), `progress` is called with lines to show
-  (a worker that is ready, and a heartbeat every 2 s).
+  workers start (importing torch takes seconds), `progress` is called with lines to show:
+  each rank as it is ready, and every 2 s the ranks still starting, from the pool's own
+  `:progress` reports (`VllmBridge.Pool.Options`).
   """
   @spec start(atom(), pos_integer(), (String.t() -> any())) :: {:ok, t()} | {:error, Error.t()}
   def start(pool, size, progress) do
     port = free_port()
-    started = System.monotonic_time(:millisecond)
-    task = Task.async(fn -> VllmBridge.start_pool(pool, pool_opts(size, port)) end)
 
-    with {:ok, _} <- await_start(task, {pool, size, started, progress}, MapSet.new(), 2_000),
+    with {:ok, _} <- VllmBridge.start_pool(pool, pool_opts(size, port, progress)),
          {:ok, sessions} <- open_sessions(pool, size) do
       {:ok, %__MODULE__{pool: pool, sessions: sessions, size: size, master_port: port}}
     end
   end
 
-  defp pool_opts(size, port) do
+  defp pool_opts(size, port, progress) do
     [
       size: size,
+      progress: &report(&1, progress),
       worker_env: fn rank ->
         [
           {"VLLM_DP_RANK", rank},
@@ -66,54 +66,23 @@ defmodule VllmBridge.Demo.Ranks do
     ]
   end
 
-  # Polls the starting pool every 250 ms: reports each rank as it becomes ready, and
-  # who is still starting every 2 s (`beat` is when the next heartbeat is due, in ms).
-  defp await_start(task, {pool, size, started, progress} = how, seen, beat) do
-    case Task.yield(task, 250) do
-      {:ok, result} ->
-        report_ready(pool, started, seen, progress)
-        result
-
-      nil ->
-        seen = report_ready(pool, started, seen, progress)
-        elapsed = System.monotonic_time(:millisecond) - started
-
-        if elapsed >= beat do
-          waiting = for i <- 0..(size - 1), i not in seen, do: "rank #{i}"
-          progress.("  [#{secs(elapsed)}] still starting: #{Enum.join(waiting, ", ")}")
-        end
-
-        await_start(task, how, seen, if(elapsed >= beat, do: beat + 2_000, else: beat))
-    end
+  @doc false
+  # One worker's start report (called in that worker's process): a line for a rank that
+  # is ready, and one per rank every 2 s while it imports or runs its on_start.
+  @spec report(map(), (String.t() -> any())) :: any()
+  def report(%{stage: :ready} = info, progress) do
+    progress.(
+      "  [#{secs(info.elapsed_ms)}] rank #{info.index} ready: os pid #{info.os_pid}, " <>
+        "device #{info.device}"
+    )
   end
 
-  # Prints each worker that has become ready since the last look; returns who has.
-  defp report_ready(pool, started, seen, progress) do
-    case Pool.workers(pool) do
-      {:ok, workers} ->
-        Enum.reduce(workers, seen, fn
-          %{index: i, os_pid: os_pid, pid: pid}, seen ->
-            if i in seen do
-              seen
-            else
-              device = VllmBridge.Worker.hello(pid)["device"]
-              elapsed = System.monotonic_time(:millisecond) - started
-
-              progress.(
-                "  [#{secs(elapsed)}] rank #{i} ready: os pid #{os_pid}, device #{device}"
-              )
-
-              MapSet.put(seen, i)
-            end
-
-          nil, seen ->
-            seen
-        end)
-
-      {:error, _} ->
-        seen
-    end
+  def report(%{stage: :waiting} = info, progress) do
+    doing = if info.waiting_for == :handshake, do: "importing", else: "running its on_start"
+    progress.("  [#{secs(info.elapsed_ms)}] rank #{info.index} still starting (#{doing})")
   end
+
+  def report(_info, _progress), do: :ok
 
   defp secs(ms), do: :io_lib.format("~5.1fs", [ms / 1000]) |> IO.iodata_to_binary()
 

@@ -102,6 +102,7 @@ class Executor(Watcher):
         self._cond = threading.Condition()
         self._running: Request | None = None
         self._started = 0  # requests started so far: the watcher's clock
+        self._began = 0.0  # time.monotonic() when the running request began (for pong)
         self._role = ROLE_NOBODY
         self._want_back = False
         self._urgent = False  # the running request waits for a frame: read at once
@@ -147,6 +148,12 @@ class Executor(Watcher):
         """Id of the request running now, if any."""
         running = self._running
         return None if running is None else running.id
+
+    @property
+    def running_for(self) -> float | None:
+        """Seconds the running request has run, or ``None`` when none runs."""
+        running, began = self._running, self._began
+        return None if running is None else max(0.0, time.monotonic() - began)
 
     @property
     def queued(self) -> int:
@@ -316,6 +323,7 @@ class Executor(Watcher):
 
     def _begin(self, request: Request) -> Request:
         # Under the lock. An urgency left by the previous request is not this one's.
+        self._began = time.monotonic()
         self._running = request
         self._started += 1
         self._urgent = False

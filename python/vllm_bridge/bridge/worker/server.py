@@ -1,5 +1,6 @@
 """The worker process: ``python -m vllm_bridge.bridge.worker [--allow MODULE ...]
-[--also-allow MODULE ...] [--max-refs N] [--poll-us N] [--max-frame-bytes N]``.
+[--also-allow MODULE ...] [--max-refs N] [--poll-us N] [--max-frame-bytes N]
+[--log-level LEVEL]``.
 
 Threads (see :mod:`~vllm_bridge.bridge.worker.executor` for how they share fd 3):
 
@@ -73,6 +74,14 @@ DEFAULT_MAX_REFS = 10_000
 #: Largest ``--poll-us``: 10 ms of polling after a frame is already a lot of CPU.
 MAX_POLL_US = 10_000
 CAPABILITIES = ("stream", "context", "cancel", "credit", "refs", "log")
+#: ``--log-level`` names: the root logger's level, and the least a record needs to be
+#: sent as a ``log`` frame.
+LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 _log = logging.getLogger("vllm_bridge.bridge.worker")
 
@@ -116,6 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="largest frame body read or written, both ways (default "
         f"{DEFAULT_MAX_FRAME_BYTES}; from {MIN_MAX_FRAME_BYTES} to {MAX_FRAME})",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=sorted(LOG_LEVELS),
+        default="warning",
+        help="the Python root logger's level; records at or above it are sent to the "
+        "Elixir side as log frames (default warning)",
     )
     opts = parser.parse_args(argv)
     if not MIN_MAX_FRAME_BYTES <= opts.max_frame_bytes <= MAX_FRAME:
@@ -200,8 +216,10 @@ class Worker:
         poll_us: int = 0,
         import_errors: dict[str, str] | None = None,
         max_frame: int = DEFAULT_MAX_FRAME_BYTES,
+        log_level: int = logging.WARNING,
     ) -> None:
         self.modules = modules
+        self.log_level = log_level
         self.max_frame = max_frame
         self.import_errors = dict(import_errors or {})
         self.instance = secrets.token_hex(8)
@@ -249,7 +267,9 @@ class Worker:
             # While the port is open records go to the Elixir side as log frames; stderr
             # gets them only before the handshake and after EOF.
             handler.addFilter(lambda _record: self.channel.closed)
-        root.addHandler(_HeldLogFrameHandler(self.channel, self.interrupter))
+        # The handler's own level too: a logger of its own level (a library's, set to
+        # debug) hands its records to the root's handlers whatever the root's level.
+        root.addHandler(_HeldLogFrameHandler(self.channel, self.interrupter, self.log_level))
         threading.Thread(target=self._watch, name="vllm-bridge-watch", daemon=True).start()
         self.executor.run(final=self._close_sessions)
         return 0
@@ -304,9 +324,11 @@ class Worker:
         if req.kind == "ping":
             status = {
                 "running": self.executor.running_id,
+                "running_for": self.executor.running_for,
                 "queued": self.executor.queued,
                 "sessions": len(self.sessions),
                 "refs": self.sessions.ref_count,
+                "cuda": cuda_memory(),
             }
             self.channel.send(["pong", req.id, status])
         elif req.kind == "cancel":
@@ -349,8 +371,8 @@ class _HeldLogFrameHandler(LogFrameHandler):
     """Log frames that an interruption of the running request cannot cut in half: the
     request's code may log, and a frame left half-written would end the stream."""
 
-    def __init__(self, channel: Channel, interrupter: Interrupter) -> None:
-        super().__init__(channel)
+    def __init__(self, channel: Channel, interrupter: Interrupter, level: int) -> None:
+        super().__init__(channel, level)
         self._interrupter = interrupter
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -365,14 +387,41 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     # Before any request: code running in the worker (introspection) reads it from there.
     allowlist.publish(opts.allow)
+    # fd 1 is a pipe (the Elixir side logs what arrives line by line): a print must go
+    # out when its line ends, not when a block fills or the process exits.
+    _line_buffered(sys.stdout)
+    _line_buffered(sys.stderr)
+    log_level = LOG_LEVELS[opts.log_level]
     logging.basicConfig(
         stream=sys.stderr,
-        level=logging.WARNING,
+        level=log_level,
         format="%(asctime)s %(levelname)s %(name)s [worker %(process)d] %(message)s",
     )
     logging.captureWarnings(True)
     enlarge_pipes()
     import_errors = _import_allowed(opts.allow)
     return Worker(
-        opts.allow, opts.max_refs, opts.poll_us, import_errors, opts.max_frame_bytes
+        opts.allow, opts.max_refs, opts.poll_us, import_errors, opts.max_frame_bytes, log_level
     ).serve(capture)
+
+
+def _line_buffered(stream: Any) -> None:
+    reconfigure = getattr(stream, "reconfigure", None)
+    if reconfigure is not None:  # a stream replaced by something else keeps its ways
+        reconfigure(line_buffering=True)
+
+
+def cuda_memory() -> dict[str, int] | None:
+    """Bytes of CUDA memory this process's caching allocator has allocated and reserved
+    on its current device, for ``pong``; ``None`` when CUDA was never initialised here (a
+    status must not initialise it, which takes seconds and memory)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        return {
+            "allocated": int(torch.cuda.memory_allocated()),
+            "reserved": int(torch.cuda.memory_reserved()),
+        }
+    except Exception:  # a broken device must not cost the pong
+        return None

@@ -1,7 +1,8 @@
 """The worker's start-up stderr, and taking the real one back after the handshake.
 
-The Elixir launcher starts the worker with fd 2 on a private file and the BEAM's stderr on
-another fd (``VLLM_BRIDGE_STDERR_FD``), naming the file in ``VLLM_BRIDGE_STDERR_FILE``
+The Elixir launcher starts the worker with fd 2 on a private file and its real stderr (a
+FIFO the Elixir side reads and logs line by line) on another fd
+(``VLLM_BRIDGE_STDERR_FD``), naming the file in ``VLLM_BRIDGE_STDERR_FILE``
 (docs/PROTOCOL.md, "Start-up stderr"): when the start fails, the Elixir side puts the
 file's last lines into its error instead of the console showing the same traceback once
 per attempt. Just before the hello is sent, :func:`take_back` puts the real stderr back on fd 2
