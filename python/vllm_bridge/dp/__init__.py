@@ -114,6 +114,7 @@ class _State:
     store: dist.Store
     broken: str | None = None
     ubatch_runs: int = 0  # micro-batched runs begun (the same count on every rank)
+    ubatch_last_failed: bool = False  # the last micro-batched run ended with a failure
 
 
 _lock = threading.Lock()  # guards _state and serialises collectives within this process
