@@ -8,8 +8,8 @@ step runs eagerly on the threads like any other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,14 +90,16 @@ class UBatchGraphs:
         )
         graph = CUDAGraphMetaData(torch.cuda.CUDAGraph(), metadata, static_inputs=static)
         with override_forward_context(None):
-            results, threads = self._start_threads(metadata, model, capture=True)
             try:
+                results = self._start_threads(metadata, model, capture=True)
                 with torch.cuda.graph(graph.cudagraph, stream=side, pool=self.graph_pool):
                     metadata[0].context.cpu_wait_event.set()
-                    self._join(metadata, threads)
+                    self._join(metadata[0].context.run)
                     graph.outputs = self._finish(metadata, results)
-            finally:
-                self._join(metadata, threads)
+            except BaseException as exc:
+                # The run's own failure (ended with the peers by _finish), or the main
+                # thread's (an interrupt, a capture error): the run is ended if it was not.
+                self._abandon(metadata, exc)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.cudagraphs[num_tokens] = graph
         out = self._replay(num_tokens, kwargs)
