@@ -328,11 +328,17 @@ class ModelRunner:
             logits=logits.cpu(),
             graph=ran.how,
             graph_reason=ran.reason,
-            ubatch_run=(
-                None if ubatch_slices is None
-                else "overlapped" if self.ubatch_overlap else "sequential"
-            ),
+            ubatch_run=self._ubatch_run(ubatch_slices),
         )
+
+    def _ubatch_run(self, ubatch_slices: list | None) -> str | None:
+        """How the step's micro-batches ran: what the wrapper reports it ran (set only
+        once its run succeeded), not what was asked for."""
+        if ubatch_slices is None:
+            return None
+        if not self.ubatch_overlap:
+            return "sequential"
+        return self.ubatch_wrapper.last_run if self.ubatch_wrapper is not None else None
 
     def _forward(
         self,
