@@ -30,8 +30,15 @@ stuck only when no thread has made progress (a start, a hand-over, an end) for
 
 Differences from vLLM's: non-micro-batched runs are not wrapped in a CUDA-graph wrapper
 here (the demo's graph manager does those); each micro-batch's DP metadata counts its own
-tokens (the MoE layer chunks by it); a captured graph reads static input buffers that
-each replay refills, so a replay computes the step's own inputs.
+tokens (the MoE layer chunks by it).
+
+**What a replay refreshes.** A captured graph reads static copies of ``input_ids``,
+``positions`` and ``inputs_embeds``, which each replay refills. Nothing else: the
+attention metadata and slot mapping that the micro-batches' forward contexts carried at
+capture stay those of capture time, so a replay is right only for a model whose
+micro-batched pass reads nothing but those inputs (the tests' models). The demo's
+:class:`~vllm_bridge.demo.model_runner.ModelRunner` never captures a micro-batched run
+(its wrapper runs in NONE mode; with DP the demo's graphs are the graph manager's).
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ __all__ = [
 
 # After the run has failed, joining a thread waits at most this much for it to notice.
 JOIN_MARGIN_S = 5.0
+# The main thread waits for its threads in slices of this much, so an interrupt (a signal)
+# is acted on within it.
+JOIN_POLL_S = 0.05
 
 
 @dataclass
@@ -429,7 +439,10 @@ class UBatchWrapper(UBatchGraphs):
                 for ctx in pending:
                     ctx.exited.wait(JOIN_MARGIN_S)
                 break
-            pending[0].exited.wait(limit - idle)
+            # In short slices: a signal that arrives just before the wait begins (its
+            # C handler has run, the Python one not yet) does not wake the wait, and
+            # would otherwise wait out the whole slice before the interrupt is raised.
+            pending[0].exited.wait(min(limit - idle, JOIN_POLL_S))
         for ctx in started:
             if ctx.exited.is_set():
                 run.threads[ctx.id].join(JOIN_MARGIN_S)  # only its last few bytecodes
