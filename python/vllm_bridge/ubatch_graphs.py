@@ -26,8 +26,10 @@ __all__ = ["CUDAGraphMetaData", "UBatchGraphs", "ubatch_graph_action"]
 @dataclass
 class CUDAGraphMetaData:
     """A captured micro-batched run: the graph, the micro-batches it was captured with
-    (their inputs are slices of ``static_inputs``, which each replay refills) and its
-    output (the graph's static output: read it before the next replay)."""
+    (their inputs are slices of ``static_inputs``, which each replay refills; their
+    forward contexts, attention metadata and slot mapping included, are those of capture
+    time and are not refreshed) and its output (the graph's static output: read it before
+    the next replay)."""
 
     cudagraph: Any  # torch.cuda.CUDAGraph
     ubatch_metadata: list[UbatchMetadata]
@@ -66,6 +68,9 @@ class UBatchGraphs:
         wakes micro-batch 0; the threads run to the end (their kernels, on the capture
         stream and the comm stream forked from it, go into the graph); the main thread
         stores the graph and replays it once for this call's output.
+
+        Only ``input_ids``, ``positions`` and ``inputs_embeds`` are refreshed by a replay
+        (see the wrapper module's docstring): not the attention metadata or slot mapping.
         """
         num_tokens = sum(m.num_tokens for m in ubatch_metadata)
         # Warm-up (kernels chosen, workspaces allocated) by one eager micro-batched run;
