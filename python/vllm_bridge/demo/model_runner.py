@@ -332,12 +332,9 @@ class ModelRunner:
         )
 
     def _ubatch_run(self, ubatch_slices: list | None) -> str | None:
-        """How the step's micro-batches ran: what the wrapper reports it ran (set only
-        once its run succeeded), not what was asked for."""
-        if ubatch_slices is None:
-            return None
-        if not self.ubatch_overlap:
-            return "sequential"
+        """How the micro-batches ran: as the wrapper reports it (set once its run succeeded)."""
+        if ubatch_slices is None or not self.ubatch_overlap:
+            return None if ubatch_slices is None else "sequential"
         return self.ubatch_wrapper.last_run if self.ubatch_wrapper is not None else None
 
     def _forward(
