@@ -207,7 +207,9 @@ class ModelRunner:
         # Runtime mode NONE: micro-batching needs DP > 1, and with DP the runner never runs
         # FULL graphs (the collectives go through gloo or the CPU with bounded waits: not
         # capturable), so this wrapper never captures. Its capture path has its own tests.
-        self.ubatch_wrapper = UBatchWrapper(model, self.vllm_config, CUDAGraphMode.NONE, self.device)
+        self.ubatch_wrapper = UBatchWrapper(
+            model, self.vllm_config, CUDAGraphMode.NONE, self.device
+        )
         if compilation.cudagraph_mode is not CUDAGraphMode.NONE:
             self.graphs.capture(self.graph_descriptors())
         return info

@@ -236,7 +236,8 @@ def _collective(
         info = state.info
         if ubatch is None:
             work = start()
-            _wait(state, what, lambda: work.wait(timeout=datetime.timedelta(seconds=info.timeout_s)))
+            timeout = datetime.timedelta(seconds=info.timeout_s)
+            _wait(state, what, lambda: work.wait(timeout=timeout))
             return
         work = ubatch.launch(what, start, describe(what, tensor))
     ubatch.handover(what)
