@@ -52,7 +52,6 @@ from vllm_bridge.dp._decide import (
     cudagraph_mode_value,
     decide,
 )
-from vllm_bridge.dp._group import State as _State
 from vllm_bridge.dp._group import begin_run, usable_state, wait_collective
 from vllm_bridge.dp._rendezvous import rendezvous
 from vllm_bridge.dp._settings import DEFAULT_TIMEOUT_S, resolve_settings
@@ -108,6 +107,15 @@ class DPGroupInfo:
     backend: str
     timeout_s: float
     device: str = "cpu"
+
+
+@dataclass
+class _State:
+    info: DPGroupInfo
+    store: dist.Store
+    broken: str | None = None
+    ubatch_runs: int = 0  # micro-batched runs begun (the same count on every rank)
+    ubatch_last_failed: bool = False  # the last micro-batched run ended with a failure
 
 
 _lock = threading.Lock()  # guards _state and serialises collectives within this process
@@ -232,26 +240,16 @@ def _collective(
     """
     ubatch = current_ubatch_context()
     with _lock:
-        state = _usable_state(expected_size, expected_rank)
+        state = usable_state(_state, expected_size, expected_rank, DPGroupError)
         info = state.info
         if ubatch is None:
             work = start()
             timeout = datetime.timedelta(seconds=info.timeout_s)
-            _wait(state, what, lambda: work.wait(timeout=timeout))
+            wait_collective(state, what, lambda: work.wait(timeout=timeout), DPTimeoutError)
             return
         work = ubatch.launch(what, start, describe(what, tensor))
     ubatch.handover(what)
-    _wait(state, what, lambda: ubatch.wait(what, work, info.timeout_s))
-
-
-def _usable_state(expected_size: int, expected_rank: int) -> _State:
-    """The joined group, checked against the caller's config (under ``_lock``)."""
-    return usable_state(_state, expected_size, expected_rank, DPGroupError)
-
-
-def _wait(state: _State, what: str, wait: Callable[[], None]) -> None:
-    """Run ``wait()``; a collective that failed or timed out marks the group broken."""
-    wait_collective(state, what, wait, DPTimeoutError)
+    wait_collective(state, what, lambda: ubatch.wait(what, work, info.timeout_s), DPTimeoutError)
 
 
 def begin_ubatch_run() -> UBatchRunSync | None:

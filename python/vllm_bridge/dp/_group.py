@@ -1,32 +1,18 @@
-"""The joined DP group's state and the checks around each collective: part of
-:mod:`vllm_bridge.dp`, which owns the one ``State`` of the process and its lock and passes
-its exception classes in (as to :func:`vllm_bridge.dp._rendezvous.rendezvous`)."""
+"""The checks around each collective of the joined DP group: part of :mod:`vllm_bridge.dp`,
+which owns the process's group state (``_State``) and its lock and passes its exception
+classes in (as to :func:`vllm_bridge.dp._rendezvous.rendezvous`)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import torch.distributed as dist
 
 from vllm_bridge._ubatch_current import UBatchAbortedError
 from vllm_bridge.dp._ubatch_sync import UBatchRunSync
 
 if TYPE_CHECKING:
-    from vllm_bridge.dp import DPGroupInfo
-
-
-@dataclass
-class State:
-    """The DP group this process has joined."""
-
-    info: DPGroupInfo
-    store: dist.Store
-    broken: str | None = None
-    ubatch_runs: int = 0  # micro-batched runs begun (the same count on every rank)
-    ubatch_last_failed: bool = False  # the last micro-batched run ended with a failure
+    from vllm_bridge.dp import _State as State
 
 
 def usable_state(
