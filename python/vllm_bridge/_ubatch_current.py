@@ -1,14 +1,16 @@
 """The micro-batch context of the running thread (``None`` outside micro-batch threads).
 
 A module of its own, importing nothing of the package, so that :mod:`vllm_bridge.dp` can
-look it up at each collective (and tell a micro-batch abort from a failed collective) without importing :mod:`vllm_bridge.ubatching` (which
-imports the forward-context system, which imports ``dp``: that would be a circle).
+look it up at each collective (and tell a micro-batch abort from a failed collective)
+without importing :mod:`vllm_bridge.ubatching` (which imports the forward-context system,
+which imports ``dp``: that would be a circle).
 """
 
 from contextvars import ContextVar
 from typing import Any
 
 __all__ = ["UBatchAbortedError", "current_ubatch_context", "ubatch_context_var"]
+
 
 class UBatchAbortedError(RuntimeError):
     """A micro-batched run was abandoned because another thread or another DP rank failed;

@@ -12,6 +12,11 @@ communicator is created (``max_ctas`` in its config), and ``torch.cuda.GreenCont
 not for kernels already bound to the model's streams. So on this bridge both setters are
 no-ops on every platform, and the manager still checks its numbers and keeps the
 enter/exit contract, so a real setter can be dropped in.
+
+Applying ``VLLM_DBO_COMM_SMS`` as NCCL's ``max_ctas`` when the DP group is created was
+considered and left out: it would be a static limit on every collective of the process
+(micro-batched or not, for the group's whole life), not the enter/exit split this
+manager promises, and it would need a GPU to test.
 """
 
 from __future__ import annotations

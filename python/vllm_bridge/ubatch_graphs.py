@@ -8,8 +8,8 @@ step runs eagerly on the threads like any other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,8 +26,10 @@ __all__ = ["CUDAGraphMetaData", "UBatchGraphs", "ubatch_graph_action"]
 @dataclass
 class CUDAGraphMetaData:
     """A captured micro-batched run: the graph, the micro-batches it was captured with
-    (their inputs are slices of ``static_inputs``, which each replay refills) and its
-    output (the graph's static output: read it before the next replay)."""
+    (their inputs are slices of ``static_inputs``, which each replay refills; their
+    forward contexts, attention metadata and slot mapping included, are those of capture
+    time and are not refreshed) and its output (the graph's static output: read it before
+    the next replay)."""
 
     cudagraph: Any  # torch.cuda.CUDAGraph
     ubatch_metadata: list[UbatchMetadata]
@@ -66,6 +68,9 @@ class UBatchGraphs:
         wakes micro-batch 0; the threads run to the end (their kernels, on the capture
         stream and the comm stream forked from it, go into the graph); the main thread
         stores the graph and replays it once for this call's output.
+
+        Only ``input_ids``, ``positions`` and ``inputs_embeds`` are refreshed by a replay
+        (see the wrapper module's docstring): not the attention metadata or slot mapping.
         """
         num_tokens = sum(m.num_tokens for m in ubatch_metadata)
         # Warm-up (kernels chosen, workspaces allocated) by one eager micro-batched run;
@@ -90,14 +95,16 @@ class UBatchGraphs:
         )
         graph = CUDAGraphMetaData(torch.cuda.CUDAGraph(), metadata, static_inputs=static)
         with override_forward_context(None):
-            results, threads = self._start_threads(metadata, model, capture=True)
             try:
+                results = self._start_threads(metadata, model, capture=True)
                 with torch.cuda.graph(graph.cudagraph, stream=side, pool=self.graph_pool):
                     metadata[0].context.cpu_wait_event.set()
-                    self._join(metadata, threads)
+                    self._join(metadata[0].context.run)
                     graph.outputs = self._finish(metadata, results)
-            finally:
-                self._join(metadata, threads)
+            except BaseException as exc:
+                # The run's own failure (ended with the peers by _finish), or the main
+                # thread's (an interrupt, a capture error): the run is ended if it was not.
+                self._abandon(metadata, exc)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.cudagraphs[num_tokens] = graph
         out = self._replay(num_tokens, kwargs)

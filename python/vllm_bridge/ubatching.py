@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -41,6 +41,7 @@ from vllm_bridge._ubatch_current import ubatch_context_var as _current
 from vllm_bridge.forward_context import ForwardContext, _forward_context_var
 
 __all__ = [
+    "MAIN_THREAD",
     "HandOverPoint",
     "UBatchAbortedError",
     "UBatchContext",
@@ -54,6 +55,23 @@ __all__ = [
 # at the peers' failure notices). Only waits that are still blocked pay it.
 POLL_S = 0.01
 PEER_POLL_S = 0.05
+
+#: The ``ubatch_id`` a failure of the main (calling) thread is recorded under: it waits
+#: at the barrier and joins the micro-batch threads, and can itself be interrupted there
+#: (``KeyboardInterrupt``, the worker's cancel).
+MAIN_THREAD = -1
+
+
+def barrier_timeout_message(timeout_s: float) -> str:
+    """The error of a run whose threads did not all reach the ready barrier in time."""
+    return f"the micro-batch threads did not all reach the ready barrier within {timeout_s} s"
+
+
+def describe_thread(ubatch_id: int | None) -> str:
+    """``"micro-batch 1"``, or ``"main thread (waiting for its micro-batches)"``."""
+    if ubatch_id == MAIN_THREAD:
+        return "main thread (waiting for its micro-batches)"
+    return f"micro-batch {ubatch_id}"
 
 
 @dataclass(frozen=True)
@@ -70,8 +88,8 @@ class HandOverPoint:
 
     ubatch_id: int
     index: int
-    where: str
-    what: str
+    where: Literal["launch", "resume"]
+    what: str  # the DP collectives' names; tests' stand-in collectives pass their own
 
 
 _injector: Callable[[HandOverPoint], None] | None = None
@@ -97,6 +115,8 @@ class UBatchRun:
         peer_failure: Returns another rank's failure message, or ``None`` (polled while a
             collective is pending); ``None``: single process.
         on_failure: Called once with the first local failure (e.g. to tell the peers).
+        sync: The run's link to the other DP ranks
+            (:class:`~vllm_bridge.dp._ubatch_sync.UBatchRunSync`), or ``None``.
     """
 
     def __init__(
@@ -105,6 +125,7 @@ class UBatchRun:
         timeout_s: float,
         peer_failure: Callable[[], str | None] | None = None,
         on_failure: Callable[[BaseException, int], None] | None = None,
+        sync: Any = None,
     ) -> None:
         self.lock = threading.Lock()
         self.finished = [False] * num_micro_batches
@@ -118,7 +139,16 @@ class UBatchRun:
         # to be drained after a failure (vllm_bridge.dp._ubatch_sync).
         self.posted: list[Any] = []
         self.works: list[Any] = []
-        self.sync: Any = None  # the run's link to the other DP ranks, if any
+        self.sync = sync
+        self.threads: list[threading.Thread] = []  # set by the wrapper as it starts them
+        self.ended = False  # the wrapper has begun ending the run with the peers
+        # When a thread last made progress (started, handed over, finished): the main
+        # thread declares the run stuck only after 2 * timeout_s without any.
+        self.progress_at = time.monotonic()
+
+    def progress(self) -> None:
+        """Record that a thread moved on (see ``progress_at``)."""
+        self.progress_at = time.monotonic()
 
     def fail(self, exc: BaseException, ubatch_id: int) -> None:
         """Record ``exc`` (the first failure wins), then wake every waiting thread."""
@@ -140,8 +170,8 @@ class UBatchRun:
         """Raise if the run failed elsewhere (this thread must stop)."""
         if self.error is not None:
             raise UBatchAbortedError(
-                f"micro-batch {self.error_ubatch} failed: {type(self.error).__name__}: "
-                f"{self.error}"
+                f"{describe_thread(self.error_ubatch)} failed: "
+                f"{type(self.error).__name__}: {self.error}"
             )
 
 
@@ -171,6 +201,10 @@ class UBatchContext:
         self.compute_stream = compute_stream
         self.comm_stream = comm_stream
         self.cpu_wait_event = threading.Event()
+        # Set by the thread as it ends: what the main thread waits on, not Thread.join
+        # (in CPython 3.11 a join interrupted by a signal's exception can mark a thread
+        # that is still running as stopped).
+        self.exited = threading.Event()
         self.num_collectives = 0
         self._tokens: list[Any] = []
 
@@ -182,8 +216,10 @@ class UBatchContext:
         try:
             self.ready_barrier.wait(timeout=self.run.timeout_s)
         except threading.BrokenBarrierError:
-            self.run.check()
-            raise UBatchAbortedError("the micro-batch run was abandoned before it started")
+            self.run.check()  # broken by a failure elsewhere: that failure
+            # Broken with no failure recorded: a wait at it timed out (here or elsewhere).
+            raise TimeoutError(barrier_timeout_message(self.run.timeout_s)) from None
+        self.run.progress()
         self._wait_turn()
         if self.compute_stream is not None:
             torch.cuda.set_stream(self.compute_stream)
@@ -208,6 +244,7 @@ class UBatchContext:
 
     def _pass_turn(self) -> bool:
         """Give the turn to the next unfinished thread; False when there is none."""
+        self.run.progress()
         alive = self._others_alive()
         if not alive:
             return False
@@ -280,12 +317,19 @@ class UBatchContext:
             self.compute_stream.wait_stream(self.comm_stream)
             return
         self._wait_work(what, index, work, timeout_s)
-        if self.comm_stream is not None:
-            with torch.cuda.stream(self.comm_stream):
-                work.wait()  # NCCL: the comm stream waits for the collective
-            self.compute_stream.wait_stream(self.comm_stream)
+        # Completed: wait() now only raises the collective's own error, if it failed, and
+        # (NCCL) makes the comm stream wait for it; then compute joins the comm stream.
+        if self.comm_stream is None:
+            work.wait()
+            return
+        with torch.cuda.stream(self.comm_stream):
+            work.wait()
+        self.compute_stream.wait_stream(self.comm_stream)
 
     def _wait_work(self, what: str, index: int, work: Any, timeout_s: float) -> None:
+        """Until ``work`` completes (bounded), watching the run and the peers."""
+        if work.is_completed():
+            return  # the common case after a hand-over: no future, no poll
         done = threading.Event()
         try:
             work.get_future().add_done_callback(lambda _: done.set())
@@ -293,7 +337,7 @@ class UBatchContext:
             pass  # no future: poll is_completed() below
         deadline = time.monotonic() + timeout_s
         next_peer_check = time.monotonic() + PEER_POLL_S
-        while not (done.wait(POLL_S) or work.is_completed()):
+        while not (work.is_completed() or done.wait(POLL_S)):
             self.run.check()
             now = time.monotonic()
             if self.run.peer_failure is not None and now >= next_peer_check:
@@ -306,8 +350,6 @@ class UBatchContext:
                     f"micro-batch {self.id}: {what} #{index} did not complete within "
                     f"{timeout_s} s; a peer is missing or stuck"
                 )
-        # Raises the collective's own error, if it failed.
-        work.wait()
 
 
 def make_ubatch_contexts(

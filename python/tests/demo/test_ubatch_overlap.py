@@ -9,6 +9,7 @@
   thread behind, and the next step of the same runners gives the right tokens.
 """
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -177,3 +178,90 @@ def test_a_failure_at_any_hand_over_point_ends_the_step_on_both_ranks(
                 assert reply.errors[1] is None, f"{case}: next step failed on rank {r}: {reply.errors[1]}"
             _assert_same(_by_request(replies, 1), expected, f"{case}, next step")
             _no_ubatch_threads(replies)
+
+
+def _clean_points_and_expected(ranks: Ranks, weights: str, steps: list) -> tuple[list, dict]:
+    clean = ranks.run(weights, {}, steps)
+    assert all(e is None for reply in clean for e in reply.errors), [r.errors for r in clean]
+    expected = {f"{req}-again": v for req, v in _by_request(clean, 0).items()}
+    return list(dict.fromkeys(clean[0].points)), expected
+
+
+def test_an_interrupt_of_the_main_thread_at_any_hand_over_point_ends_the_step_on_both_ranks(
+    ranks: Ranks, weights: str
+) -> None:
+    # SIGINT to one rank's main thread while a micro-batch thread is at a hand-over point:
+    # a KeyboardInterrupt where the main thread waits for its threads (the worker's cancel
+    # raises CallInterrupted the same way).
+    steps = [_failing_then_next(r) for r in range(2)]
+    points, expected = _clean_points_and_expected(ranks, weights, steps)
+    for rank in range(2):
+        for point in points:
+            case = f"interrupt on rank {rank} at {point}"
+            replies = ranks.run(
+                weights, {}, steps, inject={"rank": rank, "point": point, "signal": True}
+            )
+            for r, reply in enumerate(replies):
+                assert reply.setup_error is None, reply.setup_error
+                assert reply.errors[0] is not None, f"{case}: rank {r} finished the step"
+                kind, message = reply.errors[0]
+                if r == rank:
+                    assert kind == "KeyboardInterrupt", f"{case}: {reply.errors[0]}"
+                else:
+                    assert kind == "UBatchAbortedError", f"{case}: {reply.errors[0]}"
+                    assert f"DP rank {rank} main thread" in message, f"{case}: {message}"
+                assert reply.errors[1] is None, f"{case}: next step on rank {r}: {reply.errors[1]}"
+            _assert_same(_by_request(replies, 1), expected, f"{case}, next step")
+            _no_ubatch_threads(replies)
+
+
+def test_both_ranks_failing_at_once_end_the_step_and_the_next_runs(
+    ranks: Ranks, weights: str
+) -> None:
+    # A deterministic sample of the 16 x 16 pairs of points (the reviewer ran all 256).
+    steps = [_failing_then_next(r) for r in range(2)]
+    points, expected = _clean_points_and_expected(ranks, weights, steps)
+    pairs = [(p0, p1) for p0 in points for p1 in points]
+    for p0, p1 in random.Random(17).sample(pairs, 12):
+        case = f"failures at {p0} on rank 0 and {p1} on rank 1"
+        replies = ranks.run(weights, {}, steps, inject={"points": {0: p0, 1: p1}})
+        for r, reply in enumerate(replies):
+            assert reply.setup_error is None, reply.setup_error
+            assert reply.errors[0] is not None, f"{case}: rank {r} finished the step"
+            assert "injected on DP rank" in reply.errors[0][1], f"{case}: {reply.errors[0]}"
+            assert reply.errors[1] is None, f"{case}: next step on rank {r}: {reply.errors[1]}"
+        _assert_same(_by_request(replies, 1), expected, f"{case}, next step")
+        _no_ubatch_threads(replies)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices (NCCL needs one GPU per rank)",
+)
+def test_two_ranks_over_nccl_match_the_sequential_run_and_survive_a_failure(
+    weights: str,
+) -> None:
+    # The collectives over NCCL, launched from each thread's comm stream.
+    pair = Ranks(backend="nccl")
+    try:
+        schedule = make_schedule(seed=8, num_steps=STEPS)
+        per_rank = [[vars(row[r]) for row in schedule] for r in range(2)]
+        overlapped = pair.run(weights, {"ubatch_overlap": True, "device": "cuda"}, per_rank)
+        sequential = pair.run(weights, {"ubatch_overlap": False, "device": "cuda"}, per_rank)
+        for step in range(STEPS):
+            _assert_same(
+                _by_request(overlapped, step), _by_request(sequential, step), f"step {step}"
+            )
+        assert any(o["ubatch_run"] == "overlapped" for o in overlapped[0].outputs)
+        steps = [_failing_then_next(r) for r in range(2)]
+        kwargs = {"device": "cuda"}
+        clean = pair.run(weights, kwargs, steps)
+        expected = {f"{req}-again": v for req, v in _by_request(clean, 0).items()}
+        point = list(dict.fromkeys(clean[0].points))[3]
+        failed = pair.run(weights, kwargs, steps, inject={"rank": 1, "point": point})
+        assert all(reply.errors[0] is not None for reply in failed)
+        # Drained, not broken (the device index is not compared across ranks).
+        _assert_same(_by_request(failed, 1), expected, "next step after a failure")
+        _no_ubatch_threads(failed)
+    finally:
+        pair.close()

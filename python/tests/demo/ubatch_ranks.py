@@ -5,15 +5,22 @@ the harness of the micro-batch overlap tests (and of ``bench/ubatch_bench.py``).
 fresh :class:`~vllm_bridge.demo.model_runner.ModelRunner`, load the weights and run its
 steps, going on after a failed one. Each rank answers with a :class:`RankReply`: per step
 its output or its error, the hand-over points its
-micro-batch threads passed (recorded by a fault injector that raises only at the point
-``inject`` names, on the rank it names) and the threads alive afterwards.
+micro-batch threads passed (recorded by a fault injector that acts only at the points
+``inject`` names, on the ranks it names) and the threads alive afterwards.
+
+``inject``: ``{"rank": r, "point": p}`` or ``{"points": {r: p, ...}}``; with
+``"signal": True`` the fault is not an exception in the micro-batch thread but SIGINT sent
+to the rank's main thread (a ``KeyboardInterrupt`` there, as the worker's cancel raises
+``CallInterrupted``), the thread holding its turn until the main thread has failed the run.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -57,7 +64,29 @@ def _step_dict(out: Any) -> dict[str, Any]:
     }
 
 
-def _serve(conn: Connection, rank: int, port: int, threads: int) -> None:
+def _points(inject: dict[str, Any] | None, rank: int) -> Any:
+    """The hand-over point ``inject`` names for ``rank`` (``None``: none)."""
+    if inject is None:
+        return None
+    if "points" in inject:
+        return inject["points"].get(rank)
+    return inject["point"] if inject["rank"] == rank else None
+
+
+def _interrupt_main_thread() -> None:
+    """SIGINT to the main thread; hold the turn until it has failed the run (bounded)."""
+    from vllm_bridge.ubatching import current_ubatch_context
+
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    run = current_ubatch_context().run
+    deadline = time.monotonic() + REPLY_GUARD_S / 4
+    while run.error is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _serve(
+    conn: Connection, rank: int, port: int, threads: int, backend: str = "gloo"
+) -> None:
     from vllm_bridge import dp
     from vllm_bridge.config import CompilationConfig, ParallelConfig, VllmConfig
     from vllm_bridge.demo.batch import SchedulerStep
@@ -65,20 +94,28 @@ def _serve(conn: Connection, rank: int, port: int, threads: int) -> None:
     from vllm_bridge.ubatching import set_fault_injector
 
     torch.set_num_threads(threads)
-    dp.init_dp_group(rank, 2, "127.0.0.1", port, "gloo", GROUP_TIMEOUT_S)
+    dp.init_dp_group(rank, 2, "127.0.0.1", port, backend, GROUP_TIMEOUT_S)
     try:
         while (msg := conn.recv()) is not None:
             path, kwargs, steps, inject = msg
             reply = RankReply()
 
             fired = []
+            step_now = [0]
+            target = _points(inject, rank)
+            by_signal = bool(inject and inject.get("signal"))
 
             def injector(point: Any) -> None:
                 key = (point.ubatch_id, point.index, point.where, point.what)
                 reply.points.append(key)
-                if inject is None or fired or inject["rank"] != rank or inject["point"] != key:
+                # Only in the first step, once: a point this rank did not reach there
+                # (another failure stopped it first) is not hit in the next step.
+                if fired or step_now[0] != 0 or target is None or tuple(target) != key:
                     return
-                fired.append(key)  # once: the next step must run normally
+                fired.append(key)
+                if by_signal:
+                    _interrupt_main_thread()
+                    return
                 raise InjectedFault(f"injected on DP rank {rank} at {key}")
 
             kwargs = dict(kwargs)
@@ -102,12 +139,14 @@ def _serve(conn: Connection, rank: int, port: int, threads: int) -> None:
             try:
                 runner = ModelRunner(config, device=device, **kwargs)
                 runner.load_model(path)
-                for step in steps:
+                for index, step in enumerate(steps):
+                    step_now[0] = index
                     try:
                         out = runner.execute_model(SchedulerStep(**step))
                         reply.outputs.append(_step_dict(out))
                         reply.errors.append(None)
-                    except Exception as exc:  # reported to the test, which judges it
+                    # BaseException: an injected interrupt (KeyboardInterrupt) is a result too.
+                    except BaseException as exc:  # reported to the test, which judges it
                         reply.outputs.append(None)
                         reply.errors.append((type(exc).__name__, str(exc)))
             except Exception as exc:
@@ -123,14 +162,16 @@ def _serve(conn: Connection, rank: int, port: int, threads: int) -> None:
 class Ranks:
     """Two rank processes, alive until :meth:`close`."""
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for rank in range(2):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, rank, port, threads), daemon=True)
+            proc = ctx.Process(
+                target=_serve, args=(child, rank, port, threads, backend), daemon=True
+            )
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

@@ -135,7 +135,7 @@ def test_a_failing_micro_batch_ends_the_call_with_its_error_and_the_next_runs(
         with pytest.raises(ValueError, match=f"micro-batch {fail_at[0]} at layer {fail_at[1]}"):
             wrapper(**_inputs())
         assert _ubatch_threads() == []
-        assert not wrapper.ready_barrier.broken
+        assert wrapper.ready_barrier.n_waiting == 0  # nobody left waiting at the barrier
         toy.fail_at = None
         assert torch.equal(wrapper(**_inputs()), Toy()(**_inputs()))
 
@@ -185,7 +185,11 @@ def test_ubatch_metadata_slices_inputs_and_counts_each_micro_batch() -> None:
     assert pos.shape == (3, 3)
     # DP counts of each micro-batch's own size (needs a DP config: checked without a group).
     from vllm_bridge.ubatch_wrapper import _ubatch_dp_metadata
-    assert _ubatch_dp_metadata(dp_meta, 3).num_tokens_across_dp_cpu.tolist() == [3, 3]
+    dp_config = VllmConfig(
+        parallel_config=ParallelConfig(data_parallel_size=2, is_moe_model=True)
+    )
+    counts = _ubatch_dp_metadata(dp_config, dp_meta, 3).num_tokens_across_dp_cpu
+    assert counts.tolist() == [3, 3]
     with pytest.raises(ValueError, match="attn_metadata of a micro-batched pass must be a list of 2"):
         wrapper._make_ubatch_metadata(
             SLICES, {"l": 1}, torch.arange(8), torch.arange(8), None, None, None, None, None,

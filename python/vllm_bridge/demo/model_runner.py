@@ -207,7 +207,9 @@ class ModelRunner:
         # Runtime mode NONE: micro-batching needs DP > 1, and with DP the runner never runs
         # FULL graphs (the collectives go through gloo or the CPU with bounded waits: not
         # capturable), so this wrapper never captures. Its capture path has its own tests.
-        self.ubatch_wrapper = UBatchWrapper(model, self.vllm_config, CUDAGraphMode.NONE, self.device)
+        self.ubatch_wrapper = UBatchWrapper(
+            model, self.vllm_config, CUDAGraphMode.NONE, self.device
+        )
         if compilation.cudagraph_mode is not CUDAGraphMode.NONE:
             self.graphs.capture(self.graph_descriptors())
         return info
@@ -328,11 +330,14 @@ class ModelRunner:
             logits=logits.cpu(),
             graph=ran.how,
             graph_reason=ran.reason,
-            ubatch_run=(
-                None if ubatch_slices is None
-                else "overlapped" if self.ubatch_overlap else "sequential"
-            ),
+            ubatch_run=self._ubatch_run(ubatch_slices),
         )
+
+    def _ubatch_run(self, ubatch_slices: list | None) -> str | None:
+        """How the micro-batches ran: as the wrapper reports it (set once its run succeeded)."""
+        if ubatch_slices is None or not self.ubatch_overlap:
+            return None if ubatch_slices is None else "sequential"
+        return self.ubatch_wrapper.last_run if self.ubatch_wrapper is not None else None
 
     def _forward(
         self,

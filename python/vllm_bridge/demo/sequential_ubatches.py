@@ -7,13 +7,8 @@ from collections.abc import Callable
 import torch
 
 from vllm_bridge.config import VllmConfig
-from vllm_bridge.cudagraph import CUDAGraphMode
-from vllm_bridge.forward_context import (
-    DPMetadata,
-    create_forward_context,
-    get_forward_context,
-    override_forward_context,
-)
+from vllm_bridge.forward_context import get_forward_context, override_forward_context
+from vllm_bridge.ubatch_wrapper import make_ubatch_forward_contexts
 
 __all__ = ["run_ubatches_sequentially"]
 
@@ -27,29 +22,26 @@ def run_ubatches_sequentially(
     """Run each micro-batch of the current forward context under its own forward context,
     one after the other; the outputs concatenated in order.
 
-    Each micro-batch sees what it would on its own thread: its entry of the outer
-    context's ``attn_metadata`` and ``slot_mapping`` lists and DP counts of its own size.
-    The first writes its tokens' keys and values to the cache before the second attends
-    to them. Every rank splits at the same point (the ranks agreed on one padded size),
-    so the MoE collectives stay in lockstep.
+    Each micro-batch gets the forward context it would get on its own thread
+    (:func:`~vllm_bridge.ubatch_wrapper.make_ubatch_forward_contexts`: its entry of the
+    outer context's ``attn_metadata`` and ``slot_mapping`` lists, DP counts of its own
+    size). The first writes its tokens' keys and values to the cache before the second
+    attends to them. Every rank splits at the same point (the ranks agreed on one padded
+    size), so the MoE collectives stay in lockstep.
     """
     outer = get_forward_context()
-    parallel = vllm_config.parallel_config
+    slices = outer.ubatch_slices or []
+    contexts = make_ubatch_forward_contexts(
+        vllm_config,
+        slices,
+        outer.attn_metadata,
+        outer.slot_mapping,
+        outer.dp_metadata,
+        outer.batch_descriptor,
+    )
     outputs = []
-    for i, ubatch in enumerate(outer.ubatch_slices or []):
+    for ubatch, context in zip(slices, contexts):
         a, b = ubatch.token_slice.start, ubatch.token_slice.stop
-        dp_meta = None
-        if parallel.data_parallel_size > 1:
-            counts = torch.full((parallel.data_parallel_size,), b - a, dtype=torch.int32)
-            dp_meta = DPMetadata.make(parallel, b - a, counts)
-        context = create_forward_context(
-            outer.attn_metadata[i],
-            vllm_config,
-            dp_metadata=dp_meta,
-            cudagraph_runtime_mode=CUDAGraphMode.NONE,
-            batch_descriptor=outer.batch_descriptor,
-            slot_mapping=outer.slot_mapping[i],
-        )
         with override_forward_context(context):
             outputs.append(model(input_ids[a:b], positions[a:b]))
     return torch.cat(outputs)

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vllm_bridge._ubatch_current import UBatchAbortedError, current_ubatch_context
 from vllm_bridge._checks import check_bool, check_int, check_optional_bool, check_optional_int
+from vllm_bridge._ubatch_current import current_ubatch_context
 from vllm_bridge.config import ParallelConfig
 from vllm_bridge.dp._decide import (
     NUM_ROWS,
@@ -52,9 +52,10 @@ from vllm_bridge.dp._decide import (
     cudagraph_mode_value,
     decide,
 )
+from vllm_bridge.dp._group import begin_run, usable_state, wait_collective
 from vllm_bridge.dp._rendezvous import rendezvous
-from vllm_bridge.dp._ubatch_sync import UBatchRunSync, describe
 from vllm_bridge.dp._settings import DEFAULT_TIMEOUT_S, resolve_settings
+from vllm_bridge.dp._ubatch_sync import UBatchRunSync, describe
 from vllm_bridge.platforms import rank_device
 from vllm_bridge.ubatch import check_ubatch_thresholds
 
@@ -114,6 +115,7 @@ class _State:
     store: dist.Store
     broken: str | None = None
     ubatch_runs: int = 0  # micro-batched runs begun (the same count on every rank)
+    ubatch_last_failed: bool = False  # the last micro-batched run ended with a failure
 
 
 _lock = threading.Lock()  # guards _state and serialises collectives within this process
@@ -238,65 +240,23 @@ def _collective(
     """
     ubatch = current_ubatch_context()
     with _lock:
-        state = _usable_state(expected_size, expected_rank)
+        state = usable_state(_state, expected_size, expected_rank, DPGroupError)
         info = state.info
         if ubatch is None:
             work = start()
-            _wait(state, what, lambda: work.wait(timeout=datetime.timedelta(seconds=info.timeout_s)))
+            timeout = datetime.timedelta(seconds=info.timeout_s)
+            wait_collective(state, what, lambda: work.wait(timeout=timeout), DPTimeoutError)
             return
         work = ubatch.launch(what, start, describe(what, tensor))
     ubatch.handover(what)
-    _wait(state, what, lambda: ubatch.wait(what, work, info.timeout_s))
-
-
-def _usable_state(expected_size: int, expected_rank: int) -> _State:
-    """The joined group, checked against the caller's config; raises when there is none,
-    it does not match, or it broke earlier. Called under ``_lock``."""
-    state = _state
-    if state is None:
-        raise DPGroupError(
-            f"data_parallel_size is {expected_size} but this process has not joined a "
-            "DP group; call vllm_bridge.dp.init_dp_group(...) on every rank first"
-        )
-    info = state.info
-    if (info.world_size, info.rank) != (expected_size, expected_rank):
-        raise DPGroupError(
-            f"parallel_config says DP rank {expected_rank} of {expected_size} but this "
-            f"process joined as rank {info.rank} of {info.world_size}"
-        )
-    if state.broken is not None:
-        raise DPGroupError(
-            f"the DP group is unusable after an earlier failure ({state.broken}); "
-            "call destroy_dp_group() and init_dp_group() again"
-        )
-    return state
-
-
-def _wait(state: _State, what: str, wait: Callable[[], None]) -> None:
-    """Run ``wait()``; a collective that failed or timed out marks the group broken."""
-    info = state.info
-    try:
-        wait()
-    except UBatchAbortedError:
-        raise  # another micro-batch or rank failed: the micro-batch wrapper recovers
-    except (RuntimeError, TimeoutError) as exc:
-        state.broken = str(exc).splitlines()[0]
-        raise DPTimeoutError(
-            f"DP rank {info.rank} of {info.world_size}: the {what} did not complete "
-            f"within {info.timeout_s} s; a peer is missing or stuck ({state.broken})"
-        ) from exc
+    wait_collective(state, what, lambda: ubatch.wait(what, work, info.timeout_s), DPTimeoutError)
 
 
 def begin_ubatch_run() -> UBatchRunSync | None:
     """Number a micro-batched run (every rank begins the same runs in the same order) and
     return its link to the other ranks; ``None`` when this process has joined no DP group."""
     with _lock:
-        state = _state
-        if state is None:
-            return None
-        sync = UBatchRunSync(state, _lock, state.ubatch_runs)
-        state.ubatch_runs += 1
-        return sync
+        return begin_run(_state, _lock)
 
 
 def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) -> torch.Tensor:

@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 
 OK = "ok"
 
-#: One posted collective: ``(kind, shape, dtype, device)``, e.g.
-#: ``("all_gather", [4, 64], "torch.float32", "cpu")``.
+#: One posted collective: ``(kind, shape, dtype, device type)``, e.g.
+#: ``("all_gather", [4, 64], "torch.float32", "cpu")``. The device *type* only: with NCCL
+#: each rank uses its own GPU (``cuda:0`` on one, ``cuda:1`` on the other), and the
+#: ranks' lists are compared with each other.
 PostedOp = tuple[str, list[int], str, str]
 
 
@@ -56,19 +58,54 @@ def _key(run: int, name: str) -> str:
 
 def describe(kind: str, tensor: torch.Tensor) -> PostedOp:
     """What :func:`drain` needs to post a partner of this collective."""
-    return (kind, list(tensor.shape), str(tensor.dtype), str(tensor.device))
+    return (kind, list(tensor.shape), str(tensor.dtype), tensor.device.type)
 
 
-def _post_partner(op: PostedOp, world_size: int) -> Any:
-    kind, shape, dtype, device = op
-    tensor = torch.zeros(shape, dtype=getattr(torch, dtype.removeprefix("torch.")),
-                         device=device)
+def partner_device(device_type: str, info: DPGroupInfo) -> torch.device:
+    """Where this rank posts the partner of a collective another rank posted on a device of
+    ``device_type``: this rank's own device (a CUDA collective on the group's GPU)."""
+    if device_type == "cuda":
+        if info.device.startswith("cuda"):
+            return torch.device(info.device)
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def _post_partner(op: PostedOp, info: DPGroupInfo) -> Any:
+    kind, shape, dtype, device_type = op
+    tensor = torch.zeros(
+        shape,
+        dtype=getattr(torch, dtype.removeprefix("torch.")),
+        device=partner_device(device_type, info),
+    )
     if kind == "all_reduce":
         return dist.all_reduce(tensor, async_op=True)
     if kind == "all_gather":
-        return dist.all_gather([torch.empty_like(tensor) for _ in range(world_size)], tensor,
-                               async_op=True)
+        parts = [torch.empty_like(tensor) for _ in range(info.world_size)]
+        return dist.all_gather(parts, tensor, async_op=True)
     raise ValueError(f"no partner for a collective of kind {kind!r}")
+
+
+def check_one_sequence(run: int, everyone: list[list[Any]]) -> list[list[Any]]:
+    """The longest of the ranks' posted lists (``everyone[r]``: rank ``r``'s); each rank's
+    must be a prefix of it, device types included, device indices not (each rank's own).
+
+    Raises:
+        RuntimeError: a rank's list is not a prefix of the longest one.
+    """
+    def same(op: list[Any]) -> list[Any]:
+        kind, shape, dtype, device = op
+        return [kind, list(shape), dtype, str(device).split(":")[0]]
+
+    norm = [[same(op) for op in ops] for ops in everyone]
+    longest = max(norm, key=len)
+    for r, ops in enumerate(norm):
+        if ops != longest[: len(ops)]:
+            raise RuntimeError(
+                f"DP rank {r}'s collectives of micro-batched run {run} are not a prefix of "
+                "the longest rank's: the ranks issued them in different orders"
+            )
+    return longest
 
 
 def _exchange(store: dist.Store, info: DPGroupInfo, run: int, name: str, value: str) -> list[str]:
@@ -89,16 +126,11 @@ def drain(
         RuntimeError: the ranks' posted collectives are not one sequence, or they did not
             all complete within the group's timeout.
     """
-    everyone = [json.loads(v) for v in _exchange(store, info, run, "posted", json.dumps(posted))]
-    mine = [list(op) for op in posted]
-    longest = max(everyone, key=len)
-    for r, ops in enumerate(everyone):
-        if [list(op) for op in ops] != [list(op) for op in longest[: len(ops)]]:
-            raise RuntimeError(
-                f"DP rank {r}'s collectives of micro-batched run {run} are not a prefix of "
-                "the longest rank's: the ranks issued them in different orders"
-            )
-    extra = [_post_partner(tuple(op), info.world_size) for op in longest[len(mine):]]
+    everyone = [
+        json.loads(v) for v in _exchange(store, info, run, "posted", json.dumps(posted))
+    ]
+    longest = check_one_sequence(run, everyone)
+    extra = [_post_partner(tuple(op), info) for op in longest[len(posted):]]
     timeout = datetime.timedelta(seconds=info.timeout_s)
     for work in [*works, *extra]:
         work.wait(timeout=timeout)
@@ -117,6 +149,22 @@ class UBatchRunSync:
         self._state = state
         self._lock = lock
         self.run = run
+
+    def _forget_previous_run(self) -> None:
+        """Delete this rank's keys of the previous run (and its abort key, if it failed).
+
+        Every rank has written this run's outcome, so each has read all of the previous
+        run's keys. Each rank deletes only its own: one store round trip per successful
+        step, three after a failed one.
+        """
+        if self.run == 0:
+            return
+        state = self._state
+        store, rank, prev = state.store, state.info.rank, self.run - 1
+        store.delete_key(_key(prev, f"done/{rank}"))
+        if state.ubatch_last_failed:
+            store.delete_key(_key(prev, f"posted/{rank}"))
+            store.delete_key(_key(prev, "abort"))
 
     def announce_failure(self, message: str) -> None:
         """Tell the other ranks this rank's run failed (best effort, never raises)."""
@@ -141,26 +189,24 @@ class UBatchRunSync:
 
         Raises:
             RuntimeError: the outcome exchange or the drain failed; the group is then
-                marked broken (it must be left and joined again).
+                marked broken (it must be left and joined again). So is it when anything
+                else (an interrupt) stops this half-way: the ranks may then disagree.
         """
         state = self._state
         info = state.info
         with self._lock:
             try:
                 outcomes = _exchange(state.store, info, self.run, "done", error or OK)
-                if self.run > 0:
-                    # Every rank wrote this run's outcome, so each has read the last one's.
-                    for r in range(info.world_size):
-                        for name in ("done", "posted"):
-                            state.store.delete_key(_key(self.run - 1, f"{name}/{r}"))
+                self._forget_previous_run()
                 failures = [(r, v) for r, v in enumerate(outcomes) if v != OK]
+                state.ubatch_last_failed = bool(failures)
                 if not failures:
                     return None
                 drain(state.store, info, self.run, posted, works)
-            except RuntimeError as exc:
+            except BaseException as exc:
                 state.broken = (
                     f"micro-batched run {self.run} could not be ended cleanly: "
-                    f"{str(exc).splitlines()[0]}"
+                    f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
                 )
                 raise
             r, message = failures[0]
