@@ -110,14 +110,11 @@ defmodule VllmBridge.Call.Run do
   defp resolve(rt, kind, opts),
     do: Route.resolve(rt, kind, Keyword.get(opts, :bound), Keyword.get(opts, :payload))
 
-  defp request(kind, route, parts, what, opts) do
-    Request.new(kind,
-      pre: [Wire.value(route.session_id)],
-      post: parts,
-      timed: Keyword.get(opts, :timed, true),
-      target: what
-    )
-  end
+  defp request(kind, route, parts, what, opts),
+    do: Request.new(kind, [session(route)], parts, Keyword.get(opts, :timed, true), what)
+
+  defp session(%Route{session_id: nil}), do: <<0xC0>>
+  defp session(%Route{session_id: id}), do: Wire.value(id)
 
   defp exchange(pid, req, kind, _route, rt) when kind in @cleanups do
     pid
@@ -152,7 +149,9 @@ defmodule VllmBridge.Call.Run do
 
   # References a call outside any session brought back belong to the calling process
   # (VllmBridge.Session.LooseRefs): released when it exits.
-  defp adopt_loose({:ok, value} = result, %Route{session_id: nil}) do
+  # (A reply that is no list, map or tuple holds no reference: nothing to walk.)
+  defp adopt_loose({:ok, value} = result, %Route{session_id: nil})
+       when is_list(value) or is_map(value) or is_tuple(value) do
     LooseRefs.track(self(), Ref.collect(value, session: :none))
     result
   end
