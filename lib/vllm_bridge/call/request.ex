@@ -180,7 +180,6 @@ defmodule VllmBridge.Call.Request do
       what: what(req)
     })
 
-    Process.put(:t_sent, :erlang.monotonic_time(:nanosecond))
     {pid, id, mref}
   end
 
@@ -258,18 +257,10 @@ defmodule VllmBridge.Call.Request do
   # result), so that a call that is not observed pays nothing for it.
   defp receive_reply({pid, id, mref}, deadline, opts, sized) do
     receive do
-      Messages.reply(^mref, bin) ->
-        Process.put(:t_recv, :erlang.monotonic_time(:nanosecond))
-        decode(bin, sized)
-
-      Messages.worker_exit(^mref, message) ->
-        worker_exit(message)
-
-      Messages.reply_error(^mref, e) ->
-        {:error, e}
-
-      {:DOWN, ^mref, :process, _, reason} ->
-        worker_down(reason)
+      Messages.reply(^mref, bin) -> decode(bin, sized)
+      Messages.worker_exit(^mref, message) -> worker_exit(message)
+      Messages.reply_error(^mref, e) -> {:error, e}
+      {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
     after
       Runtime.remaining(deadline) ->
         case Keyword.get(opts, :on_timeout, :cancel) do
