@@ -15,7 +15,7 @@ defmodule VllmBridge.Runtime.LeanCallTest do
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Session.LooseRefs
   alias VllmBridge.TestSupport.TermGen
-  alias VllmBridge.{Error, Ref, Telemetry}
+  alias VllmBridge.{Error, Ref}
 
   @pool :rt_lean
   @small :rt_lean_small
@@ -26,17 +26,24 @@ defmodule VllmBridge.Runtime.LeanCallTest do
     :ok
   end
 
-  # The same request through both paths: the lean one (Run.run/4 without :telemetry)
-  # and the general one.
+  # The same request through both paths: the lean one (what Run.run/4 runs without
+  # :telemetry; called directly, since another test may have loaded it) and the general
+  # one.
   defp both(target, args, opts) do
-    refute Telemetry.enabled?(), "the lean path runs only without :telemetry"
     {:ok, rt} = Runtime.resolve(opts)
     {:ok, parts} = Wire.encode_invoke(target, args, %{})
     run_opts = [what: target, bound: nil, payload: {args, %{}}]
-    lean = Run.run(rt, "call", parts, run_opts)
+    lean = Run.plain(rt, "call", parts, run_opts)
     {:ok, rt} = Runtime.resolve(opts)
     general = Run.general(rt, "call", parts, run_opts)
     {normal(lean), normal(general)}
+  end
+
+  # A call on the lean path alone.
+  defp lean(target, args, opts) do
+    {:ok, rt} = Runtime.resolve(opts)
+    {:ok, parts} = Wire.encode_invoke(target, args, %{})
+    Run.plain(rt, "call", parts, what: target, bound: nil, payload: {args, %{}})
   end
 
   # Errors compared by type and message, request ids (which differ) left out.
@@ -106,8 +113,7 @@ defmodule VllmBridge.Runtime.LeanCallTest do
       spawn(fn ->
         send(
           parent,
-          {:got,
-           VllmBridge.call({"vllm_bridge.bridge.diag", "opaque"}, [3], %{}, pool_name: @pool)}
+          {:got, lean({"vllm_bridge.bridge.diag", "opaque"}, [3], pool_name: @pool)}
         )
 
         receive do: (:go -> :ok)
@@ -124,7 +130,7 @@ defmodule VllmBridge.Runtime.LeanCallTest do
 
     task =
       Task.async(fn ->
-        VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, pool_name: @small)
+        lean({"vllm_bridge.bridge.diag", "add"}, [1, 2], pool_name: @small)
       end)
 
     wait_until(fn -> Slots.waiting(meta) == 1 end, 30_000, "the call queued")

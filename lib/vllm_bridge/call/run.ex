@@ -36,6 +36,13 @@ defmodule VllmBridge.Call.Run do
       else: plain(rt, kind, parts, opts)
   end
 
+  @doc false
+  # The request without telemetry: the lean path below, else the general one. (Public for
+  # test/runtime/lean_call_test.exs, which runs it whether or not `:telemetry` is loaded.)
+  @spec plain(Runtime.t(), String.t(), [iodata()], opts()) ::
+          {:ok, term()} | {:error, Error.t()}
+  def plain(rt, kind, parts, opts)
+
   # The common call, outside any session and bound to no reference (VllmBridge.call/4 and
   # the bindings pass these options in this order): any worker of the pool. The general
   # path's steps (Route.resolve/4's `:any` route, Route.checkout/3, exchange/5) with
@@ -43,7 +50,7 @@ defmodule VllmBridge.Call.Run do
   # its frame limit and a worker has room; otherwise, before anything is reserved, the
   # general path runs and answers (queues, refuses) as it always does. Its results are
   # the general path's (test/runtime/lean_call_test.exs).
-  defp plain(%Runtime{session_id: nil} = rt, "call", parts, what: what, bound: nil, payload: p) do
+  def plain(%Runtime{session_id: nil} = rt, "call", parts, what: what, bound: nil, payload: p) do
     with {:ok, meta} <- Directory.pool(rt.pool_name),
          req = Request.new("call", [<<0xC0>>], parts, true, what),
          true <- Slots.waiting(meta) == 0 and Request.max_size(req) <= meta.max_frame_bytes,
@@ -65,7 +72,7 @@ defmodule VllmBridge.Call.Run do
     end
   end
 
-  defp plain(rt, kind, parts, opts), do: general(rt, kind, parts, opts)
+  def plain(rt, kind, parts, opts), do: general(rt, kind, parts, opts)
 
   @doc false
   # The general path alone (for the lean path's test): any request, any route.
