@@ -81,6 +81,7 @@ defmodule VllmBridge.Bindings do
   """
 
   alias VllmBridge.Bindings.Args
+  alias VllmBridge.Call.{Run, Runtime, Wire}
   alias VllmBridge.{Error, Session}
 
   @typedoc """
@@ -92,8 +93,16 @@ defmodule VllmBridge.Bindings do
   @doc "Calls the Python function of `spec` with the Elixir `args` of a generated function."
   @spec call(spec(), list()) :: {:ok, term()} | {:error, Error.t()}
   def call(spec, args) do
-    with {:ok, py_args, kwargs, runtime} <- Args.split(spec, args) do
-      VllmBridge.call(spec.target, py_args, kwargs, runtime)
+    # VllmBridge.call/4's steps, the target's encoding kept once per binding
+    # (`Wire.encode_invoke_binding/3`).
+    with {:ok, py_args, kwargs, runtime} <- Args.split(spec, args),
+         {:ok, rt} <- Runtime.resolve(runtime),
+         {:ok, parts} <- Wire.encode_invoke_binding(spec.target, py_args, kwargs) do
+      Run.run(rt, "call", parts,
+        what: spec.target,
+        bound: Run.bound_ref(spec.target),
+        payload: {py_args, kwargs}
+      )
     end
   end
 

@@ -38,7 +38,21 @@ defmodule VllmBridge.Bindings.Args do
   """
   @spec split(spec(), list(), non_neg_integer()) ::
           {:ok, list(), %{String.t() => term()}, keyword()} | {:error, Error.t()}
-  def split(spec, args, more \\ 0) do
+  def split(spec, args, more \\ 0)
+
+  # A function without parameters (most of the bindings' attribute readers and queries)
+  # called with no options, or with only runtime options: nothing to check. Every other
+  # call, errors included, takes the general path, which answers the same for these
+  # (test/bindings/args_test.exs).
+  def split(%{params: []}, [], _more), do: {:ok, [], %{}, []}
+  def split(%{params: []}, [[]], _more), do: {:ok, [], %{}, []}
+  def split(%{params: []}, [[__runtime__: runtime]], _more), do: {:ok, [], %{}, runtime}
+  def split(spec, args, more), do: split_general(spec, args, more)
+
+  @doc "`split/3`'s general path (any spec, any arguments)."
+  @spec split_general(spec(), list(), non_neg_integer()) ::
+          {:ok, list(), %{String.t() => term()}, keyword()} | {:error, Error.t()}
+  def split_general(spec, args, more) do
     {fixed, positional} = partition(spec.params, [], [])
     n = length(fixed)
     m = length(positional)

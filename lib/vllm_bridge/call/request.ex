@@ -83,16 +83,25 @@ defmodule VllmBridge.Call.Request do
   """
   @spec new(String.t(), new_opts()) :: t()
   def new(kind, opts \\ []) do
-    pre = Keyword.get(opts, :pre, [])
-    post = Keyword.get(opts, :post, [])
+    new(
+      kind,
+      Keyword.get(opts, :pre, []),
+      Keyword.get(opts, :post, []),
+      Keyword.get(opts, :timed, true),
+      Keyword.get(opts, :target)
+    )
+  end
 
+  @doc "`new/2` with its options as arguments (the call path's, without keyword look-ups)."
+  @spec new(String.t(), [iodata()], [iodata()], boolean(), term()) :: t()
+  def new(kind, pre, post, timed, target) do
     %__MODULE__{
       kind: kind,
       pre: pre,
-      timed: Keyword.get(opts, :timed, true),
+      timed: timed,
       post: post,
       size: IO.iodata_length(pre) + IO.iodata_length(post),
-      target: Keyword.get(opts, :target)
+      target: target
     }
   end
 
@@ -113,7 +122,7 @@ defmodule VllmBridge.Call.Request do
     do: {:error, Error.new(:worker_exit, "the worker process is not running")}
 
   def call(pid, req, deadline, opts) do
-    handle = send_request(pid, req, deadline, holds_slot: Keyword.get(opts, :holds_slot, false))
+    handle = submit_one(pid, req, deadline, Keyword.get(opts, :holds_slot, false), true)
     await(handle, deadline, on_timeout: on_timeout(req))
   end
 
@@ -127,7 +136,7 @@ defmodule VllmBridge.Call.Request do
   def call_sized(nil, req, deadline, opts), do: {call(nil, req, deadline, opts), 0}
 
   def call_sized(pid, req, deadline, opts) do
-    handle = send_request(pid, req, deadline, holds_slot: Keyword.get(opts, :holds_slot, false))
+    handle = submit_one(pid, req, deadline, Keyword.get(opts, :holds_slot, false), true)
     await_sized(handle, deadline, on_timeout: on_timeout(req))
   end
 
@@ -138,22 +147,35 @@ defmodule VllmBridge.Call.Request do
   @doc "Sends `req` and returns at once (`t:send_opts/0`)."
   @spec send_request(pid(), t(), integer() | :infinity, send_opts()) :: handle()
   def send_request(pid, %__MODULE__{} = req, deadline, opts \\ []) do
+    holds_slot = Keyword.get(opts, :holds_slot, false)
+    cancel_on_caller_exit = Keyword.get(opts, :cancel_on_caller_exit, true)
+
+    case Keyword.get(opts, :replies, :one) do
+      :one ->
+        submit_one(pid, req, deadline, holds_slot, cancel_on_caller_exit)
+
+      :stream ->
+        submit(pid, req, deadline, holds_slot, cancel_on_caller_exit, :stream, :demonitor)
+    end
+  end
+
+  # A request with one reply: `send_request/4` without its keyword look-ups.
+  defp submit_one(pid, req, deadline, holds_slot, cancel_on_caller_exit),
+    do: submit(pid, req, deadline, holds_slot, cancel_on_caller_exit, :one, :reply_demonitor)
+
+  defp submit(pid, req, deadline, holds_slot, cancel_on_caller_exit, replies, mode) do
     id = :erlang.unique_integer([:positive])
-
-    replies = Keyword.get(opts, :replies, :one)
-    mode = if replies == :stream, do: :demonitor, else: :reply_demonitor
-
     mref = :erlang.monitor(:process, pid, [{:alias, mode}])
     {frame, size} = frame(req, id, deadline)
 
     Messages.send_submit(pid, %Messages.Submit{
       id: id,
       alias: mref,
-      caller: if(Keyword.get(opts, :cancel_on_caller_exit, true), do: self()),
+      caller: if(cancel_on_caller_exit, do: self()),
       frame: frame,
       size: size,
       deadline: deadline,
-      holds_slot: Keyword.get(opts, :holds_slot, false),
+      holds_slot: holds_slot,
       replies: replies,
       what: what(req)
     })
@@ -201,13 +223,14 @@ defmodule VllmBridge.Call.Request do
   # The frame and its body's size; no frame (nil) when the body is longer than a frame's
   # length can say: the worker refuses it by its size, as one over its frame limit.
   defp frame(%{kind: kind, pre: pre, timed: true, post: post, size: size}, id, deadline) do
+    # (`Wire.uint/1` and the nil byte: what `Wire.value/1` gives for them.)
     ms =
       case Runtime.remaining(deadline) do
-        :infinity -> Wire.value(nil)
-        left -> Wire.value(left)
+        :infinity -> <<0xC0>>
+        left -> Wire.uint(left)
       end
 
-    framed(Wire.frame_request(kind, id, pre ++ [ms | post], size + IO.iodata_length(ms)))
+    framed(Wire.frame_request(kind, id, pre ++ [ms | post], size + byte_size(ms)))
   end
 
   defp frame(%{kind: kind, pre: pre, post: post, size: size}, id, _deadline),

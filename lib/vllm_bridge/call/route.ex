@@ -116,11 +116,15 @@ defmodule VllmBridge.Call.Route do
 
         nil ->
           Slots.release(meta, i)
-
-          {:error, Error.new(:worker_exit, "worker #{i} of pool #{inspect(meta.name)} went down")}
+          worker_gone(meta, i)
       end
     end
   end
+
+  @doc "The error of a request whose worker `i` went down between its reservation and its look-up."
+  @spec worker_gone(Meta.t(), non_neg_integer()) :: {:error, Error.t()}
+  def worker_gone(meta, i),
+    do: {:error, Error.new(:worker_exit, "worker #{i} of pool #{inspect(meta.name)} went down")}
 
   defp fits(%Meta{max_frame_bytes: max, name: name}, req) do
     case Request.max_size(req) do

@@ -6,6 +6,7 @@ defmodule VllmBridge.Call.Run do
 
   alias VllmBridge.{Error, Ref}
   alias VllmBridge.Call.{Request, Route, Runtime, Wire}
+  alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Call.Span, as: CallSpan
   alias VllmBridge.Telemetry
   alias VllmBridge.Session.LooseRefs
@@ -35,7 +36,49 @@ defmodule VllmBridge.Call.Run do
       else: plain(rt, kind, parts, opts)
   end
 
-  defp plain(rt, kind, parts, opts) do
+  @doc false
+  # The request without telemetry: the lean path below, else the general one. (Public for
+  # test/runtime/lean_call_test.exs, which runs it whether or not `:telemetry` is loaded.)
+  @spec plain(Runtime.t(), String.t(), [iodata()], opts()) ::
+          {:ok, term()} | {:error, Error.t()}
+  def plain(rt, kind, parts, opts)
+
+  # The common call, outside any session and bound to no reference (VllmBridge.call/4 and
+  # the bindings pass these options in this order): any worker of the pool. The general
+  # path's steps (Route.resolve/4's `:any` route, Route.checkout/3, exchange/5) with
+  # nothing to decide, taken only when the pool has nobody queued, the request is within
+  # its frame limit and a worker has room; otherwise, before anything is reserved, the
+  # general path runs and answers (queues, refuses) as it always does. Its results are
+  # the general path's (test/runtime/lean_call_test.exs).
+  def plain(%Runtime{session_id: nil} = rt, "call", parts, what: what, bound: nil, payload: p) do
+    with {:ok, meta} <- Directory.pool(rt.pool_name),
+         req = Request.new("call", [<<0xC0>>], parts, true, what),
+         true <- Slots.waiting(meta) == 0 and Request.max_size(req) <= meta.max_frame_bytes,
+         i when is_integer(i) <- Slots.reserve_any(meta) do
+      case Directory.worker(meta.name, i) do
+        {pid, _instance} ->
+          pid
+          |> Request.call(req, rt.deadline, holds_slot: true)
+          |> adopt_loose(%Route{meta: meta, constraint: :any})
+          |> named("call", what, rt)
+
+        nil ->
+          # (Route.checkout/3's answer for a worker gone between reserve and look-up.)
+          Slots.release(meta, i)
+          named(Route.worker_gone(meta, i), "call", what, rt)
+      end
+    else
+      _ -> general(rt, "call", parts, what: what, bound: nil, payload: p)
+    end
+  end
+
+  def plain(rt, kind, parts, opts), do: general(rt, kind, parts, opts)
+
+  @doc false
+  # The general path alone (for the lean path's test): any request, any route.
+  @spec general(Runtime.t(), String.t(), [iodata()], opts()) ::
+          {:ok, term()} | {:error, Error.t()}
+  def general(rt, kind, parts, opts) do
     what = Keyword.fetch!(opts, :what)
 
     result =
@@ -110,14 +153,11 @@ defmodule VllmBridge.Call.Run do
   defp resolve(rt, kind, opts),
     do: Route.resolve(rt, kind, Keyword.get(opts, :bound), Keyword.get(opts, :payload))
 
-  defp request(kind, route, parts, what, opts) do
-    Request.new(kind,
-      pre: [Wire.value(route.session_id)],
-      post: parts,
-      timed: Keyword.get(opts, :timed, true),
-      target: what
-    )
-  end
+  defp request(kind, route, parts, what, opts),
+    do: Request.new(kind, [session(route)], parts, Keyword.get(opts, :timed, true), what)
+
+  defp session(%Route{session_id: nil}), do: <<0xC0>>
+  defp session(%Route{session_id: id}), do: Wire.value(id)
 
   defp exchange(pid, req, kind, _route, rt) when kind in @cleanups do
     pid
@@ -152,7 +192,9 @@ defmodule VllmBridge.Call.Run do
 
   # References a call outside any session brought back belong to the calling process
   # (VllmBridge.Session.LooseRefs): released when it exits.
-  defp adopt_loose({:ok, value} = result, %Route{session_id: nil}) do
+  # (A reply that is no list, map or tuple holds no reference: nothing to walk.)
+  defp adopt_loose({:ok, value} = result, %Route{session_id: nil})
+       when is_list(value) or is_map(value) or is_tuple(value) do
     LooseRefs.track(self(), Ref.collect(value, session: :none))
     result
   end

@@ -52,9 +52,11 @@ defmodule VllmBridge.Call.Runtime do
   @session_bit 2
 
   def resolve(opts, kind) when is_list(opts) do
-    now = System.monotonic_time(:millisecond)
+    # (The erlang functions under System.monotonic_time/1 and Application.get_env/3,
+    # without their wrappers' checks: this runs on every call.)
+    now = :erlang.monotonic_time(:millisecond)
 
-    with [] <- Application.get_env(:vllm_bridge, :runtime, []),
+    with true <- :application.get_env(:vllm_bridge, :runtime) in [:undefined, {:ok, []}],
          {:ok, rt, seen} <- quick(opts, %__MODULE__{}, 0) do
       budget = if kind == :stream, do: rt.stream_timeout, else: rt.timeout
       rt = if Bitwise.band(seen, @session_bit) == 0, do: current_session(rt), else: rt
@@ -140,7 +142,7 @@ defmodule VllmBridge.Call.Runtime do
   def remaining(:infinity), do: :infinity
 
   def remaining(deadline) do
-    left = deadline - System.monotonic_time(:millisecond)
+    left = deadline - :erlang.monotonic_time(:millisecond)
     if left > 0, do: left, else: 0
   end
 

@@ -74,8 +74,11 @@ defmodule VllmBridge.Call.Wire do
   @spec frame_request(String.t(), non_neg_integer(), [iodata()], non_neg_integer()) ::
           {:ok, iodata(), non_neg_integer()} | {:too_large, non_neg_integer()}
   def frame_request(kind, id, fields, fields_size) when length(fields) <= 13 do
-    head = [Msgpack.enc_array_header(length(fields) + 2), Codec.encode(kind) | Codec.encode(id)]
-    size = IO.iodata_length(head) + fields_size
+    # The fixarray header, the kind and the id as one binary: the kinds' encodings are
+    # known (`kind_bytes/1`), the id is written by `uint/1`, each the bytes
+    # `Codec.encode/1` gives for it (test/codec/wire_frame_test.exs checks both).
+    head = <<0x92 + length(fields), kind_bytes(kind)::binary, uint(id)::binary>>
+    size = byte_size(head) + fields_size
 
     cond do
       size > @max_body -> {:too_large, size}
@@ -100,7 +103,35 @@ defmodule VllmBridge.Call.Wire do
   """
   @spec max_request_size(String.t(), non_neg_integer(), timed: boolean()) :: pos_integer()
   def max_request_size(kind, fields_size, timed: timed),
-    do: 1 + IO.iodata_length(Codec.encode(kind)) + 9 + if(timed, do: 9, else: 0) + fields_size
+    do: 1 + byte_size(kind_bytes(kind)) + 9 + if(timed, do: 9, else: 0) + fields_size
+
+  # The protocol's request kinds as msgpack strs (short ASCII: a fixstr each), so that a
+  # frame's head is not run through the codec's UTF-8 check on every request.
+  @kind_bytes Map.new(
+                ~w(call get enter exit release stream ping cancel credit),
+                &{&1, <<0xA0 + byte_size(&1), &1::binary>>}
+              )
+
+  @doc "`kind` as msgpack (a str): what `Codec.encode/1` gives, precomputed for the protocol's kinds."
+  @spec kind_bytes(String.t()) :: binary()
+  def kind_bytes(kind) do
+    case @kind_bytes do
+      %{^kind => bytes} -> bytes
+      _ -> IO.iodata_to_binary(Codec.encode(kind))
+    end
+  end
+
+  @doc """
+  A non-negative integer as msgpack, the bytes `Codec.encode/1` gives (a request's id and
+  milliseconds left), without the codec's dispatch; other integers go to the codec.
+  """
+  @spec uint(integer()) :: binary()
+  def uint(i) when is_integer(i) and i >= 0 and i < 0x80, do: <<i>>
+  def uint(i) when is_integer(i) and i >= 0 and i < 0x100, do: <<0xCC, i>>
+  def uint(i) when is_integer(i) and i >= 0 and i < 0x10000, do: <<0xCD, i::16>>
+  def uint(i) when is_integer(i) and i >= 0 and i < 0x100000000, do: <<0xCE, i::32>>
+  def uint(i) when is_integer(i) and i >= 0 and i < 0x10000000000000000, do: <<0xCF, i::64>>
+  def uint(i), do: IO.iodata_to_binary(Codec.encode(i))
 
   @doc """
   The `:bad_argument` of a request whose frame would be `size` bytes, over the frame
@@ -140,6 +171,45 @@ defmodule VllmBridge.Call.Wire do
     end
   rescue
     e in ArgumentError -> {:error, Error.new(:bad_argument, Exception.message(e))}
+  end
+
+  @doc """
+  `encode_invoke/3` for a generated binding's target (`VllmBridge.Bindings`): a
+  `{module, path}` of strings fixed when the binding was compiled, so there are as many as
+  there are bindings. Its encoding is built once, on first use, and kept in
+  `:persistent_term`; a call then encodes only its arguments (a call with none, only
+  their two headers). The bytes are `encode_invoke/3`'s (test/codec/wire_frame_test.exs).
+  """
+  @spec encode_invoke_binding({String.t(), String.t()}, list(), map() | keyword()) ::
+          {:ok, [iodata()]} | {:error, Error.t()}
+  def encode_invoke_binding({module, path} = target, args, kwargs)
+      when is_binary(module) and is_binary(path) do
+    encoded = binding_target(module, path)
+
+    case {args, kwargs} do
+      {[], empty} when empty == %{} or empty == [] ->
+        {:ok, [encoded, 0x90, <<0x80>>]}
+
+      _ ->
+        with {:ok, [_ | parts]} <- encode_invoke(target, args, kwargs),
+             do: {:ok, [encoded | parts]}
+    end
+  end
+
+  def encode_invoke_binding(target, args, kwargs), do: encode_invoke(target, args, kwargs)
+
+  defp binding_target(module, path) do
+    key = {__MODULE__, :binding_target, module, path}
+
+    case :persistent_term.get(key, nil) do
+      nil ->
+        encoded = IO.iodata_to_binary(Codec.encode(["m", module, path]))
+        :persistent_term.put(key, encoded)
+        encoded
+
+      encoded ->
+        encoded
+    end
   end
 
   defp encode_args(nil, nil), do: {:ok, []}
@@ -300,7 +370,48 @@ defmodule VllmBridge.Call.Wire do
   `{:ok, value}` or `{:error, %VllmBridge.Error{}}`.
   """
   @spec decode_reply(binary()) :: {:ok, term()} | {:error, Error.t()}
-  def decode_reply(bin) do
+  # Fast path: an `ok` whose id is an unsigned int and whose value is a scalar spanning
+  # the rest of the frame (the reply of most small calls), read by pattern; any other
+  # shape goes to `decode_reply_general/1`, which answers the same for these
+  # (test/codec/reply_fast_path_test.exs).
+  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin) do
+    case scalar(after_uint(rest)) do
+      {:ok, _} = ok -> ok
+      :general -> decode_reply_general(bin)
+    end
+  end
+
+  def decode_reply(bin), do: decode_reply_general(bin)
+
+  defp after_uint(<<0::1, _::7, r::binary>>), do: r
+  defp after_uint(<<0xCC, _::8, r::binary>>), do: r
+  defp after_uint(<<0xCD, _::16, r::binary>>), do: r
+  defp after_uint(<<0xCE, _::32, r::binary>>), do: r
+  defp after_uint(<<0xCF, _::64, r::binary>>), do: r
+  defp after_uint(_), do: nil
+
+  defp scalar(<<0xC3>>), do: {:ok, true}
+  defp scalar(<<0xC2>>), do: {:ok, false}
+  defp scalar(<<0xC0>>), do: {:ok, nil}
+  defp scalar(<<0::1, i::7>>), do: {:ok, i}
+  defp scalar(<<0b111::3, _::5>> = b), do: {:ok, :binary.decode_unsigned(b) - 256}
+  defp scalar(<<0xCC, i::8>>), do: {:ok, i}
+  defp scalar(<<0xCD, i::16>>), do: {:ok, i}
+  defp scalar(<<0xCE, i::32>>), do: {:ok, i}
+  defp scalar(<<0xCF, i::64>>), do: {:ok, i}
+  defp scalar(<<0xD0, i::signed-8>>), do: {:ok, i}
+  defp scalar(<<0xD1, i::signed-16>>), do: {:ok, i}
+  defp scalar(<<0xD2, i::signed-32>>), do: {:ok, i}
+  defp scalar(<<0xD3, i::signed-64>>), do: {:ok, i}
+  # (NaN and the infinities do not match `float-64`: they take the general path.)
+  defp scalar(<<0xCB, f::float-64>>), do: {:ok, f}
+  defp scalar(<<0b101::3, n::5, s::binary-size(n)>>), do: {:ok, s}
+  defp scalar(<<0xD9, n::8, s::binary-size(n)>>), do: {:ok, s}
+  defp scalar(_), do: :general
+
+  @doc "`decode_reply/1`'s general path: a full decode of any reply."
+  @spec decode_reply_general(binary()) :: {:ok, term()} | {:error, Error.t()}
+  def decode_reply_general(bin) do
     case Codec.decode(bin) do
       {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
         {:ok, value}

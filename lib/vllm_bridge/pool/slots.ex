@@ -91,9 +91,34 @@ defmodule VllmBridge.Pool.Slots do
 
   # The least loaded worker with room, `home` first among equals; the others in an order
   # that starts at a random worker, so that ties spread over the pool.
+  #
+  # One pass finds the first of that order (what a sort would put first) and reserves it;
+  # only when another caller took its room meanwhile are the loads read again and the
+  # candidates tried in order (`reserve_sorted/4`).
   defp reserve_least(%Meta{size: size, slots: slots, max_in_flight: max} = meta, home) do
     start = :erlang.unique_integer([:positive]) |> rem(size)
 
+    case least(slots, size, max, home, start, 0, nil, nil) do
+      nil -> nil
+      i -> if reserve(meta, i), do: i, else: reserve_sorted(meta, home, start)
+    end
+  end
+
+  # The first worker, from `start` round the pool, with the smallest {load, not home}
+  # among those with room: `k` workers looked at so far, `best` its key, `best_i` it.
+  defp least(_slots, size, _max, _home, _start, size, _best, best_i), do: best_i
+
+  defp least(slots, size, max, home, start, k, best, best_i) do
+    i = rem(start + k, size)
+    load = :atomics.get(slots, i + 1)
+    key = {load, i != home}
+
+    if load < max and (best == nil or key < best),
+      do: least(slots, size, max, home, start, k + 1, key, i),
+      else: least(slots, size, max, home, start, k + 1, best, best_i)
+  end
+
+  defp reserve_sorted(%Meta{size: size, slots: slots, max_in_flight: max} = meta, home, start) do
     candidates =
       for k <- 0..(size - 1),
           i = rem(start + k, size),
