@@ -57,9 +57,7 @@ defmodule VllmBridge.Worker.Progress do
         "vllm_bridge pool #{inspect(p.pool)}: worker #{p.index} ready in " <>
           "#{:erlang.float_to_binary(ms / 1000, decimals: 1)} s (os pid #{state.os_pid}, " <>
           "device #{metadata.device})",
-        vllm_pool: p.pool,
-        vllm_worker: p.index,
-        os_pid: state.os_pid
+        VllmBridge.Worker.LogMeta.new(p.pool, p.index, state.os_pid)
       )
     end
 
@@ -82,7 +80,8 @@ defmodule VllmBridge.Worker.Progress do
           Logger.warning(
             "vllm_bridge pool #{inspect(p.pool)}: the progress callback failed on worker " <>
               "#{p.index}'s #{info.stage} stage (it is not called again for this worker; " <>
-              "the start goes on): " <> Exception.format(kind, reason, __STACKTRACE__)
+              "the start goes on): " <> Exception.format(kind, reason, __STACKTRACE__),
+            VllmBridge.Worker.LogMeta.new(p.pool, p.index, nil)
           )
 
           %{p | callback: nil}

@@ -382,7 +382,8 @@ defmodule VllmBridge.Worker.Starting do
     # on_start that raised), readable, since the error itself travels as a term.
     Logger.error(
       "vllm_bridge worker #{Worker.label(state)} failed to start: #{e.message}" <>
-        if(is_binary(e.traceback) and e.traceback != "", do: "\n" <> e.traceback, else: "")
+        if(is_binary(e.traceback) and e.traceback != "", do: "\n" <> e.traceback, else: ""),
+      VllmBridge.Worker.LogMeta.of(state)
     )
 
     Events.exited(state, e.message, length(state.pending))
