@@ -231,18 +231,29 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
     test "its worker starts again, and its output is read again" do
       [w | _] = workers!(@pool)
       [reader] = output_readers(w.pid)
-      cats = for {_port, stream} <- :sys.get_state(reader).streams, do: stream.os_pid
+      # The readers' `cat`s: each is a child of its reader's shell, the port's process
+      # (VllmBridge.Worker.Output).
+      shells =
+        for {port, _stream} <- :sys.get_state(reader).streams,
+            {:os_pid, pid} <- [Port.info(port, :os_pid)],
+            do: Integer.to_string(pid)
+
+      assert length(shells) == 2
+      cats = cats_of(shells)
       assert length(cats) == 2
-      VllmBridge.Worker.Launcher.kill(hd(cats))
+      VllmBridge.Worker.Launcher.kill(String.to_integer(hd(cats)))
 
       wait_until(
-        fn -> Enum.any?(workers!(@pool), &(&1.index == w.index and &1.os_pid != w.os_pid)) end,
+        # (A worker not up at this moment is nil in the list.)
+        fn ->
+          Enum.any?(workers!(@pool), &(&1 && &1.index == w.index and &1.os_pid != w.os_pid))
+        end,
         60_000,
         "worker #{w.index} to start again"
       )
 
       refute Process.alive?(reader)
-      fresh = Enum.find(workers!(@pool), &(&1.index == w.index))
+      fresh = Enum.find(workers!(@pool), &(&1 && &1.index == w.index))
       text = unique("read-again")
       {:ok, pid} = VllmBridge.Worker.call(fresh.pid, "rt_output", "say", [text], %{}, 60_000)
       assert {:info, _, %{os_pid: ^pid}} = await_log(text)
@@ -273,6 +284,17 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
 
       assert lines == []
     end
+  end
+
+  # The `cat` processes whose parent is one of `shells` (OS pids, strings).
+  defp cats_of(shells) do
+    for dir <- File.ls!("/proc"),
+        dir =~ ~r/^\d+$/,
+        {:ok, stat} <- [File.read("/proc/#{dir}/stat")],
+        [_, comm, rest] <- [Regex.run(~r/^\d+ \((.*)\) (.*)$/s, stat)],
+        comm == "cat",
+        Enum.at(String.split(rest), 1) in shells,
+        do: dir
   end
 
   # The output reader linked to a worker process (VllmBridge.Worker.Output).
