@@ -81,8 +81,12 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
       assert meta.vllm_worker == index_of(@pool, pid)
       assert meta.os_pid == pid
       assert meta.python_logger == "my.lib"
-      # The info record was sent before the warning: it would have come first.
-      refute Enum.any?(flush_logs(), &String.contains?(&1, info))
+      # A record after the info one, from the same worker, waited for: had the info
+      # record been forwarded, it would be here by now (in the stash or the mailbox).
+      sentinel = unique("sentinel")
+      {:ok, ^pid} = call(@pool, "log", ["my.lib", "warning", sentinel], session_id: s.id)
+      await_log(sentinel)
+      refute logged?(info)
     end
 
     test "a pool at :info forwards info, and still not debug" do
@@ -94,7 +98,11 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
       {level, _message, meta} = await_log(info)
       assert level == :info
       assert {meta.vllm_pool, meta.vllm_worker, meta.os_pid} == {@info_pool, 0, pid}
-      refute Enum.any?(flush_logs(), &String.contains?(&1, debug))
+      # As above: a later record waited for, then the debug one looked for everywhere.
+      sentinel = unique("sentinel")
+      {:ok, ^pid} = call(@info_pool, "log", ["other.lib", "info", sentinel])
+      await_log(sentinel)
+      refute logged?(debug)
     end
 
     test "a bad log_level is refused, naming the value" do
@@ -110,6 +118,13 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
 
       assert m =~ ~s("info")
     end
+  end
+
+  # Whether a record containing `text` was logged: the ones await_log/2 passed over (the
+  # stash) and the ones still in the mailbox.
+  defp logged?(text) do
+    Enum.any?(Process.get(:stash, []), fn {_, m, _} -> String.contains?(m, text) end) or
+      Enum.any?(flush_logs(), &String.contains?(&1, text))
   end
 
   defp flush_logs(acc \\ []) do
