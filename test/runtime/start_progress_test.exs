@@ -14,6 +14,7 @@ defmodule VllmBridge.Runtime.StartProgressTest do
   @compile {:no_warn_undefined, :telemetry}
 
   import ExUnit.CaptureLog
+  import VllmBridge.RuntimeHelpers, only: [device?: 1]
 
   @diag "vllm_bridge.bridge.diag"
 
@@ -67,10 +68,10 @@ defmodule VllmBridge.Runtime.StartProgressTest do
       # :waiting may come (every 2 s while it starts); the order of the others is fixed.
       assert Enum.map(infos, & &1.stage) -- [:waiting] == [:launch, :handshake, :on_start, :ready]
       ready = List.last(infos)
-      assert ready.device == "cpu" and is_integer(ready.os_pid)
+      assert device?(ready.device) and is_integer(ready.os_pid)
       assert ready.elapsed_ms >= hd(infos).elapsed_ms
       assert log =~ "vllm_bridge pool :rt_progress: worker #{i} ready in "
-      assert log =~ "(os pid #{ready.os_pid}, device cpu)"
+      assert log =~ "(os pid #{ready.os_pid}, device #{ready.device})"
     end
 
     events = for {:event, e, m, md} <- flush(), md.pool == :rt_progress, do: {e, m, md}
