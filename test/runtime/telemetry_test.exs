@@ -247,6 +247,19 @@ defmodule VllmBridge.Runtime.TelemetryTest do
         assert md.kind == class and md.rank == 2 and is_list(md.stacktrace)
       end
     end
+
+    test "a fun that returns neither shape: the span ends with :exception, then it raises" do
+      for bad <- [:oops, {1}, {1, :not_a_map}, {1, %{}, :x}, {1, 2, %{}}, {1, %{}, %{}, %{}}] do
+        e =
+          assert_raise ArgumentError, fn ->
+            VllmBridge.Telemetry.span([:tel_test, :work], %{rank: 3}, fn -> bad end)
+          end
+
+        assert e.message =~ "got: #{inspect(bad)}"
+        {_, _, :exception, _, md} = next_span([:tel_test, :work])
+        assert md.kind == :error and md.reason == e and md.rank == 3
+      end
+    end
   end
 
   describe "README.md's handler" do
