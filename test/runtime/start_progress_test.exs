@@ -126,6 +126,49 @@ defmodule VllmBridge.Runtime.StartProgressTest do
     assert log =~ "the progress callback failed on worker 0's launch stage"
   end
 
+  @tag timeout: 180_000
+  test "a callback that blocks holds no worker, and start_pool returns by its deadline" do
+    test = self()
+
+    callback = fn
+      %{stage: :launch, index: 0} ->
+        send(test, {:blocked, self()})
+        Process.sleep(:infinity)
+
+      info ->
+        send(test, {:progress, info})
+    end
+
+    log =
+      capture_log(fn ->
+        result =
+          VllmBridge.start_pool(:rt_progress_block,
+            size: 2,
+            allow: [@diag],
+            start_timeout: 20_000,
+            progress: callback
+          )
+
+        send(test, {:result, result})
+      end)
+
+    on_exit(fn -> VllmBridge.stop_pool(:rt_progress_block) end)
+    # The callback ran outside start_pool's caller and the workers: blocked in a
+    # process of its own, which start_pool stopped at its deadline.
+    assert_received {:blocked, runner}
+    assert runner != test
+    ref = Process.monitor(runner)
+    assert_receive {:DOWN, ^ref, :process, ^runner, _}, 5_000
+    # Every worker started (none waited for the callback) and the pool serves.
+    assert_received {:result, {:ok, _}}
+    assert {:ok, ws} = VllmBridge.Pool.workers(:rt_progress_block)
+    assert Enum.all?(ws, &is_map/1) and length(ws) == 2
+    assert {:ok, 3} = VllmBridge.call({@diag, "add"}, [1, 2], %{}, pool_name: :rt_progress_block)
+    assert log =~ "the progress callback was still running at the start's deadline"
+    # Nothing reached the callback after it blocked (it handles the stages in order).
+    refute_received {:progress, _}
+  end
+
   test "a bad :progress is refused, naming it" do
     for bad <- [fn -> :arity0 end, :not_a_function, {__MODULE__, :no_such_fun, []}] do
       assert {:error, %VllmBridge.Error{type: :bad_argument, message: m}} =
