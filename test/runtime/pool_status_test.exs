@@ -64,6 +64,21 @@ defmodule VllmBridge.Runtime.PoolStatusTest do
     end
   end
 
+  test "concurrent status calls do not see each other's pings" do
+    await_idle!(@pool)
+
+    for _round <- 1..10 do
+      statuses =
+        1..8
+        |> Enum.map(fn _ -> Task.async(fn -> status!() end) end)
+        |> Task.await_many(60_000)
+
+      for s <- statuses, w <- s.workers do
+        assert %Status.Worker{state: :ready, running: nil, in_flight: 0} = w
+      end
+    end
+  end
+
   test "a long call: :running with its target and a growing age, while the call still runs",
        %{dir: dir} do
     gate = Path.join(dir, "gate-#{System.unique_integer([:positive])}")
