@@ -32,6 +32,7 @@ defmodule VllmBridge.Pool do
   """
 
   alias VllmBridge.{Error, Worker}
+  alias VllmBridge.Worker.Progress
   alias VllmBridge.Pool.{Directory, Options, Slots}
 
   @typedoc "A pool's name (any term; usually an atom)."
@@ -57,17 +58,26 @@ defmodule VllmBridge.Pool do
   def start(name, opts \\ []) do
     with :ok <- Directory.app_started(),
          {:ok, opts} <- Options.validate(opts) do
+      # The :progress callback runs in a process of its own, which the workers tell of
+      # their stages: however slow it is, no worker waits for it (VllmBridge.Worker.Progress).
+      {opts, runner} = Progress.start_runner(name, opts)
       spec = {VllmBridge.Pool.Supervisor, {name, opts}}
 
       case DynamicSupervisor.start_child(VllmBridge.PoolSupervisor, spec) do
         {:ok, sup} ->
           deadline = System.monotonic_time(:millisecond) + start_budget(opts)
-          await_workers(name, sup, deadline, opts[:start_timeout])
+          result = await_workers(name, sup, deadline, opts[:start_timeout])
+          # Every stage reported so far reaches the callback before this returns, unless
+          # the callback is still busy at the start's own deadline.
+          Progress.finish_runner(runner, name, deadline)
+          result
 
         {:error, {:already_started, _}} ->
+          Progress.finish_runner(runner, name, System.monotonic_time(:millisecond))
           {:error, Error.new(:bad_argument, "pool #{inspect(name)} is already started")}
 
         {:error, reason} ->
+          Progress.finish_runner(runner, name, System.monotonic_time(:millisecond))
           {:error, start_error(name, reason)}
       end
     end

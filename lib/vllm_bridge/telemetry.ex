@@ -20,20 +20,26 @@ defmodule VllmBridge.Telemetry do
   | event | measurements | metadata | when |
   |---|---|---|---|
   | `[:vllm_bridge, :call, :start]` | `system_time`, `monotonic_time` | `pool`, `request_kind` (`:call`, `:get`, `:enter`, `:exit`, `:release`, `:stream`), `target`, `session_id`, `telemetry_span_context` | a request enters the bridge (`VllmBridge.call/4`, `get/2`, `enter/4`, `exit/3`, `release/2`, and a stream when its enumeration begins); emitted once its route is known (pool and session), timed from its entry |
-  | `[:vllm_bridge, :call, :stop]` | `duration`, `monotonic_time`, `queue_time`, `request_bytes`, `reply_bytes`; a stream also `chunks` | the start's, and `worker` (index; nil when it got none), `error` (nil, or the `VllmBridge.Error` type), `python_type` and `error_message` (nil unless it failed); a stream also `halted` | the request returned: `{:ok, _}`, or `{:error, %VllmBridge.Error{}}` (a Python exception, a timeout, a worker exit, a full queue, a request refused before it had a route: every returned error); a stream ended, or its consumer stopped reading it (`halted: true`) |
+  | `[:vllm_bridge, :call, :stop]` | `duration`, `monotonic_time`, `queue_time`, `request_bytes`, `reply_bytes`; a stream also `chunks` | the start's, and `worker` (index; nil when it got none), `error` (nil, or the `VllmBridge.Error` type), `python_type` and `error_message` (nil unless it failed); a stream also `halted` | the request returned: `{:ok, _}`, or `{:error, %VllmBridge.Error{}}` (a Python exception, a timeout, a worker exit, a full queue, a request refused before it had a route: no such pool or session, a lost reference); a stream ended, or its consumer stopped reading it (`halted: true`), or its consumer's own reducer raised (the stream stops being read: `:stop`, `halted: true`, not `:exception`) |
   | `[:vllm_bridge, :call, :exception]` | `duration`, `monotonic_time`; a stream also `queue_time`, `request_bytes`, `reply_bytes`, `chunks` | the start's, and `kind`, `reason`, `stacktrace` (what was raised, thrown or exited with), `worker`, and `error`, `python_type`, `error_message` when `reason` is a `VllmBridge.Error` | something was raised in the caller's process: a stream's errors (they are raised during its enumeration, see `VllmBridge.Stream`); a call, get, enter or exit only on a bug, since they return their errors |
   | `[:vllm_bridge, :pool, :queue_full]` | `system_time`, `queue_size` (the pool's bound) | `pool`, `worker` (the index the caller had to wait for; nil for any worker) | a caller found every worker busy and `queue_size` callers already waiting; its call then stops with `error: :queue_full` |
   | `[:vllm_bridge, :worker, :start]` | `system_time`, `duration` (from the port's opening to ready), `handshake_time` (to the hello) | `pool` (nil outside a pool), `index`, `os_pid`, `instance`, `device` (the hello's, e.g. `"cpu"`, `"cuda:0"`), `restarts` (worker processes that ran at this index of the pool before this one) | a worker is ready: its hello came and its `on_start`, if any, returned; again after each restart |
   | `[:vllm_bridge, :worker, :exit]` | `system_time`, `duration` (since its start began), `in_flight` (requests it took with it, each answered `:worker_exit`) | `pool`, `index`, `os_pid`, `instance`, `restarts`, `reason` (a message: the exit status, the kill and why, the failed start's error), `phase` (`:starting`, `:ready`) | its Python process went down unasked (it exited or was killed, `cancel_grace`, a frame over the limit), or its start failed; the pool restarts it |
   | `[:vllm_bridge, :worker, :stop]` | `system_time`, `duration` | as `:exit`'s, `reason` being the process's exit reason (`:shutdown`, `:normal`) | a worker was stopped on purpose: its pool stopped (`VllmBridge.stop_pool/1`, the application stopping) |
   | `[:vllm_bridge, :worker, :progress]` | `elapsed` (native, since the worker's start began) | `pool`, `index`, `stage` (`:launch`, `:waiting` every 2 s, `:handshake`, `:on_start`, `:ready`, `:failed`), `os_pid`, `device` (nil before the hello) | each stage of a worker's start, also on restarts; the same stages reach a pool's `:progress` callback while `start_pool` waits (`VllmBridge.Pool.Options`) |
-  | `[:vllm_bridge, :runner, :step, :start \\| :stop \\| :exception]` | start: `system_time`, `monotonic_time`; stop: `duration` (the whole call), `step_time` and `forward_time` (the runner's own, Python side), `num_tokens`, `num_tokens_padded`, `num_reqs`, `moe_chunks` | `session_id`, `rank`; at stop also `cudagraph_mode`, `graph` (`"replay"`, `"emulated"`, `"eager"`), `should_ubatch`, `skipped`, `error` | one step of the demo's model runner (`vllm_bridge.demo.rank.execute_model`), around its call from Elixir (`VllmBridge.Demo.Step`, dev and test only); built with `span/3` |
+  | `[:vllm_bridge, :runner, :step, :start \\| :stop \\| :exception]` | start: `system_time`, `monotonic_time`; stop: `duration` (the whole call), `step_time` and `forward_time` (the runner's own, Python side), `num_tokens`, `num_tokens_padded`, `num_reqs`, `moe_chunks` | `session_id`, `rank`; at stop also `cudagraph_mode`, `graph` (`"replay"`, `"emulated"`, `"eager"`), `should_ubatch`, `skipped`, `error` | **demo only (dev and test builds; not in a release of the library):** one step of the demo's model runner (`vllm_bridge.demo.rank.execute_model`), around its call from Elixir (`VllmBridge.Demo.Step`); built with `span/3` |
 
   Each worker process ends with exactly one of `:exit` and `:stop`. Sizes are bytes:
   `request_bytes` counts the request's encoded fields (session, target, arguments; the
   frame's own header of kind, id and timeout, under 30 bytes, is left out),
   `reply_bytes` the reply frame's body (a stream's: its chunks'), 0 when no reply came
   (a timeout, a worker exit, a request that was never sent).
+
+  Refused before any span starts (no event at all; the error is returned as usual): a bad
+  option (resolving the request's options: an unknown option, a bad `timeout`, say), an
+  argument that cannot be encoded, and `call_all/4`'s own checks before it sends (its
+  options, its target, the pool's existence). Each worker's call of a `call_all/4` that
+  passed them is a span of its own.
 
   Returned errors end a span with `:stop` and the error in its metadata, raised ones with
   `:exception`, as Ecto's and Finch's spans do: a dashboard counts failures by `error` on
@@ -83,7 +89,10 @@ defmodule VllmBridge.Telemetry do
   `:telemetry.span/3` does, through the same guard: `fun` returns `{result,
   stop_metadata}` or `{result, extra_measurements, stop_metadata}`, and `span/3` returns
   `result`. Something raised, thrown or exited with in `fun` ends the span with
-  `:exception` and goes on. Without `:telemetry` loaded, it runs `fun` and nothing else.
+  `:exception` and goes on. A `fun` that returns anything else raises an `ArgumentError`
+  naming what it returned, after ending the span with `:exception` (with that error).
+  Without `:telemetry` loaded, it runs `fun` and nothing else (a bad return raises
+  alike).
 
       iex> VllmBridge.Telemetry.span([:my_app, :step], %{rank: 0}, fn ->
       ...>   {:done, %{tokens: 8}, %{mode: :eager}}
@@ -102,16 +111,35 @@ defmodule VllmBridge.Telemetry do
           Span.exception(span, class, reason, __STACKTRACE__)
           :erlang.raise(class, reason, __STACKTRACE__)
       else
-        {result, stop_metadata} ->
+        {result, stop_metadata} when is_map(stop_metadata) ->
           Span.stop(span, %{}, stop_metadata)
           result
 
-        {result, measurements, stop_metadata} ->
+        {result, measurements, stop_metadata}
+        when is_map(measurements) and is_map(stop_metadata) ->
           Span.stop(span, measurements, stop_metadata)
           result
+
+        other ->
+          # The span ends before the error goes on: no :start is left without an end.
+          e = bad_return(other)
+          {:current_stacktrace, stacktrace} = Process.info(self(), :current_stacktrace)
+          Span.exception(span, :error, e, stacktrace)
+          raise e
       end
     else
-      elem(fun.(), 0)
+      case fun.() do
+        {result, stop_metadata} when is_map(stop_metadata) -> result
+        {result, m, stop_metadata} when is_map(m) and is_map(stop_metadata) -> result
+        other -> raise bad_return(other)
+      end
     end
+  end
+
+  defp bad_return(other) do
+    ArgumentError.exception(
+      "VllmBridge.Telemetry.span/3: the function must return {result, stop_metadata} or " <>
+        "{result, measurements, stop_metadata} (maps), got: #{inspect(other)}"
+    )
   end
 end

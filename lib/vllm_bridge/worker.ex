@@ -266,7 +266,12 @@ defmodule VllmBridge.Worker do
 
       overstayed ->
         why = "the Python process (os pid #{state.os_pid}) was killed because #{overstayed}"
-        Logger.warning("vllm_bridge worker #{label(state)}: #{why}; the worker restarts")
+
+        Logger.warning(
+          "vllm_bridge worker #{label(state)}: #{why}; the worker restarts",
+          VllmBridge.Worker.LogMeta.of(state)
+        )
+
         Launcher.kill(state.os_pid)
         # Every call that loses its worker, and every session lost with it, says why.
         {:noreply, %{state | killed: why}}
@@ -382,7 +387,8 @@ defmodule VllmBridge.Worker do
       other ->
         Logger.warning(
           "vllm_bridge worker #{label(state)}: frame without a call to answer " <>
-            "(#{inspect(other)}): #{inspect(VllmBridge.Codec.decode(bin), limit: 12)}"
+            "(#{inspect(other)}): #{inspect(VllmBridge.Codec.decode(bin), limit: 12)}",
+          VllmBridge.Worker.LogMeta.of(state)
         )
 
         state
@@ -429,7 +435,8 @@ defmodule VllmBridge.Worker do
   defp down(state, event) do
     Logger.error(
       "vllm_bridge worker #{label(state)}: #{event}; #{Calls.size(state.calls)} call(s) " <>
-        "in flight get :worker_exit and the worker restarts"
+        "in flight get :worker_exit and the worker restarts",
+      VllmBridge.Worker.LogMeta.of(state)
     )
 
     why = state.killed || event

@@ -148,8 +148,10 @@ defmodule VllmBridge.DemoTest do
 
     for {m, md} <- stops do
       assert md.error == nil and is_binary(md.session_id)
-      # The runner's own times (Python) sit inside the call that carried them.
-      assert m.forward_time <= m.step_time and m.step_time <= m.duration
+      # The runner's own times are Python's clock, the duration the BEAM's: compared only
+      # with each other.
+      assert Enum.all?([m.forward_time, m.step_time, m.duration], &(is_integer(&1) and &1 >= 0))
+      assert m.forward_time <= m.step_time
     end
 
     contexts = for {_m, md} <- starts, do: md.telemetry_span_context

@@ -53,7 +53,7 @@ defmodule VllmBridge.Runtime.PoolStatusTest do
       serving = Enum.find(ws, &(&1.index == w.index))
       assert %Status.Worker{state: :ready, running: nil, in_flight: 0, queued: 0} = w
       assert {w.pid, w.os_pid} == {serving.pid, serving.os_pid}
-      assert w.device == "cpu"
+      assert device?(w.device)
       assert is_integer(w.sessions) and w.refs == 0
       # (The crash test may have run before: counted in its own test.)
       assert is_integer(w.restarts) and w.restarts >= 0
@@ -61,6 +61,21 @@ defmodule VllmBridge.Runtime.PoolStatusTest do
       assert w.rss_bytes > 10 * 1024 * 1024
       # A CPU worker: no CUDA figures.
       assert {w.cuda_allocated, w.cuda_reserved} == {nil, nil}
+    end
+  end
+
+  test "concurrent status calls do not see each other's pings" do
+    await_idle!(@pool)
+
+    for _round <- 1..10 do
+      statuses =
+        1..8
+        |> Enum.map(fn _ -> Task.async(fn -> status!() end) end)
+        |> Task.await_many(60_000)
+
+      for s <- statuses, w <- s.workers do
+        assert %Status.Worker{state: :ready, running: nil, in_flight: 0} = w
+      end
     end
   end
 
@@ -162,7 +177,8 @@ defmodule VllmBridge.Runtime.PoolStatusTest do
     assert starting.running == nil
     File.write!(gate, "")
     assert {:ok, _} = Task.await(task, 60_000)
-    assert %{state: :ready, device: "cpu", restarts: 0} = worker!(0, :rt_status_starting)
+    assert %{state: :ready, device: device, restarts: 0} = worker!(0, :rt_status_starting)
+    assert device?(device)
   end
 
   # Whether the test interpreter's torch sees a CUDA device (asked once, when this compiles).

@@ -14,6 +14,7 @@ defmodule VllmBridge.Runtime.StartProgressTest do
   @compile {:no_warn_undefined, :telemetry}
 
   import ExUnit.CaptureLog
+  import VllmBridge.RuntimeHelpers, only: [device?: 1]
 
   @diag "vllm_bridge.bridge.diag"
 
@@ -67,10 +68,10 @@ defmodule VllmBridge.Runtime.StartProgressTest do
       # :waiting may come (every 2 s while it starts); the order of the others is fixed.
       assert Enum.map(infos, & &1.stage) -- [:waiting] == [:launch, :handshake, :on_start, :ready]
       ready = List.last(infos)
-      assert ready.device == "cpu" and is_integer(ready.os_pid)
+      assert device?(ready.device) and is_integer(ready.os_pid)
       assert ready.elapsed_ms >= hd(infos).elapsed_ms
       assert log =~ "vllm_bridge pool :rt_progress: worker #{i} ready in "
-      assert log =~ "(os pid #{ready.os_pid}, device cpu)"
+      assert log =~ "(os pid #{ready.os_pid}, device #{ready.device})"
     end
 
     events = for {:event, e, m, md} <- flush(), md.pool == :rt_progress, do: {e, m, md}
@@ -123,6 +124,49 @@ defmodule VllmBridge.Runtime.StartProgressTest do
     assert {:ok, 3} = VllmBridge.call({@diag, "add"}, [1, 2], %{}, pool_name: :rt_progress_raise)
     assert length(String.split(log, "progress display broke")) == 2
     assert log =~ "the progress callback failed on worker 0's launch stage"
+  end
+
+  @tag timeout: 180_000
+  test "a callback that blocks holds no worker, and start_pool returns by its deadline" do
+    test = self()
+
+    callback = fn
+      %{stage: :launch, index: 0} ->
+        send(test, {:blocked, self()})
+        Process.sleep(:infinity)
+
+      info ->
+        send(test, {:progress, info})
+    end
+
+    log =
+      capture_log(fn ->
+        result =
+          VllmBridge.start_pool(:rt_progress_block,
+            size: 2,
+            allow: [@diag],
+            start_timeout: 20_000,
+            progress: callback
+          )
+
+        send(test, {:result, result})
+      end)
+
+    on_exit(fn -> VllmBridge.stop_pool(:rt_progress_block) end)
+    # The callback ran outside start_pool's caller and the workers: blocked in a
+    # process of its own, which start_pool stopped at its deadline.
+    assert_received {:blocked, runner}
+    assert runner != test
+    ref = Process.monitor(runner)
+    assert_receive {:DOWN, ^ref, :process, ^runner, _}, 5_000
+    # Every worker started (none waited for the callback) and the pool serves.
+    assert_received {:result, {:ok, _}}
+    assert {:ok, ws} = VllmBridge.Pool.workers(:rt_progress_block)
+    assert Enum.all?(ws, &is_map/1) and length(ws) == 2
+    assert {:ok, 3} = VllmBridge.call({@diag, "add"}, [1, 2], %{}, pool_name: :rt_progress_block)
+    assert log =~ "the progress callback was still running at the start's deadline"
+    # Nothing reached the callback after it blocked (it handles the stages in order).
+    refute_received {:progress, _}
   end
 
   test "a bad :progress is refused, naming it" do

@@ -51,12 +51,21 @@ defmodule VllmBridge.Runtime.StartStderrTest do
   defp in_tmp(prefix),
     do: System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefix))
 
+  # The readers' shells (their command lines name the FIFO) and the `cat`s they run.
   defp readers do
-    for dir <- File.ls!("/proc"),
-        {:ok, cmd} <- [File.read("/proc/#{dir}/cmdline")],
-        String.contains?(cmd, "vllm_bridge-out-#{System.pid()}-"),
-        String.starts_with?(Path.basename(hd(String.split(cmd, <<0>>))), "cat"),
-        do: dir
+    procs =
+      for dir <- File.ls!("/proc"),
+          {:ok, stat} <- [File.read("/proc/#{dir}/stat")],
+          {:ok, cmd} <- [File.read("/proc/#{dir}/cmdline")],
+          do:
+            {dir, stat |> String.split(") ") |> List.last() |> String.split() |> Enum.at(1), cmd}
+
+    shells =
+      for {dir, _, cmd} <- procs,
+          String.contains?(cmd, "vllm_bridge-out-#{System.pid()}-"),
+          do: dir
+
+    shells ++ for({dir, ppid, _} <- procs, ppid in shells, do: dir)
   end
 
   defp count(log, text), do: length(String.split(log, text)) - 1

@@ -247,6 +247,19 @@ defmodule VllmBridge.Runtime.TelemetryTest do
         assert md.kind == class and md.rank == 2 and is_list(md.stacktrace)
       end
     end
+
+    test "a fun that returns neither shape: the span ends with :exception, then it raises" do
+      for bad <- [:oops, {1}, {1, :not_a_map}, {1, %{}, :x}, {1, 2, %{}}, {1, %{}, %{}, %{}}] do
+        e =
+          assert_raise ArgumentError, fn ->
+            VllmBridge.Telemetry.span([:tel_test, :work], %{rank: 3}, fn -> bad end)
+          end
+
+        assert e.message =~ "got: #{inspect(bad)}"
+        {_, _, :exception, _, md} = next_span([:tel_test, :work])
+        assert md.kind == :error and md.reason == e and md.rank == 3
+      end
+    end
   end
 
   describe "README.md's handler" do
@@ -301,7 +314,8 @@ defmodule VllmBridge.Runtime.TelemetryTest do
 
       # Its successor: the same index, started once before it.
       {start_m, start_md} = next_event([:vllm_bridge, :worker, :start], 60_000)
-      assert %{pool: ^pool, index: 0, restarts: 1, device: "cpu"} = start_md
+      assert %{pool: ^pool, index: 0, restarts: 1, device: device} = start_md
+      assert device?(device)
       assert start_md.os_pid != os_pid and start_md.instance != instance
       assert start_m.handshake_time > 0 and start_m.duration >= start_m.handshake_time
     end
@@ -320,7 +334,8 @@ defmodule VllmBridge.Runtime.TelemetryTest do
 
       for {start_m, md} <- starts do
         w = Enum.at(ws, md.index)
-        assert %{os_pid: os_pid, instance: instance, restarts: 0, device: "cpu"} = md
+        assert %{os_pid: os_pid, instance: instance, restarts: 0, device: device} = md
+        assert device?(device)
         assert {os_pid, instance} == {w.os_pid, w.instance}
         assert start_m.handshake_time > 0 and start_m.duration >= start_m.handshake_time
         assert is_integer(start_m.system_time)

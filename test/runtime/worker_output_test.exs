@@ -81,8 +81,12 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
       assert meta.vllm_worker == index_of(@pool, pid)
       assert meta.os_pid == pid
       assert meta.python_logger == "my.lib"
-      # The info record was sent before the warning: it would have come first.
-      refute Enum.any?(flush_logs(), &String.contains?(&1, info))
+      # A record after the info one, from the same worker, waited for: had the info
+      # record been forwarded, it would be here by now (in the stash or the mailbox).
+      sentinel = unique("sentinel")
+      {:ok, ^pid} = call(@pool, "log", ["my.lib", "warning", sentinel], session_id: s.id)
+      await_log(sentinel)
+      refute logged?(info)
     end
 
     test "a pool at :info forwards info, and still not debug" do
@@ -94,7 +98,11 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
       {level, _message, meta} = await_log(info)
       assert level == :info
       assert {meta.vllm_pool, meta.vllm_worker, meta.os_pid} == {@info_pool, 0, pid}
-      refute Enum.any?(flush_logs(), &String.contains?(&1, debug))
+      # As above: a later record waited for, then the debug one looked for everywhere.
+      sentinel = unique("sentinel")
+      {:ok, ^pid} = call(@info_pool, "log", ["other.lib", "info", sentinel])
+      await_log(sentinel)
+      refute logged?(debug)
     end
 
     test "a bad log_level is refused, naming the value" do
@@ -110,6 +118,13 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
 
       assert m =~ ~s("info")
     end
+  end
+
+  # Whether a record containing `text` was logged: the ones await_log/2 passed over (the
+  # stash) and the ones still in the mailbox.
+  defp logged?(text) do
+    Enum.any?(Process.get(:stash, []), fn {_, m, _} -> String.contains?(m, text) end) or
+      Enum.any?(flush_logs(), &String.contains?(&1, text))
   end
 
   defp flush_logs(acc \\ []) do
@@ -231,18 +246,29 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
     test "its worker starts again, and its output is read again" do
       [w | _] = workers!(@pool)
       [reader] = output_readers(w.pid)
-      cats = for {_port, stream} <- :sys.get_state(reader).streams, do: stream.os_pid
+      # The readers' `cat`s: each is a child of its reader's shell, the port's process
+      # (VllmBridge.Worker.Output).
+      shells =
+        for {port, _stream} <- :sys.get_state(reader).streams,
+            {:os_pid, pid} <- [Port.info(port, :os_pid)],
+            do: Integer.to_string(pid)
+
+      assert length(shells) == 2
+      cats = cats_of(shells)
       assert length(cats) == 2
-      VllmBridge.Worker.Launcher.kill(hd(cats))
+      VllmBridge.Worker.Launcher.kill(String.to_integer(hd(cats)))
 
       wait_until(
-        fn -> Enum.any?(workers!(@pool), &(&1.index == w.index and &1.os_pid != w.os_pid)) end,
+        # (A worker not up at this moment is nil in the list.)
+        fn ->
+          Enum.any?(workers!(@pool), &(&1 && &1.index == w.index and &1.os_pid != w.os_pid))
+        end,
         60_000,
         "worker #{w.index} to start again"
       )
 
       refute Process.alive?(reader)
-      fresh = Enum.find(workers!(@pool), &(&1.index == w.index))
+      fresh = Enum.find(workers!(@pool), &(&1 && &1.index == w.index))
       text = unique("read-again")
       {:ok, pid} = VllmBridge.Worker.call(fresh.pid, "rt_output", "say", [text], %{}, 60_000)
       assert {:info, _, %{os_pid: ^pid}} = await_log(text)
@@ -273,6 +299,17 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
 
       assert lines == []
     end
+  end
+
+  # The `cat` processes whose parent is one of `shells` (OS pids, strings).
+  defp cats_of(shells) do
+    for dir <- File.ls!("/proc"),
+        dir =~ ~r/^\d+$/,
+        {:ok, stat} <- [File.read("/proc/#{dir}/stat")],
+        [_, comm, rest] <- [Regex.run(~r/^\d+ \((.*)\) (.*)$/s, stat)],
+        comm == "cat",
+        Enum.at(String.split(rest), 1) in shells,
+        do: dir
   end
 
   # The output reader linked to a worker process (VllmBridge.Worker.Output).

@@ -118,6 +118,9 @@ defmodule VllmBridge.RuntimeHelpers do
     Task.await(task, 30_000)
   end
 
+  @doc "Whether `device` is a worker's device as its hello gives it: \"cpu\" or \"cuda:N\"."
+  def device?(device), do: device == "cpu" or (is_binary(device) and device =~ ~r/^cuda:\d+$/)
+
   @doc "Starts a pool for a test module and stops it when the module is done."
   def start_pool!(name, opts) do
     {:ok, _} = VllmBridge.start_pool(name, opts)

@@ -11,9 +11,9 @@ defmodule VllmBridge.Pool.Directory do
   #   * `{{:session, id}, %VllmBridge.Session{}}` and `{{:touch, id, index}}` - open sessions
   #     and the other workers a session's `:hint` calls ran on;
   #   * `{{:down, name, index}, instance, why}` - why the last process at that index went
-  #     down (one row per index, overwritten), so that a session lost with it can say why;
-  #   * `{{:starts, name, index}, n}` - how many worker processes started at that index
-  #     (the worker's restart count: VllmBridge.Worker.Events).
+  #     down (one row per index, overwritten), so that a session lost with it can say why.
+  #
+  # (A worker's restart count is not here: it is the pool meta's `starts` atomics.)
   #
   # Reads are concurrent; each writer owns its rows (a pool's queue its `:pool` row, a
   # worker its `:worker`/`:instance` rows, the session manager the session rows).

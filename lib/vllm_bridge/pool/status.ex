@@ -156,8 +156,14 @@ defmodule VllmBridge.Pool.Status do
     end
   end
 
+  # The worker's Elixir side, its requests only: a message in its table (a nil target) is
+  # no request, and a ping (a concurrent status's, say) must not count in in_flight nor be
+  # reported as the running request.
   defp local(pid, timeout) do
-    {:ok, Elixir.VllmBridge.Worker.local_status(pid, timeout)}
+    local = Elixir.VllmBridge.Worker.local_status(pid, timeout)
+
+    {:ok,
+     %{local | calls: for({id, what} <- local.calls, what != nil, into: %{}, do: {id, what})}}
   catch
     :exit, _ -> :error
   end

@@ -28,11 +28,40 @@ defmodule VllmBridge.Worker.Output do
   require Logger
 
   @max_line 16_384
+
+  # One reader: a shell that makes its FIFO ($1), starts a reader that opens it (which
+  # waits for a writer: this process's hold, opened once the shell says "M", the FIFO is
+  # made), says "R" once it has it open (the FIFO's name may go from then on) and then is
+  # `cat` on it; and a watcher, which reads the port (the shell's stdin, fd 4 here). That
+  # read returns only when the port is closed or the BEAM is gone (killed, halted, at any
+  # point of this), and then the FIFO's name goes (a BEAM that halted never removed it;
+  # after a close it is gone already) and the reader is killed, even one still blocked in
+  # its open. Otherwise the shell ends when `cat` does, with its status (0: its FIFO
+  # ended), and removes the name too (the reader killed as the BEAM died may end before
+  # its watcher has removed it; a FIFO whose reader is gone is of no use). The shell makes the FIFO, not this process, so that no name is made before a
+  # watcher exists to remove it. Nothing of it writes to the BEAM's stderr (a `cat` that
+  # loses its port would print "write error: Broken pipe").
+  @reader ~S"""
+  exec 2>/dev/null 4<&0
+  mkfifo -m 600 -- "$1" || exit 1
+  (exec 4<&- 3<"$1" && printf R && exec cat <&3) &
+  c=$!
+  (read _ <&4; rm -f -- "$1"; kill $c) &
+  w=$!
+  printf M
+  wait $c
+  s=$?
+  kill $w
+  rm -f -- "$1"
+  exit $s
+  """
+  # How long the readers have to make their FIFOs.
+  @made_ms 30_000
   @max_backlog 512
   @drain_ms 2_000
 
   @doc """
-  Makes the two FIFOs and starts their readers, linked to the caller (the worker
+  Starts the readers of two FIFOs (they make them), linked to the caller (the worker
   process): `{:ok, pid, {stdout_fifo, stderr_fifo}}`. `meta`: `:pool`, `:index`.
   """
   @spec start_link(keyword()) :: {:ok, pid(), {String.t(), String.t()}} | {:error, term()}
@@ -52,7 +81,8 @@ defmodule VllmBridge.Worker.Output do
 
   @doc """
   The Python process has opened its FIFOs (its hello came): their names go (nothing is
-  left in the temporary folder), and so do this process's own holds on them.
+  left in the temporary folder), and so do this process's own holds on them, once both
+  readers have opened them too.
   """
   @spec unlink(pid()) :: :ok
   def unlink(pid), do: GenServer.cast(pid, :unlink)
@@ -73,30 +103,29 @@ defmodule VllmBridge.Worker.Output do
   def init({{out, err} = fifos, meta}) do
     Process.flag(:trap_exit, true)
 
-    with :ok <- mkfifo(out),
-         :ok <- mkfifo(err) do
-      cat = System.find_executable("cat") || "/bin/cat"
+    sh = System.find_executable("sh") || "/bin/sh"
 
-      streams =
-        for {name, path} <- [stdout: out, stderr: err], into: %{} do
-          # :use_stdio: cat's stdout is this port. It opens the FIFO for reading, which
-          # waits until the Python side opens it for writing.
-          port =
-            Port.open({:spawn_executable, cat}, [
-              {:args, [path]},
-              :binary,
-              :stream,
-              :exit_status,
-              :use_stdio
-            ])
+    streams =
+      for {name, path} <- [stdout: out, stderr: err], into: %{} do
+        # :use_stdio: the reader's stdout is this port, and so is its stdin, which is its
+        # lifeline (@reader): nothing is ever written to it, so it ends only when the port
+        # closes or the BEAM dies, and then the reader goes too.
+        port =
+          Port.open({:spawn_executable, sh}, [
+            {:args, ["-c", @reader, "vllm_bridge-output-reader", path]},
+            :binary,
+            :stream,
+            :exit_status,
+            :use_stdio
+          ])
 
-          {port, %{name: name, buf: "", skip: false, os_pid: port_os_pid(port)}}
-        end
+        {port, %{name: name, buf: "", skip: false, opened: false}}
+      end
 
-      # Each FIFO held open read-write here until the Python process has opened it (its
-      # hello): a reader's open waits for a writer, so without this a `cat` whose Python
-      # process never opened its FIFO (a launch that failed, a BEAM that died meanwhile)
-      # would wait for ever. Read-write never waits, and takes nothing: nothing reads it.
+    with :ok <- await_made(streams, fifos) do
+      # Each FIFO held open read-write here until the Python process has opened it and so
+      # has its reader: a reader's open waits for a writer, so it never waits for ever (a
+      # launch that failed). Read-write never waits, and takes nothing: nothing reads it.
       holds = for path <- [out, err], do: hold(path)
 
       {:ok,
@@ -104,37 +133,71 @@ defmodule VllmBridge.Worker.Output do
          worker: meta[:worker],
          holds: holds,
          fifos: fifos,
+         # Whether the Python process has opened its FIFOs (its hello came).
+         hello: false,
          streams: streams,
-         meta: [vllm_pool: meta[:pool], vllm_worker: meta[:index], os_pid: nil],
+         meta: VllmBridge.Worker.LogMeta.new(meta[:pool], meta[:index], nil),
          dropped: 0,
          draining: false
        }}
     else
       {:error, reason} ->
         unlink_fifos(fifos)
+        for {port, _} <- streams, do: close(port)
         {:stop, reason}
     end
   end
 
-  defp mkfifo(path) do
-    case System.cmd("mkfifo", ["-m", "600", path], stderr_to_stdout: true) do
-      {_, 0} -> :ok
-      {out, status} -> {:error, "mkfifo #{path} failed (status #{status}): #{out}"}
-    end
+  # Each reader's "M": its FIFO exists.
+  defp await_made(streams, fifos) do
+    deadline = System.monotonic_time(:millisecond) + @made_ms
+
+    Enum.reduce_while(streams, :ok, fn {port, stream}, :ok ->
+      left = max(deadline - System.monotonic_time(:millisecond), 0)
+
+      receive do
+        {^port, {:data, "M"}} ->
+          {:cont, :ok}
+
+        {^port, {:exit_status, status}} ->
+          {:halt,
+           {:error,
+            "the output reader of #{fifo(fifos, stream.name)} could not make " <>
+              "it (mkfifo failed, status #{status})"}}
+      after
+        left ->
+          {:halt,
+           {:error,
+            "the output reader of #{fifo(fifos, stream.name)} did not make it " <>
+              "within #{@made_ms} ms"}}
+      end
+    end)
+  end
+
+  defp fifo({out, _err}, :stdout), do: out
+  defp fifo({_out, err}, :stderr), do: err
+
+  defp close(port) do
+    Port.close(port)
   rescue
-    e -> {:error, "mkfifo #{path} failed: #{Exception.message(e)}"}
+    ArgumentError -> :ok
   end
 
   @impl true
   def handle_cast({:os_pid, os_pid}, state),
     do: {:noreply, %{state | meta: Keyword.put(state.meta, :os_pid, os_pid)}}
 
-  def handle_cast(:unlink, state) do
-    unlink_fifos(state.fifos)
-    {:noreply, release(state)}
-  end
+  def handle_cast(:unlink, state), do: {:noreply, maybe_unlink(%{state | hello: true})}
 
   @impl true
+  # The reader's first byte: it has its FIFO open.
+  def handle_info({port, {:data, <<"R", data::binary>>}}, %{streams: streams} = state)
+      when is_map_key(streams, port) and not :erlang.map_get(port, streams).opened do
+    state = %{state | streams: Map.update!(streams, port, &%{&1 | opened: true})}
+    state = maybe_unlink(state)
+    if data == "", do: {:noreply, state}, else: handle_info({port, {:data, data}}, state)
+  end
+
   def handle_info({port, {:data, data}}, %{streams: streams} = state)
       when is_map_key(streams, port) do
     {:message_queue_len, backlog} = Process.info(self(), :message_queue_len)
@@ -171,7 +234,11 @@ defmodule VllmBridge.Worker.Output do
 
   # The worker process is gone: what its Python process (and its children) wrote last
   # still comes; then this process goes.
+  # Its holds go: a Python process that never opened its FIFOs (it died before its
+  # hello) leaves no writer, and its readers see their ends at once.
   def handle_info({:EXIT, worker, _reason}, %{worker: worker, draining: false} = state) do
+    state = release(state)
+
     if state.streams == %{} do
       {:stop, :normal, state}
     else
@@ -191,15 +258,10 @@ defmodule VllmBridge.Worker.Output do
 
     for {port, stream} <- state.streams do
       flush(stream, state.meta)
-      # A reader still blocked opening its FIFO (the Python process never opened it) or
-      # kept open by a child process that outlives the worker.
-      if stream.os_pid, do: VllmBridge.Worker.Launcher.kill(stream.os_pid)
 
-      try do
-        Port.close(port)
-      rescue
-        ArgumentError -> :ok
-      end
+      # Closing the port ends the reader's lifeline: one still blocked opening its FIFO,
+      # or whose FIFO a child process that outlives the worker keeps open, is killed.
+      close(port)
     end
 
     :ok
@@ -209,6 +271,20 @@ defmodule VllmBridge.Worker.Output do
     {:ok, io} = :file.open(path, [:read, :write, :raw, :binary])
     io
   end
+
+  # Once the Python process (its hello) and both readers have opened the FIFOs, their
+  # names go (nothing is left in the temporary folder), and so do the holds. Not before: a
+  # reader that had not opened its FIFO yet would find no name, or no writer.
+  defp maybe_unlink(%{hello: true} = state) do
+    if Enum.all?(state.streams, fn {_port, stream} -> stream.opened end) do
+      unlink_fifos(state.fifos)
+      release(state)
+    else
+      state
+    end
+  end
+
+  defp maybe_unlink(state), do: state
 
   # From now on each reader sees the end of its FIFO when the Python process (and the
   # children that inherited its fds) have closed it.
@@ -221,13 +297,6 @@ defmodule VllmBridge.Worker.Output do
     _ = File.rm(out)
     _ = File.rm(err)
     :ok
-  end
-
-  defp port_os_pid(port) do
-    case Port.info(port, :os_pid) do
-      {:os_pid, pid} -> pid
-      _ -> nil
-    end
   end
 
   defp report_dropped(%{dropped: 0} = state), do: state

@@ -12,8 +12,14 @@ defmodule VllmBridge.Worker.Progress do
   # finished its handshake or on_start; `waiting_for` says which), :handshake (its hello
   # came: the allow-listed modules are imported), :on_start, :ready, :failed.
   #
-  # The callback runs in the worker's process: one that raises, throws or exits is caught
-  # and logged (once per worker start), and the start goes on without calling it again.
+  # The callback of a pool started by VllmBridge.Pool.start/2 runs in a process of its own
+  # (start_runner/2, started by start/2's caller), not in the workers: each worker sends it
+  # its stages ({:send, runner} in place of the callback), and a callback that is slow or
+  # blocks delays no worker's start and no start_timeout. start/2 waits for it to have
+  # handled what was sent before it returns, up to the start's own deadline; past that it
+  # is killed and that is logged. A callback that raises, throws or exits is caught and
+  # logged (once per worker), and is not called again for that worker; the start goes on.
+  # (A callback given to a worker started outside a pool still runs in that worker.)
 
   require Logger
 
@@ -57,9 +63,7 @@ defmodule VllmBridge.Worker.Progress do
         "vllm_bridge pool #{inspect(p.pool)}: worker #{p.index} ready in " <>
           "#{:erlang.float_to_binary(ms / 1000, decimals: 1)} s (os pid #{state.os_pid}, " <>
           "device #{metadata.device})",
-        vllm_pool: p.pool,
-        vllm_worker: p.index,
-        os_pid: state.os_pid
+        VllmBridge.Worker.LogMeta.new(p.pool, p.index, state.os_pid)
       )
     end
 
@@ -68,27 +72,103 @@ defmodule VllmBridge.Worker.Progress do
 
   defp callback(%{callback: nil} = p, _info), do: p
 
-  defp callback(%{callback: callback, meta: meta} = p, info) do
-    if first_start?(meta) do
-      try do
-        case callback do
-          {m, f, a} -> apply(m, f, [info | a])
-          fun -> fun.(info)
-        end
+  defp callback(%{callback: {:send, runner}, meta: meta} = p, info) do
+    if first_start?(meta), do: send(runner, {:vllm_bridge_progress, info})
+    p
+  end
 
-        p
-      catch
-        kind, reason ->
-          Logger.warning(
-            "vllm_bridge pool #{inspect(p.pool)}: the progress callback failed on worker " <>
-              "#{p.index}'s #{info.stage} stage (it is not called again for this worker; " <>
-              "the start goes on): " <> Exception.format(kind, reason, __STACKTRACE__)
-          )
+  defp callback(%{meta: meta} = p, info) do
+    if first_start?(meta), do: apply_callback(p, info), else: p
+  end
 
-          %{p | callback: nil}
+  defp apply_callback(%{callback: callback} = p, info) do
+    try do
+      case callback do
+        {m, f, a} -> apply(m, f, [info | a])
+        fun -> fun.(info)
       end
-    else
+
       p
+    catch
+      kind, reason ->
+        Logger.warning(
+          "vllm_bridge pool #{inspect(p.pool)}: the progress callback failed on worker " <>
+            "#{p.index}'s #{info.stage} stage (it is not called again for this worker; " <>
+            "the start goes on): " <> Exception.format(kind, reason, __STACKTRACE__),
+          VllmBridge.Worker.LogMeta.new(p.pool, p.index, nil)
+        )
+
+        %{p | callback: nil}
+    end
+  end
+
+  @doc false
+  # The process that calls pool `pool`'s `callback` (nil: none) with the stages its
+  # workers send, in the order they come; {opts with the callback replaced by
+  # {:send, runner}, runner}.
+  @spec start_runner(term(), keyword()) :: {keyword(), pid() | nil}
+  def start_runner(pool, opts) do
+    case opts[:progress] do
+      nil ->
+        {opts, nil}
+
+      callback ->
+        runner = spawn(fn -> run(pool, callback, MapSet.new()) end)
+        {Keyword.put(opts, :progress, {:send, runner}), runner}
+    end
+  end
+
+  @doc false
+  # The start is over (the pool started or not): the runner handles what it was sent, then
+  # ends. Waits for that until `deadline` (monotonic, ms); a runner still busy then (its
+  # callback blocks) is killed, and that is logged.
+  @spec finish_runner(pid() | nil, term(), integer()) :: :ok
+  def finish_runner(nil, _pool, _deadline), do: :ok
+
+  def finish_runner(runner, pool, deadline) do
+    ref = Process.monitor(runner)
+    send(runner, :done)
+
+    receive do
+      {:DOWN, ^ref, :process, _, _} -> :ok
+    after
+      max(deadline - System.monotonic_time(:millisecond), 0) ->
+        Process.exit(runner, :kill)
+        Process.demonitor(ref, [:flush])
+
+        Logger.warning(
+          "vllm_bridge pool #{inspect(pool)}: the progress callback was still running at " <>
+            "the start's deadline; it was stopped (the stages after it were not delivered)",
+          vllm_pool: pool
+        )
+    end
+  end
+
+  defp run(pool, callback, off) do
+    receive do
+      {:vllm_bridge_progress, info} -> run(pool, callback, call(pool, callback, info, off))
+      :done -> drain(pool, callback, off)
+    end
+  end
+
+  defp drain(pool, callback, off) do
+    receive do
+      {:vllm_bridge_progress, info} -> drain(pool, callback, call(pool, callback, info, off))
+    after
+      0 -> :ok
+    end
+  end
+
+  # One stage to the callback, unless it failed for this worker before; `off`: the
+  # indices it failed for.
+  defp call(pool, callback, info, off) do
+    if MapSet.member?(off, info.index) do
+      off
+    else
+      case apply_callback(%{pool: pool, index: info.index, callback: callback}, info) do
+        %{callback: nil} -> MapSet.put(off, info.index)
+        _ -> off
+      end
     end
   end
 

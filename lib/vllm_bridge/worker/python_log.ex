@@ -17,14 +17,14 @@ defmodule VllmBridge.Worker.PythonLog do
         Logger.log(
           level(level),
           fn -> "[python #{name}] #{message}" end,
-          vllm_pool: state.pool,
-          vllm_worker: state.pool && state.index,
-          os_pid: state.os_pid,
-          python_logger: name
+          [{:python_logger, name} | VllmBridge.Worker.LogMeta.of(state)]
         )
 
       other ->
-        Logger.warning("vllm_bridge worker #{label}: malformed log frame #{inspect(other)}")
+        Logger.warning(
+          "vllm_bridge worker #{label}: malformed log frame #{inspect(other)}",
+          VllmBridge.Worker.LogMeta.of(state)
+        )
     end
 
     :ok

@@ -12,7 +12,7 @@ defmodule VllmBridge.Worker.Starting do
   # back here as `{alias, :reply, frame}`. Its result is dropped (references in it released).
   #
   # A start that fails (no hello, a bad one, an on_start that raises or overstays) is
-  # logged once, with the last lines of the Python process's stderr when it ended before
+  # handled by VllmBridge.Worker.StartFailure: logged once, with the last lines of the Python process's stderr when it ended before
   # its hello (the launcher sends start-up stderr to a private file: Launcher.stderr_tail/1).
   # Then:
   #   * a worker of a pool that `VllmBridge.Pool.start/2` is still starting stays, in the
@@ -30,7 +30,7 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Worker
   alias VllmBridge.Call.Wire
   alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, OnStart}
-  alias VllmBridge.Worker.{Output, Progress}
+  alias VllmBridge.Worker.{Output, Progress, StartFailure}
 
   # The worker module whose start-up stderr is captured: ours takes its stderr FIFO back
   # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own has its
@@ -355,91 +355,8 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
-  defp who(%{pool: nil, os_pid: os_pid}), do: "the worker (os pid #{os_pid})"
-  defp who(%{index: index, os_pid: os_pid}), do: "worker #{index} (os pid #{os_pid})"
-
-  # The Python process of a failed start goes at once (no grace, no warning: the start's
-  # error says what happened).
-  defp kill(%{port: nil} = state), do: state
-
-  defp kill(state) do
-    try do
-      Port.close(state.port)
-    rescue
-      ArgumentError -> :ok
-    end
-
-    if state.os_pid && Launcher.alive?(state.os_pid), do: Launcher.kill(state.os_pid)
-    %{state | port: nil}
-  end
-
+  defp kill(state), do: StartFailure.kill(state)
   defp stderr_tail(state), do: Launcher.stderr_tail(state.stderr)
-
-  defp start_failed(state, %Error{} = e) do
-    e = %{e | message: "#{who(state)}: #{e.message}"}
-    state = Progress.report(state, :failed, %{error: e})
-    # The one log of a failed start: with the Python traceback when there is one (an
-    # on_start that raised), readable, since the error itself travels as a term.
-    Logger.error(
-      "vllm_bridge worker #{Worker.label(state)} failed to start: #{e.message}" <>
-        if(is_binary(e.traceback) and e.traceback != "", do: "\n" <> e.traceback, else: "")
-    )
-
-    Events.exited(state, e.message, length(state.pending))
-
-    # A Python process that is still there is closed (and killed at once).
-    state = kill(state)
-    Launcher.delete_stderr(state.stderr)
-    if state.setup, do: :erlang.unalias(state.setup)
-    state = %{state | stderr: nil, setup: nil}
-
-    if first_start?(state) do
-      hold_failure(state, e)
-    else
-      {:stop, {:shutdown, {:start_failed, e}}, state}
-    end
-  end
-
-  # Whether VllmBridge.Pool.start/2 still waits for this pool's first start.
-  defp first_start?(%{meta: %{started: started}}) when started != nil,
-    do: :atomics.get(started, 1) == 0
-
-  defp first_start?(_state), do: false
-
-  # The phase :failed: the error for whoever waits or asks, until the pool is stopped.
-  defp hold_failure(state, e) do
-    for s <- Enum.reverse(state.pending), do: refuse(state, s, e)
-
-    waiting = Enum.reverse(state.waiting)
-    for {from, :await_ready} <- waiting, do: GenServer.reply(from, {:error, e})
-    closers = for {from, :close} <- waiting, do: from
-
-    state = %{state | phase: :failed, failed: e, pending: [], waiting: []}
-
-    case closers do
-      [] ->
-        {:noreply, state}
-
-      _ ->
-        for from <- closers, do: GenServer.reply(from, :ok)
-        {:stop, :normal, state}
-    end
-  end
-
-  defp failed_info(Messages.submit(s), state) do
-    refuse(state, s, state.failed)
-    {:noreply, state}
-  end
-
-  defp failed_info(Messages.settle(_id, alias), state) do
-    Messages.send_cancelled(alias)
-    {:noreply, state}
-  end
-
-  defp failed_info(_other, state), do: {:noreply, state}
-
-  defp refuse(state, s, e) do
-    if s.alias, do: Messages.send_reply_error(s.alias, e)
-    if s.holds_slot, do: Calls.release(state.calls)
-  end
+  defp start_failed(state, e), do: StartFailure.start_failed(state, e)
+  defp failed_info(message, state), do: StartFailure.info(message, state)
 end

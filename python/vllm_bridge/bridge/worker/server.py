@@ -25,7 +25,6 @@ interruption), the watcher ends the process anyway.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import os
@@ -35,15 +34,13 @@ import threading
 import time
 from typing import Any
 
-from vllm_bridge import PROTOCOL_VERSION, PUBLIC_MODULES
+from vllm_bridge import PROTOCOL_VERSION
 from vllm_bridge.bridge.protocol.decoder import Decoder
 from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.errors import BadArgument, ProtocolError, safe_str
 from vllm_bridge.bridge.protocol.flow import STREAM_WINDOW
 from vllm_bridge.bridge.protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
-    MAX_FRAME,
-    MIN_MAX_FRAME_BYTES,
     FrameReader,
     enlarge_pipes,
 )
@@ -59,97 +56,29 @@ from vllm_bridge.bridge.protocol.messages import (
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.worker import allowlist
 from vllm_bridge.bridge.worker.channel import Channel, LogFrameHandler
+
+# DEFAULT_MAX_REFS and MAX_POLL_US are imported from here by tests and callers.
+from vllm_bridge.bridge.worker.cli import (  # noqa: F401
+    DEFAULT_MAX_REFS,
+    LOG_LEVELS,
+    MAX_POLL_US,
+    line_buffered,
+    parse_args,
+)
 from vllm_bridge.bridge.worker.dispatch import Dispatcher
 from vllm_bridge.bridge.worker.executor import Executor
 from vllm_bridge.bridge.worker.interrupt import Interrupter
 from vllm_bridge.bridge.worker.lifeline import watch_parent
 from vllm_bridge.bridge.worker.sessions import Sessions
+from vllm_bridge.bridge.worker.status import cuda_memory
 from vllm_bridge.bridge.worker.stderr import Capture, open_capture, take_back
 from vllm_bridge.bridge.worker.targets import TargetResolver
 
 #: Seconds the main thread has, from EOF, to finish the running request and exit the
 #: sessions' contexts before the watcher exits the process regardless.
 EXIT_GRACE_SECONDS = 2.0
-DEFAULT_MAX_REFS = 10_000
-#: Largest ``--poll-us``: 10 ms of polling after a frame is already a lot of CPU.
-MAX_POLL_US = 10_000
 CAPABILITIES = ("stream", "context", "cancel", "credit", "refs", "log")
-#: ``--log-level`` names: the root logger's level, and the least a record needs to be
-#: sent as a ``log`` frame.
-LOG_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-}
-
 _log = logging.getLogger("vllm_bridge.bridge.worker")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command line of ``python -m vllm_bridge.bridge.worker``."""
-    parser = argparse.ArgumentParser(prog="python -m vllm_bridge.bridge.worker")
-    parser.add_argument(
-        "--allow",
-        nargs="+",
-        action="extend",
-        metavar="MODULE",
-        help="modules requests may reach (default: vllm_bridge.PUBLIC_MODULES)",
-    )
-    parser.add_argument(
-        "--also-allow",
-        nargs="+",
-        action="extend",
-        metavar="MODULE",
-        help="modules added to that list (one's own modules beside the default ones)",
-    )
-    parser.add_argument(
-        "--max-refs",
-        type=int,
-        default=DEFAULT_MAX_REFS,
-        metavar="N",
-        help=f"references this worker may hold at once (default {DEFAULT_MAX_REFS})",
-    )
-    parser.add_argument(
-        "--poll-us",
-        type=int,
-        default=0,
-        metavar="N",
-        help="microseconds to poll for the next request before sleeping (default 0: sleep "
-        f"at once; at most {MAX_POLL_US})",
-    )
-    parser.add_argument(
-        "--max-frame-bytes",
-        type=int,
-        default=DEFAULT_MAX_FRAME_BYTES,
-        metavar="N",
-        help="largest frame body read or written, both ways (default "
-        f"{DEFAULT_MAX_FRAME_BYTES}; from {MIN_MAX_FRAME_BYTES} to {MAX_FRAME})",
-    )
-    parser.add_argument(
-        "--log-level",
-        choices=sorted(LOG_LEVELS),
-        default="warning",
-        help="the Python root logger's level; records at or above it are sent to the "
-        "Elixir side as log frames (default warning)",
-    )
-    opts = parser.parse_args(argv)
-    if not MIN_MAX_FRAME_BYTES <= opts.max_frame_bytes <= MAX_FRAME:
-        parser.error(
-            f"--max-frame-bytes must be from {MIN_MAX_FRAME_BYTES} to {MAX_FRAME}, "
-            f"got {opts.max_frame_bytes}"
-        )
-    if not 0 <= opts.poll_us <= MAX_POLL_US:
-        parser.error(f"--poll-us must be from 0 to {MAX_POLL_US}, got {opts.poll_us}")
-    if opts.max_refs < 1:
-        parser.error(f"--max-refs must be at least 1, got {opts.max_refs}")
-    for flag, names in (("--allow", opts.allow), ("--also-allow", opts.also_allow)):
-        for name in names or ():
-            if not all(part.isidentifier() for part in name.split(".")):
-                parser.error(f"{flag} {name!r} is not a dotted module name")
-    base = opts.allow or PUBLIC_MODULES
-    opts.allow = tuple(dict.fromkeys([*base, *(opts.also_allow or ())]))
-    return opts
 
 
 def _import_allowed(modules: tuple[str, ...]) -> dict[str, str]:
@@ -389,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     allowlist.publish(opts.allow)
     # fd 1 is a pipe (the Elixir side logs what arrives line by line): a print must go
     # out when its line ends, not when a block fills or the process exits.
-    _line_buffered(sys.stdout)
-    _line_buffered(sys.stderr)
+    line_buffered(sys.stdout)
+    line_buffered(sys.stderr)
     log_level = LOG_LEVELS[opts.log_level]
     logging.basicConfig(
         stream=sys.stderr,
@@ -403,25 +332,3 @@ def main(argv: list[str] | None = None) -> int:
     return Worker(
         opts.allow, opts.max_refs, opts.poll_us, import_errors, opts.max_frame_bytes, log_level
     ).serve(capture)
-
-
-def _line_buffered(stream: Any) -> None:
-    reconfigure = getattr(stream, "reconfigure", None)
-    if reconfigure is not None:  # a stream replaced by something else keeps its ways
-        reconfigure(line_buffering=True)
-
-
-def cuda_memory() -> dict[str, int] | None:
-    """Bytes of CUDA memory this process's caching allocator has allocated and reserved
-    on its current device, for ``pong``; ``None`` when CUDA was never initialised here (a
-    status must not initialise it, which takes seconds and memory)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    try:
-        return {
-            "allocated": int(torch.cuda.memory_allocated()),
-            "reserved": int(torch.cuda.memory_reserved()),
-        }
-    except Exception:  # a broken device must not cost the pong
-        return None
