@@ -159,16 +159,13 @@ defmodule VllmBridge.Call.Run do
   defp session(%Route{session_id: nil}), do: <<0xC0>>
   defp session(%Route{session_id: id}), do: Wire.value(id)
 
-  defp exchange(pid, req, kind, _route, rt) when kind in @cleanups do
-    pid
-    |> Request.send_request(req, :infinity, holds_slot: true, cancel_on_caller_exit: false)
-    |> Request.await(rt.deadline, on_timeout: :forget)
-  end
+  # The general path's exchange: the sized one's result (its reply size is a byte_size
+  # of a frame it already has, so one path serves both).
+  defp exchange(pid, req, kind, route, rt),
+    do: pid |> exchange_sized(req, kind, route, rt) |> elem(0)
 
-  defp exchange(pid, req, _kind, route, rt),
-    do: pid |> Request.call(req, rt.deadline, holds_slot: true) |> adopt_loose(route)
-
-  # `exchange/5`, with the byte size of the reply frame (0 when none came).
+  # A request's exchange with its worker, and the byte size of the reply frame (0 when
+  # none came).
   defp exchange_sized(pid, req, kind, _route, rt) when kind in @cleanups do
     pid
     |> Request.send_request(req, :infinity, holds_slot: true, cancel_on_caller_exit: false)
