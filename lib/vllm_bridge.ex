@@ -268,7 +268,7 @@ defmodule VllmBridge do
               opts = Keyword.put(opts || [], :session_id, s.id)
               Context.with_context_in(s, target, args, kwargs, opts, fun)
             end,
-            Keyword.take(opts || [], [:pool_name])
+            Keyword.take(opts || [], [:pool_name, :node])
           )
 
         {id, _} ->

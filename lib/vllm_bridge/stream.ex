@@ -23,7 +23,7 @@ defmodule VllmBridge.Stream do
   they run after it, and the reader may be waiting for them.
   """
 
-  alias VllmBridge.{Error, Ref}
+  alias VllmBridge.{Error, Ref, Remote}
   alias VllmBridge.Call.{Request, Route, Run, Runtime, Wire}
   alias VllmBridge.Call.Span, as: CallSpan
   alias VllmBridge.Telemetry
@@ -67,6 +67,7 @@ defmodule VllmBridge.Stream do
          {:ok, pid, _i} <- Route.checkout(route, req, rt.deadline) do
       open(pid, req, rt, route, nil)
     else
+      {:remote, rt, node, lost} -> Remote.Stream.open(node, rt, {target, args, kwargs}, opts, lost)
       {:error, %Error{} = e} -> raise e
     end
   end
@@ -76,6 +77,10 @@ defmodule VllmBridge.Stream do
     system_time = System.system_time()
 
     case resolve(target, args, kwargs, opts) do
+      # Another node's: its span is that node's (when it has :telemetry loaded).
+      {:remote, rt, node, lost} ->
+        Remote.Stream.open(node, rt, {target, args, kwargs}, opts, lost)
+
       {:ok, rt, route} ->
         span = CallSpan.start("stream", target, route, rt, t0, system_time)
         req = request(route, parts, target)
@@ -107,6 +112,7 @@ defmodule VllmBridge.Stream do
       {:ok, rt} ->
         case Route.resolve(rt, "stream", Run.bound_ref(target), {args, kwargs}) do
           {:ok, route} -> {:ok, rt, route}
+          {:remote, node, lost} -> {:remote, rt, node, lost}
           {:error, e} -> {:error, rt, e}
         end
 
@@ -196,6 +202,7 @@ defmodule VllmBridge.Stream do
   end
 
   defp next(%{done: true} = st), do: {:halt, st}
+  defp next(%{remote: _} = st), do: Remote.Stream.next(st)
 
   defp next(%{handle: {pid, id, mref}} = st) do
     receive do
@@ -268,6 +275,8 @@ defmodule VllmBridge.Stream do
     Process.demonitor(mref, [:flush])
     Request.flush(mref)
   end
+
+  defp stop(%{remote: _} = st), do: Remote.Stream.stop(st)
 
   defp stop(st) do
     settle(st)

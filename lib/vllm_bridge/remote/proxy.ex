@@ -1,0 +1,148 @@
+defmodule VllmBridge.Remote.Proxy do
+  @moduledoc false
+  # The far end of a request from another node (VllmBridge.Remote): spawned on this node
+  # by the caller there, it runs the request as an ordinary local caller would.
+  #
+  # Two processes, because the one that waits for the worker cannot also watch the caller:
+  #
+  #   * the proxy (start/3) monitors the caller and links to the runner. When the caller
+  #     goes (it exited, was shut down, or its node went: `:noconnection`) it kills the
+  #     runner, so the worker sees its caller go and cancels the request, exactly as for a
+  #     local caller that dies. It passes the caller's stream messages (`{:credit, n}`,
+  #     `:halt`) on to the runner. When the caller gives up on it, the caller kills the
+  #     proxy, and the link takes the runner with it;
+  #   * the runner makes the request (VllmBridge.Call.Run, VllmBridge.Stream) and sends
+  #     what comes back to the caller's alias, with this node set on its references
+  #     (VllmBridge.Remote.stamp/2). References it gets outside a session belong to the
+  #     caller (VllmBridge.Session.LooseRefs.act_for/1): released when the caller exits.
+  #
+  # Answers to the caller, on its alias `reply`: `{reply, :result, result}` for a request;
+  # for a stream `{reply, :chunk, value}`..., then `{reply, :end}`, `{reply, :error, e}`
+  # or, after a `:halt`, `{reply, :halted}`.
+
+  alias VllmBridge.{Error, Remote, Session}
+  alias VllmBridge.Call.{Run, Runtime}
+  alias VllmBridge.Session.LooseRefs
+
+  @doc false
+  @spec start(pid(), reference(), tuple()) :: :ok
+  def start(caller, reply, job) do
+    Process.flag(:trap_exit, true)
+    watch = Process.monitor(caller)
+    runner = spawn_link(fn -> run(caller, reply, job) end)
+    supervise(watch, runner)
+  end
+
+  defp supervise(watch, runner) do
+    receive do
+      {:EXIT, ^runner, :normal} ->
+        :ok
+
+      {:EXIT, ^runner, reason} ->
+        # The caller sees it as the proxy's DOWN reason (VllmBridge.Remote.down/4).
+        exit({:runner, reason})
+
+      {:DOWN, ^watch, :process, _, _} ->
+        Process.exit(runner, :kill)
+        :ok
+
+      {:credit, _n} = credit ->
+        send(runner, credit)
+        supervise(watch, runner)
+
+      :halt ->
+        send(runner, :halt)
+        supervise(watch, runner)
+
+      _other ->
+        supervise(watch, runner)
+    end
+  end
+
+  defp run(caller, reply, {:run, rt, left, kind, parts, opts}) do
+    LooseRefs.act_for(caller)
+    now = System.monotonic_time(:millisecond)
+    rt = %{rt | deadline: Runtime.deadline(now, left), node: node()}
+    result = rt |> Run.run(kind, parts, opts) |> stamp()
+    send(reply, {reply, :result, result})
+  end
+
+  defp run(caller, reply, {:stream, target, args, kwargs, opts, current}) do
+    LooseRefs.act_for(caller)
+
+    in_session(current, fn ->
+      case VllmBridge.Stream.new(target, args, kwargs, opts) do
+        {:ok, stream} ->
+          forward(reply, fn -> Enumerable.reduce(stream, {:cont, nil}, &suspend/2) end)
+
+        {:error, e} ->
+          send(reply, {reply, :error, e})
+      end
+    end)
+  end
+
+  # The caller's current session (VllmBridge.Session.current/0) is this process's while
+  # the stream runs, so that the stream resolves its session as it would have there.
+  defp in_session(nil, fun), do: fun.()
+
+  defp in_session(id, fun) do
+    case Session.lookup(id) do
+      {:ok, s} -> Session.with_current(s, fun)
+      {:error, _} -> fun.()
+    end
+  end
+
+  defp suspend(chunk, _acc), do: {:suspend, chunk}
+
+  # Reads the local stream one chunk at a time and sends each to the caller, at most a
+  # window (VllmBridge.Stream.window/0) ahead of what the caller has read: the caller
+  # gives room back as a local reader gives it to a worker, half a window at a time.
+  defp forward(reply, first) do
+    step(reply, first, 0, VllmBridge.Stream.window())
+  rescue
+    e in Error -> send(reply, {reply, :error, e})
+  end
+
+  defp step(reply, next, ahead, window) do
+    case next.() do
+      {:suspended, chunk, cont} ->
+        send(reply, {reply, :chunk, stamp(chunk)})
+
+        case room(ahead + 1, window) do
+          {:ok, ahead} ->
+            step(reply, fn -> cont.({:cont, nil}) end, ahead, window)
+
+          :halt ->
+            cont.({:halt, nil})
+            send(reply, {reply, :halted})
+        end
+
+      # The stream's end (Stream.resource answers a reducer that suspends with
+      # :halted at its end, not :done).
+      {ended, _} when ended in [:done, :halted] ->
+        send(reply, {reply, :end})
+    end
+  end
+
+  # Credits that came in, and a halt; waits for credit while a window is out.
+  defp room(ahead, window) do
+    receive do
+      {:credit, n} -> room(ahead - n, window)
+      :halt -> :halt
+    after
+      0 ->
+        if ahead >= window do
+          receive do
+            {:credit, n} -> room(ahead - n, window)
+            :halt -> :halt
+          end
+        else
+          {:ok, ahead}
+        end
+    end
+  end
+
+  defp stamp({:ok, value}), do: {:ok, Remote.stamp(value, node())}
+  defp stamp({:error, _} = error), do: error
+  defp stamp(value), do: Remote.stamp(value, node())
+end
