@@ -198,10 +198,7 @@ defmodule VllmBridge.Pool do
   `names/0`, `workers/1` and `status/2` are this node's; for another node's, ask it
   (`:erpc.call(node, VllmBridge.Pool, :status, [name])`).
 
-      iex> VllmBridge.Pool.nodes(:default)
-      [node()]
-      iex> VllmBridge.Pool.nodes(:no_such_pool)
-      []
+      VllmBridge.Pool.nodes(:gpu)   #=> [:"app@host-a", :"gpu@host-b"]
   """
   @spec nodes(name()) :: [node()]
   def nodes(name), do: VllmBridge.Remote.nodes(name)

@@ -264,7 +264,9 @@ defmodule VllmBridge.Remote do
     do: Map.merge(struct, struct |> Map.from_struct() |> stamp(node))
 
   def stamp(list, node) when is_list(list), do: stamp_list(list, node)
-  def stamp(map, node) when is_map(map), do: Map.new(map, fn {k, v} -> {stamp(k, node), stamp(v, node)} end)
+
+  def stamp(map, node) when is_map(map),
+    do: Map.new(map, fn {k, v} -> {stamp(k, node), stamp(v, node)} end)
 
   def stamp(tuple, node) when is_tuple(tuple),
     do: tuple |> Tuple.to_list() |> stamp(node) |> List.to_tuple()

@@ -167,7 +167,10 @@ defmodule VllmBridge.Session do
   catch
     :error, {:erpc, :noconnection} ->
       {:error,
-       Error.new(:worker_exit, "session #{what} on node #{inspect(node)}: the node is not reachable")}
+       Error.new(
+         :worker_exit,
+         "session #{what} on node #{inspect(node)}: the node is not reachable"
+       )}
 
     :error, {:erpc, :timeout} ->
       {:error,
@@ -257,7 +260,7 @@ defmodule VllmBridge.Session do
   The session this process's calls default to, or `nil`: while `VllmBridge.with_session/2`
   or a `with_…` form (`VllmBridge.with_context/5`, the generated `with_…` bindings) runs
   its function, a call from the same process that names no `session_id` (and no other
-  pool) runs in that session. `session_id: nil` opts a call out. Processes started inside
+  pool, and no other `node:`) runs in that session. `session_id: nil` opts a call out. Processes started inside
   the function (tasks) do not inherit it: pass them the session.
   """
   @spec current() :: t() | nil

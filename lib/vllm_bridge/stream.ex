@@ -21,6 +21,14 @@ defmodule VllmBridge.Stream do
   mailbox; reading gives room back, half a window at a time. While other requests wait for the same
   worker (a call made for each chunk, a second stream read in step), it does not wait:
   they run after it, and the reader may be waiting for them.
+
+  On another node (a pool, session or reference there: `VllmBridge.Runtime`, "Nodes"), a
+  process spawned there reads the stream as above and sends the chunks on, at most a
+  window ahead of what the enumerating process has read (which gives room back the same
+  way): the generator runs at most two windows ahead of the reader. The deadlines and
+  errors are the same; halting early cancels the generator there and releases the
+  references of the chunks not read; if that node goes down, enumeration raises
+  `:worker_exit` (`:session_lost` in a session) naming it.
   """
 
   alias VllmBridge.{Error, Ref, Remote}
@@ -67,8 +75,11 @@ defmodule VllmBridge.Stream do
          {:ok, pid, _i} <- Route.checkout(route, req, rt.deadline) do
       open(pid, req, rt, route, nil)
     else
-      {:remote, rt, node, lost} -> Remote.Stream.open(node, rt, {target, args, kwargs}, opts, lost)
-      {:error, %Error{} = e} -> raise e
+      {:remote, rt, node, lost} ->
+        Remote.Stream.open(node, rt, {target, args, kwargs}, opts, lost)
+
+      {:error, %Error{} = e} ->
+        raise e
     end
   end
 

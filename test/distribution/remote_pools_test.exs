@@ -70,6 +70,33 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       assert ran_on(pool_name: @remote, node: b) in os_pids_on(b, @remote)
     end
 
+    test "the current session does not hold a call that pins another node", %{b: b} do
+      [there] = os_pids_on(b, @both)
+
+      VllmBridge.with_session(
+        fn s ->
+          assert s.node == node()
+          assert ran_on(pool_name: @both, node: b) == there
+          # Named explicitly, the session and the pinned node disagree.
+          assert {:error, %Error{type: :bad_argument}} = diag("info", [], session_id: s, node: b)
+        end,
+        pool_name: @both
+      )
+    end
+
+    test "a pool stopped on the peer leaves the routing", %{b: b} do
+      start_pool_on!(b, :dist_short, size: 1)
+      wait_until(fn -> Pool.nodes(:dist_short) == [b] end, 5_000)
+      assert {:ok, 3} = diag("add", [1, 2], pool_name: :dist_short)
+      :ok = :erpc.call(b, VllmBridge, :stop_pool, [:dist_short])
+      wait_until(fn -> Pool.nodes(:dist_short) == [] end, 5_000)
+
+      assert {:error, %Error{type: :bad_argument, message: m}} =
+               diag("add", [1, 2], pool_name: :dist_short)
+
+      assert m =~ "is not started"
+    end
+
     test "bad node: values and pools no node has are refused, naming them", %{b: b} do
       for bad <- ["#{b}", 5, :no_at_sign, {:node, b}] do
         assert {:error, %Error{type: :bad_argument, message: m}} =
@@ -265,9 +292,25 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       assert os_pids_on(b, @remote) == [os_pid]
     end
 
+    test "a remote stream past its timeout raises :timeout and frees its worker", %{b: b} do
+      {:ok, s} =
+        VllmBridge.stream({@diag, "count"}, [5, 60.0], %{}, pool_name: @remote, timeout: 300)
+
+      assert_raise Error, ~r/timeout/, fn -> Enum.to_list(s) end
+      wait_until(fn -> remote_load(b, @remote) == 0 end)
+      assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
+    end
+
     test "a caller that is shut down cancels its remote call", %{b: b} do
+      wait_until(fn -> remote_load(b, @remote) == 0 end, 30_000, "the peer's worker idle")
       task = Task.async(fn -> diag("sleep", [60.0], pool_name: @remote, timeout: 120_000) end)
-      wait_until(fn -> remote_load(b, @remote) == 1 end)
+
+      wait_until(
+        fn -> remote_load(b, @remote) == 1 end,
+        30_000,
+        "the call in the peer's worker"
+      )
+
       Task.shutdown(task, :brutal_kill)
       wait_until(fn -> remote_load(b, @remote) == 0 end)
       assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)

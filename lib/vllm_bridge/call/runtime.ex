@@ -130,10 +130,12 @@ defmodule VllmBridge.Call.Runtime do
 
   # A call that names no session_id runs in the process's current session (set while a
   # with_session/with_… function runs; VllmBridge.Session.current/0), unless it names
-  # another pool.
+  # another pool or another node.
   defp current_session(rt) do
     case VllmBridge.Session.current() do
-      %{id: id, pool: pool} when not rt.pool_given? or rt.pool_name == pool ->
+      %{id: id, pool: pool} = s
+      when (not rt.pool_given? or rt.pool_name == pool) and
+             (rt.node == nil or rt.node == s.node or (s.node == nil and rt.node == node())) ->
         %{rt | session_id: id, session_current?: true}
 
       _ ->

@@ -9,8 +9,9 @@ defmodule VllmBridge.Remote.Proxy do
   #     goes (it exited, was shut down, or its node went: `:noconnection`) it kills the
   #     runner, so the worker sees its caller go and cancels the request, exactly as for a
   #     local caller that dies. It passes the caller's stream messages (`{:credit, n}`,
-  #     `:halt`) on to the runner. When the caller gives up on it, the caller kills the
-  #     proxy, and the link takes the runner with it;
+  #     `:halt`) on to the runner, and kills a runner that has not halted @halt_grace
+  #     after a `:halt`. When the caller gives up on it, the caller kills the proxy, and
+  #     the link takes the runner with it;
   #   * the runner makes the request (VllmBridge.Call.Run, VllmBridge.Stream) and sends
   #     what comes back to the caller's alias, with this node set on its references
   #     (VllmBridge.Remote.stamp/2). References it gets outside a session belong to the
@@ -21,6 +22,9 @@ defmodule VllmBridge.Remote.Proxy do
   # or, after a `:halt`, `{reply, :halted}`.
 
   alias VllmBridge.{Error, Remote, Session}
+
+  # How long a runner told to halt its stream has to do so between two chunks.
+  @halt_grace 1_000
   alias VllmBridge.Call.{Run, Runtime}
   alias VllmBridge.Session.LooseRefs
 
@@ -38,6 +42,9 @@ defmodule VllmBridge.Remote.Proxy do
       {:EXIT, ^runner, :normal} ->
         :ok
 
+      {:EXIT, ^runner, :killed} ->
+        :ok
+
       {:EXIT, ^runner, reason} ->
         # The caller sees it as the proxy's DOWN reason (VllmBridge.Remote.down/4).
         exit({:runner, reason})
@@ -51,7 +58,14 @@ defmodule VllmBridge.Remote.Proxy do
         supervise(watch, runner)
 
       :halt ->
+        # The runner halts its stream between two chunks; one waiting for a chunk (a
+        # slow generator) is killed instead, which cancels the stream in its worker.
         send(runner, :halt)
+        Process.send_after(self(), :kill_runner, @halt_grace)
+        supervise(watch, runner)
+
+      :kill_runner ->
+        Process.exit(runner, :kill)
         supervise(watch, runner)
 
       _other ->

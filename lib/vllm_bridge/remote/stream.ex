@@ -14,10 +14,12 @@ defmodule VllmBridge.Remote.Stream do
   #     enumeration began) and the same `timeout` per chunk, and raises there what a
   #     local stream raises here; this process waits `VllmBridge.Remote.settle_margin/0`
   #     more before it gives up on the node itself, kills the proxy and raises :timeout;
-  #   * halting early: this process sends `:halt`; the proxy halts its local stream
-  #     (which cancels the generator and releases the references of the chunks it had not
-  #     sent) and says so; the references of the chunks that had reached this process
-  #     unread are released in their worker (VllmBridge.release/2, routed to the node);
+  #   * halting early: this process sends `:halt` and goes on at once; the proxy halts its
+  #     local stream between two chunks (which cancels the generator and releases the
+  #     references of the chunks it had not sent), or, when no chunk comes within a
+  #     second, kills the process that reads it (the worker cancels the generator); the
+  #     references of the chunks that had reached this process unread are released in
+  #     their worker (VllmBridge.release/2, routed to the node);
   #   * the node going down: the proxy's DOWN (`:noconnection`) raises `:worker_exit`
   #     (`:session_lost` in a session) naming the node.
 
@@ -120,10 +122,14 @@ defmodule VllmBridge.Remote.Stream do
     if Process.delete({__MODULE__, :ended, mref}), do: :ok, else: halt(pid, mref, reply, st)
   end
 
-  # Halted before its end: the proxy halts its stream and says so (or goes down).
-  defp halt(pid, mref, reply, st) do
+  # Halted before its end: the proxy halts its stream there (between two chunks, or by
+  # killing the process that reads it: either cancels the generator). Nothing here waits
+  # for that. The references of chunks that had reached this process unread are
+  # released; those of chunks still on their way belong to this process on that node
+  # (released when it exits) or to their session.
+  defp halt(pid, _mref, reply, st) do
     send(pid, :halt)
-    refs = drain(reply, mref, [])
+    refs = drain(reply, [])
     finish(st)
 
     if refs != [] do
@@ -134,13 +140,11 @@ defmodule VllmBridge.Remote.Stream do
     :ok
   end
 
-  defp drain(reply, mref, refs) do
+  defp drain(reply, refs) do
     receive do
-      {^reply, :chunk, value} -> drain(reply, mref, Ref.collect(value) ++ refs)
-      {^reply, :halted} -> refs
-      {^reply, :end} -> refs
-      {^reply, :error, _} -> refs
-      {:DOWN, ^mref, :process, _, _} -> refs
+      {^reply, :chunk, value} -> drain(reply, Ref.collect(value) ++ refs)
+    after
+      0 -> refs
     end
   end
 

@@ -35,6 +35,7 @@ defmodule VllmBridge.Session.LooseRefs do
   """
   @spec track(pid(), [Ref.t()]) :: :ok
   def track(_owner, []), do: :ok
+
   def track(owner, refs) when is_pid(owner),
     do: GenServer.cast(__MODULE__, {:track, acting_for(owner), refs})
 
