@@ -71,7 +71,10 @@ defmodule VllmBridge do
       it exits or its node goes;
     * a node that goes down: every request waiting on it answers at once (when the
       connection drops) with `:worker_exit`, or `:session_lost` for a request in a session
-      or on a reference, naming the node; its pools leave the routing;
+      or on a reference, naming the node; its pools leave the routing. A partition that
+      drops no connection is seen only when distribution's tick gives up on it
+      (`net_ticktime`, 60 s by default); until then a request waits at most its deadline
+      plus those 2 s;
     * streams keep their flow control: the generator runs at most two windows ahead of
       the reader (one in its worker, one on the way), see `VllmBridge.Stream`;
     * `call_all/5`, `VllmBridge.Pool.names/0`, `workers/1` and `status/2` are about this

@@ -45,14 +45,14 @@ defmodule VllmBridge.PeerHelpers do
         args: [~c"-setcookie", cookie | paths]
       })
 
-    # What config/*.exs gave this node (the python interpreter, ...), and a quiet console.
-    for {app, keys} <- [vllm_bridge: :all, logger: [:console, :level]] do
-      env = Application.get_all_env(app)
-      env = if keys == :all, do: env, else: Keyword.take(env, keys)
-      for {k, v} <- env, do: :ok = :erpc.call(node, Application, :put_env, [app, k, v])
-    end
+    # What config/*.exs gave this node (the python interpreter, ...).
+    for {k, v} <- Application.get_all_env(:vllm_bridge),
+        do: :ok = :erpc.call(node, Application, :put_env, [:vllm_bridge, k, v])
 
     {:ok, _} = :erpc.call(node, Application, :ensure_all_started, [:vllm_bridge])
+    # Its console (which the peer forwards to this one) shows warnings and errors only,
+    # as this node's does under test (config/test.exs).
+    :ok = :erpc.call(node, Logger, :configure, [[level: :warning]])
     {peer, node}
   end
 
