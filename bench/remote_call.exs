@@ -23,8 +23,9 @@ _ = System.cmd("epmd", ["-daemon"])
     name: :"bench_peer#{System.unique_integer([:positive])}",
     host: ~c"127.0.0.1",
     longnames: true,
-    args: [~c"-setcookie", Atom.to_charlist(Node.get_cookie())] ++
-      Enum.flat_map(:code.get_path(), &[~c"-pa", &1])
+    args:
+      [~c"-setcookie", Atom.to_charlist(Node.get_cookie())] ++
+        Enum.flat_map(:code.get_path(), &[~c"-pa", &1])
   })
 
 for {k, v} <- Application.get_all_env(:vllm_bridge),

@@ -8,9 +8,9 @@ defmodule VllmBridge.Remote do
   #     every member of a node when that node disconnects, so a node that goes leaves the
   #     routing by itself;
   #   * using them: a request routed to another node (VllmBridge.Call.Route answers
-  #     `{:remote, node}`) runs there as the ordinary local request, in a proxy spawned on
-  #     that node (VllmBridge.Remote.Proxy), which this process monitors and which
-  #     monitors this process. The local path is not touched: no pool process, no `:pg`
+  #     `{:remote, node}`) runs there as the ordinary local request, in a process spawned
+  #     on that node (VllmBridge.Remote.Proxy's runner), which this process monitors and
+  #     whose watcher monitors this process. The local path is not touched: no pool process, no `:pg`
   #     look-up on it (only a pool missing here, a session or reference of another node,
   #     or `node:` pinning another node gets here).
   #
@@ -21,15 +21,15 @@ defmodule VllmBridge.Remote do
   #     comparable), so the remote worker is cancelled there at the deadline exactly as a
   #     local one, and the answer (a late success, or :timeout) comes back. This process
   #     waits for it up to @settle_margin past the deadline; past that (a node too busy
-  #     to answer, a connection that hangs) it kills the proxy, which cancels the request
-  #     in its worker (the worker monitors its caller, the proxy's runner), and answers
+  #     to answer, a connection that hangs) it kills the runner, which cancels the request
+  #     in its worker (the worker monitors its caller, that runner), and answers
   #     :timeout itself;
-  #   * cancel: this process dying (or `Task.shutdown/2`) is seen by the proxy's monitor,
+  #   * cancel: this process dying (or `Task.shutdown/2`) is seen by the proxy's watcher,
   #     which kills the runner that made the request: the worker sees its caller go and
   #     cancels the request, as for a local caller that dies;
   #   * a node going down: the monitor's `:noconnection` DOWN comes as soon as the
   #     connection drops; the request answers `:worker_exit` (`:session_lost` for a
-  #     request in a session or on a reference) naming the node. The proxy's monitor of
+  #     request in a session or on a reference) naming the node. The watcher's monitor of
   #     this process fires the same way on the other side, so the request is cancelled
   #     there too if that node lives on;
   #   * references: results come back with `node` set on each `%VllmBridge.Ref{}` (the
@@ -244,7 +244,7 @@ defmodule VllmBridge.Remote do
   def down(node, reason, _lost, what) do
     Error.new(
       :worker_exit,
-      "#{what} on node #{inspect(node)}: its proxy exited " <>
+      "#{what} on node #{inspect(node)}: its proxy's runner exited " <>
         "(#{inspect(reason, limit: 8)}) before it answered"
     )
   end

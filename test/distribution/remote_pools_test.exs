@@ -60,6 +60,14 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       assert ran_on(pool_name: @remote) in os_pids_on(b, @remote)
     end
 
+    test "large results come back whole (answers in fragments before the DOWN)" do
+      for _ <- 1..5 do
+        data = :crypto.strong_rand_bytes(3_000_000)
+        assert {:ok, back} = diag("echo", [%VllmBridge.Bytes{data: data}], pool_name: @remote)
+        assert back == data or back == %VllmBridge.Bytes{data: data}
+      end
+    end
+
     test "a local pool is preferred; node: pins a node, node() this one", %{b: b} do
       [local] = for w <- workers!(@both), do: w.os_pid
       [there] = os_pids_on(b, @both)

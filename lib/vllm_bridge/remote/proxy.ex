@@ -5,75 +5,68 @@ defmodule VllmBridge.Remote.Proxy do
   #
   # Two processes, because the one that waits for the worker cannot also watch the caller:
   #
-  #   * the proxy (start/3) monitors the caller and links to the runner. When the caller
-  #     goes (it exited, was shut down, or its node went: `:noconnection`) it kills the
-  #     runner, so the worker sees its caller go and cancels the request, exactly as for a
-  #     local caller that dies. It passes the caller's stream messages (`{:credit, n}`,
-  #     `:halt`) on to the runner, and kills a runner that has not halted @halt_grace
-  #     after a `:halt`. When the caller gives up on it, the caller kills the proxy, and
-  #     the link takes the runner with it;
-  #   * the runner makes the request (VllmBridge.Call.Run, VllmBridge.Stream) and sends
-  #     what comes back to the caller's alias, with this node set on its references
-  #     (VllmBridge.Remote.stamp/2). References it gets outside a session belong to the
-  #     caller (VllmBridge.Session.LooseRefs.act_for/1): released when the caller exits.
+  #   * the runner (start/3, the process the caller spawned and monitors) makes the
+  #     request (VllmBridge.Call.Run, VllmBridge.Stream) and sends what comes back to the
+  #     caller's alias, with this node set on its references (VllmBridge.Remote.stamp/2).
+  #     The caller monitors the runner itself, not a go-between: a process's signals to
+  #     another keep their order, so its DOWN never overtakes its last answer (which a
+  #     large answer, sent in fragments, otherwise could). References it gets outside a
+  #     session belong to the caller (VllmBridge.Session.LooseRefs.act_for/1): released
+  #     when the caller exits. When the caller gives up on it, the caller kills it, and
+  #     the worker sees its caller go and cancels the request;
+  #   * the watcher monitors the caller and the runner. When the caller goes (it exited,
+  #     was shut down, or its node went: `:noconnection`) it kills the runner, so the
+  #     worker sees its caller go and cancels the request, exactly as for a local caller
+  #     that dies. It ends with the runner. A stream's `:halt` comes to it: it passes it
+  #     on to the runner, and kills a runner that has not halted @halt_grace later (one
+  #     waiting for a slow generator's next chunk).
   #
   # Answers to the caller, on its alias `reply`: `{reply, :result, result}` for a request;
-  # for a stream `{reply, :chunk, value}`..., then `{reply, :end}`, `{reply, :error, e}`
-  # or, after a `:halt`, `{reply, :halted}`.
+  # for a stream `{reply, :watcher, pid}` first, then `{reply, :chunk, value}`..., then
+  # `{reply, :end}`, `{reply, :error, e}` or, after a `:halt`, `{reply, :halted}`. The
+  # caller sends a stream's `{:credit, n}` to the runner.
 
   alias VllmBridge.{Error, Remote, Session}
-
-  # How long a runner told to halt its stream has to do so between two chunks.
-  @halt_grace 1_000
   alias VllmBridge.Call.{Run, Runtime}
   alias VllmBridge.Session.LooseRefs
 
+  # How long a runner told to halt its stream has to do so between two chunks.
+  @halt_grace 1_000
+
   @doc false
-  @spec start(pid(), reference(), tuple()) :: :ok
+  @spec start(pid(), reference(), tuple()) :: term()
   def start(caller, reply, job) do
-    Process.flag(:trap_exit, true)
-    watch = Process.monitor(caller)
-    runner = spawn_link(fn -> run(caller, reply, job) end)
-    supervise(watch, runner)
+    runner = self()
+    watcher = spawn(fn -> watch(caller, runner) end)
+    run(caller, reply, watcher, job)
   end
 
-  defp supervise(watch, runner) do
+  defp watch(caller, runner) do
+    watch(Process.monitor(caller), Process.monitor(runner), runner)
+  end
+
+  defp watch(caller_mon, runner_mon, runner) do
     receive do
-      {:EXIT, ^runner, :normal} ->
+      {:DOWN, ^runner_mon, :process, _, _} ->
         :ok
 
-      {:EXIT, ^runner, :killed} ->
-        :ok
-
-      {:EXIT, ^runner, reason} ->
-        # The caller sees it as the proxy's DOWN reason (VllmBridge.Remote.down/4).
-        exit({:runner, reason})
-
-      {:DOWN, ^watch, :process, _, _} ->
+      {:DOWN, ^caller_mon, :process, _, _} ->
         Process.exit(runner, :kill)
-        :ok
-
-      {:credit, _n} = credit ->
-        send(runner, credit)
-        supervise(watch, runner)
 
       :halt ->
-        # The runner halts its stream between two chunks; one waiting for a chunk (a
-        # slow generator) is killed instead, which cancels the stream in its worker.
         send(runner, :halt)
         Process.send_after(self(), :kill_runner, @halt_grace)
-        supervise(watch, runner)
+        watch(caller_mon, runner_mon, runner)
 
       :kill_runner ->
         Process.exit(runner, :kill)
-        supervise(watch, runner)
 
       _other ->
-        supervise(watch, runner)
+        watch(caller_mon, runner_mon, runner)
     end
   end
 
-  defp run(caller, reply, {:run, rt, left, kind, parts, opts}) do
+  defp run(caller, reply, _watcher, {:run, rt, left, kind, parts, opts}) do
     LooseRefs.act_for(caller)
     now = System.monotonic_time(:millisecond)
     rt = %{rt | deadline: Runtime.deadline(now, left), node: node()}
@@ -81,8 +74,9 @@ defmodule VllmBridge.Remote.Proxy do
     send(reply, {reply, :result, result})
   end
 
-  defp run(caller, reply, {:stream, target, args, kwargs, opts, current}) do
+  defp run(caller, reply, watcher, {:stream, target, args, kwargs, opts, current}) do
     LooseRefs.act_for(caller)
+    send(reply, {reply, :watcher, watcher})
 
     in_session(current, fn ->
       case VllmBridge.Stream.new(target, args, kwargs, opts) do

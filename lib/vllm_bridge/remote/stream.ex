@@ -50,7 +50,7 @@ defmodule VllmBridge.Remote.Stream do
           Remote.spawn_proxy(node, {:stream, target, args, kwargs, opts, current})
 
         %{
-          remote: %{node: node, pid: pid, mref: mref, reply: reply, lost: lost},
+          remote: %{node: node, pid: pid, mref: mref, reply: reply, lost: lost, watcher: nil},
           done: false,
           deadline: rt.deadline,
           idle: rt.timeout,
@@ -69,6 +69,9 @@ defmodule VllmBridge.Remote.Stream do
     receive do
       {^reply, :chunk, value} ->
         {[value], credit(st)}
+
+      {^reply, :watcher, watcher} ->
+        next(%{st | remote: %{r | watcher: watcher}})
 
       {^reply, :end} ->
         {:halt, %{st | done: true}}
@@ -118,8 +121,8 @@ defmodule VllmBridge.Remote.Stream do
   @spec stop(map()) :: :ok
   def stop(%{done: true} = st), do: finish(st)
 
-  def stop(%{remote: %{pid: pid, mref: mref, reply: reply}} = st) do
-    if Process.delete({__MODULE__, :ended, mref}), do: :ok, else: halt(pid, mref, reply, st)
+  def stop(%{remote: %{mref: mref} = r} = st) do
+    if Process.delete({__MODULE__, :ended, mref}), do: :ok, else: halt(r, st)
   end
 
   # Halted before its end: the proxy halts its stream there (between two chunks, or by
@@ -127,8 +130,12 @@ defmodule VllmBridge.Remote.Stream do
   # for that. The references of chunks that had reached this process unread are
   # released; those of chunks still on their way belong to this process on that node
   # (released when it exits) or to their session.
-  defp halt(pid, _mref, reply, st) do
-    send(pid, :halt)
+  defp halt(%{reply: reply} = r, st) do
+    case watcher(r) do
+      nil -> :ok
+      watcher -> send(watcher, :halt)
+    end
+
     refs = drain(reply, [])
     finish(st)
 
@@ -139,6 +146,17 @@ defmodule VllmBridge.Remote.Stream do
 
     :ok
   end
+
+  # The proxy's watcher, which takes the :halt: its pid is the proxy's first message
+  # (nil when the proxy is gone before it came: nothing left to halt).
+  defp watcher(%{watcher: nil, reply: reply, mref: mref}) do
+    receive do
+      {^reply, :watcher, watcher} -> watcher
+      {:DOWN, ^mref, :process, _, _} -> nil
+    end
+  end
+
+  defp watcher(%{watcher: watcher}), do: watcher
 
   defp drain(reply, refs) do
     receive do
