@@ -194,7 +194,9 @@ defmodule VllmBridge.Pool do
   The nodes where a pool named `name` runs, this one included, sorted: those a call with
   `pool_name: name` may go to (this node first when it is among them; `node:` picks
   another). Found through the `:pg` scope `VllmBridge.Pool.Groups`, which each node's
-  application starts and each pool joins; a node that disconnects leaves it at once.
+  application starts and each pool joins: a pool leaves it when it stops, and a node's
+  pools when that node disconnects. Only the nodes connected to this one are seen (`:pg`'s
+  view is not transitive), and a pool just started elsewhere is seen a moment later.
   `names/0`, `workers/1` and `status/2` are this node's; for another node's, ask it
   (`:erpc.call(node, VllmBridge.Pool, :status, [name])`).
 

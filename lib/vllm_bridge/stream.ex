@@ -26,8 +26,11 @@ defmodule VllmBridge.Stream do
   process spawned there reads the stream as above and sends the chunks on, at most a
   window ahead of what the enumerating process has read (which gives room back the same
   way): the generator runs at most two windows ahead of the reader. The deadlines and
-  errors are the same; halting early cancels the generator there and releases the
-  references of the chunks not read; if that node goes down, enumeration raises
+  errors are the same; halting early cancels the generator there (between two chunks, or
+  at once by ending the process that reads it there when no chunk comes within a second)
+  and releases the references of the chunks that reached the reader unread (those still
+  on their way belong to the reader, on that node, or to their session); if that node
+  goes down, enumeration raises
   `:worker_exit` (`:session_lost` in a session) naming it.
   """
 
