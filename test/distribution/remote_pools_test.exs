@@ -309,6 +309,24 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
     end
 
+    test "an enter past its timeout on the peer leaves nothing entered" do
+      VllmBridge.with_session(
+        fn s ->
+          assert {:error, %Error{type: :timeout, message: m}} =
+                   VllmBridge.enter({@diag, "recorder"}, ["slow", false, 2.0], %{},
+                     session_id: s,
+                     timeout: 300
+                   )
+
+          assert m =~ "the context is not left entered"
+          # Runs after the __enter__ (the worker runs a session's requests in order), and
+          # finds it exited again.
+          assert {:ok, nil} = diag("get_var", [], timeout: 30_000)
+        end,
+        pool_name: @remote
+      )
+    end
+
     test "a caller that is shut down cancels its remote call", %{b: b} do
       wait_until(fn -> remote_load(b, @remote) == 0 end, 30_000, "the peer's worker idle")
       task = Task.async(fn -> diag("sleep", [60.0], pool_name: @remote, timeout: 120_000) end)
