@@ -45,6 +45,41 @@ defmodule VllmBridge do
   made outside any session to the process that made the call or read the stream
   (released when that process exits, so a `Task` that returns one hands over a reference
   about to go). `release/2` releases either earlier.
+
+  **Across nodes.** A pool started on another connected BEAM node is used by its name,
+  through this same API (distributed Erlang only: the pools join `:pg` groups, requests
+  run in a process spawned on the pool's node; see `VllmBridge.Runtime`, "Nodes", and
+  `VllmBridge.Pool.nodes/1`). `pool_name:` prefers this node's pool and otherwise goes to
+  a node that has one; `node:` pins a node. What holds there:
+
+    * calls, gets, streams, context managers (`enter/4`, `exit/3`, `with_context/5`),
+      `release/2` and sessions (`VllmBridge.Session.open/1`, `with_session/2`) work as on
+      one node, with the same results and `VllmBridge.Error`s. The reply is decoded on
+      the pool's node, so an atom Python returns comes back as an atom only if that
+      node knows it (as `String.to_existing_atom/1` decides there);
+    * one deadline: the remote request has the milliseconds left when it leaves, and is
+      cancelled in its worker at its deadline as a local one; the caller gives the node
+      2 s more to answer (the settle of the cancel), then gives up itself, and the
+      remote request is cancelled all the same. A caller that dies (or a
+      `Task.shutdown/2`) cancels it too;
+    * a session, a context handle and a reference carry their node (`node` field) and
+      their requests run there; a `node:` naming another node, or a reference of another
+      node as an argument of a request that runs on a node, is `:bad_argument` naming
+      both (a reference of another node passed to a call on this node is refused by the
+      worker: `:session_lost`, its instance is not the worker's). References made
+      outside a session belong to the calling process, on the pool's node: released when
+      it exits or its node goes;
+    * a node that goes down: every request waiting on it answers at once (when the
+      connection drops) with `:worker_exit`, or `:session_lost` for a request in a session
+      or on a reference, naming the node; its pools leave the routing. A partition that
+      drops no connection is seen only when distribution's tick gives up on it
+      (`net_ticktime`, 60 s by default); until then a request waits at most its deadline
+      plus those 2 s;
+    * streams keep their flow control: the generator runs at most two windows ahead of
+      the reader (one in its worker, one on the way), see `VllmBridge.Stream`;
+    * `call_all/5`, `VllmBridge.Pool.names/0`, `workers/1` and `status/2` are about this
+      node's pools (ask the other node with `:erpc`); a remote request's telemetry span
+      is emitted on the pool's node (when it has `:telemetry` loaded), not the caller's.
   """
 
   alias VllmBridge.{Error, Pool, Ref, Session}
@@ -268,7 +303,7 @@ defmodule VllmBridge do
               opts = Keyword.put(opts || [], :session_id, s.id)
               Context.with_context_in(s, target, args, kwargs, opts, fun)
             end,
-            Keyword.take(opts || [], [:pool_name])
+            Keyword.take(opts || [], [:pool_name, :node])
           )
 
         {id, _} ->

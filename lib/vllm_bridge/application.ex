@@ -13,6 +13,9 @@ defmodule VllmBridge.Application do
       {Registry, keys: :unique, name: VllmBridge.Pool.Names},
       VllmBridge.Session.Manager,
       VllmBridge.Session.LooseRefs,
+      # The :pg scope where each pool's queue joins the group {:pool, name}: how a pool
+      # started on another node of the cluster is found by its name (VllmBridge.Remote).
+      %{id: VllmBridge.Pool.Groups, start: {:pg, :start_link, [VllmBridge.Pool.Groups]}},
       {DynamicSupervisor, name: VllmBridge.PoolSupervisor, strategy: :one_for_one}
     ]
 

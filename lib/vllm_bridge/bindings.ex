@@ -54,7 +54,7 @@ defmodule VllmBridge.Bindings do
   ## Runtime options
 
   `__runtime__:` takes the options of `VllmBridge.Runtime` (`timeout`, `timeout_profile`,
-  `stream_timeout`, `session_id`, `pool_name`, `affinity`), documented there once.
+  `stream_timeout`, `session_id`, `pool_name`, `affinity`, `node`), documented there once.
 
   ## Module attributes
 

@@ -186,9 +186,24 @@ defmodule VllmBridge.Pool do
     end
   end
 
-  @doc "The names of the pools that are running."
+  @doc "The names of the pools that are running on this node."
   @spec names() :: [name()]
   def names, do: Directory.pools()
+
+  @doc """
+  The nodes where a pool named `name` runs, this one included, sorted: those a call with
+  `pool_name: name` may go to (this node first when it is among them; `node:` picks
+  another). Found through the `:pg` scope `VllmBridge.Pool.Groups`, which each node's
+  application starts and each pool joins: a pool leaves it when it stops, and a node's
+  pools when that node disconnects. Only the nodes connected to this one are seen (`:pg`'s
+  view is not transitive), and a pool just started elsewhere is seen a moment later.
+  `names/0`, `workers/1` and `status/2` are this node's; for another node's, ask it
+  (`:erpc.call(node, VllmBridge.Pool, :status, [name])`).
+
+      VllmBridge.Pool.nodes(:gpu)   #=> [:"app@host-a", :"gpu@host-b"]
+  """
+  @spec nodes(name()) :: [node()]
+  def nodes(name), do: VllmBridge.Remote.nodes(name)
 
   @doc """
   The workers of pool `name`, by index: pid, OS pid and instance of those serving, `nil`

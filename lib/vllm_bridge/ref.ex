@@ -8,17 +8,28 @@ defmodule VllmBridge.Ref do
     * `id` - the reference's number, unique within that process
     * `session` - the owning session, `nil` for the worker's default session
     * `type` - the object's qualified Python class name (informational)
+    * `node` - the BEAM node whose worker holds the object: `nil` for one of this
+      node's workers; a reference that a call on another node brought back carries that
+      node. A request bound to it (`{ref, path}`, `exit/3`, `release/2`) runs on that
+      node; one that pins another node (`node:`), or a call to another node that carries
+      it as an argument, is refused with `:bad_argument` naming both nodes
   """
 
   @enforce_keys [:instance, :id]
-  defstruct [:instance, :id, session: nil, type: ""]
+  defstruct [:instance, :id, session: nil, type: "", node: nil]
 
   @type t :: %__MODULE__{
           instance: String.t(),
           id: integer(),
           session: String.t() | nil,
-          type: String.t()
+          type: String.t(),
+          node: node() | nil
         }
+
+  @doc "The node the reference's object lives on (`nil` read as this node)."
+  @spec node_of(t()) :: node()
+  def node_of(%__MODULE__{node: nil}), do: node()
+  def node_of(%__MODULE__{node: n}), do: n
 
   @doc """
   Every reference in `term` (lists, maps, tuples, structs; a tensor holds none), in no

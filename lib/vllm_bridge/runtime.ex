@@ -11,6 +11,7 @@ defmodule VllmBridge.Runtime do
   | `:session_id` | a session id (string), a `%VllmBridge.Session{}`, or `nil` | the process's current session (`VllmBridge.Session.current/0`), else `nil` |
   | `:pool_name` | the name of a started pool | `:default` |
   | `:affinity` | `:hint`, `:strict_queue`, `:strict_fail_fast` | `:strict_queue` |
+  | `:node` | a node name (atom): `node()` for this node, or a connected node; `nil` | `nil`: this node's pool if it has one, else a node that has it |
 
   Profiles (`timeout` / `stream_timeout`): `:default` 120 000 / 1 800 000,
   `:ml_inference` 600 000 / 1 800 000, `:batch_job` `:infinity` / `:infinity`,
@@ -35,6 +36,15 @@ defmodule VllmBridge.Runtime do
   call such as `get_forward_context()` reads session state without carrying any, and
   only the caller knows that; `:hint` is an opt-in for calls known to be state-free.
 
+  **Nodes.** A pool started on another connected BEAM node is found by its name (see
+  `VllmBridge.Pool.nodes/1`): `pool_name: :gpu` runs on this node when it has a pool
+  `:gpu`, and otherwise on a node that has one (picked at random among them, call by
+  call). `node:` pins the node (`node: node()` means this one, never another). A
+  session, a context handle or a reference belongs to the node its worker is on, and
+  its requests run there whatever `pool_name:` says; a `node:` naming another node is
+  refused. Deadlines, cancels and errors are the same as on one node (see `VllmBridge`,
+  "Across nodes").
+
   Unknown options and bad values are refused with `{:error, %VllmBridge.Error{type:
   :bad_argument}}` naming them.
   """
@@ -49,12 +59,14 @@ defmodule VllmBridge.Runtime do
           stream_timeout: ms(),
           session_id: String.t() | VllmBridge.Session.t() | nil,
           pool_name: term(),
-          affinity: :hint | :strict_queue | :strict_fail_fast
+          affinity: :hint | :strict_queue | :strict_fail_fast,
+          node: node() | nil
         ]
 
   @doc "The option names a call accepts."
   @spec keys() :: [atom()]
-  def keys, do: [:timeout, :timeout_profile, :stream_timeout, :session_id, :pool_name, :affinity]
+  def keys,
+    do: [:timeout, :timeout_profile, :stream_timeout, :session_id, :pool_name, :affinity, :node]
 
   @doc "The timeout profiles: name => `{timeout, stream_timeout}`."
   @spec profiles() :: %{atom() => {ms(), ms()}}

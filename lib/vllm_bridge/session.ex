@@ -53,17 +53,23 @@ defmodule VllmBridge.Session do
   alias VllmBridge.Session.Manager
 
   @enforce_keys [:id, :pool, :worker, :instance, :owner]
-  defstruct [:id, :pool, :worker, :instance, :owner]
+  defstruct [:id, :pool, :worker, :instance, :owner, node: nil]
 
+  @typedoc "`node`: the node of the session's worker (`nil` read as this node)."
   @type t :: %__MODULE__{
           id: String.t(),
           pool: term(),
           worker: non_neg_integer(),
           instance: String.t(),
-          owner: pid()
+          owner: pid(),
+          node: node() | nil
         }
 
-  @open_keys [:pool_name, :worker, :owner, :id]
+  @open_keys [:pool_name, :worker, :owner, :id, :node]
+
+  # How long opening or closing a session on another node may wait for that node, at
+  # least (a close waits its own timeout, and this more).
+  @remote_ms 5_000
 
   # The process-dictionary key of the current session (current/0, with_current/2).
   @current {__MODULE__, :current}
@@ -72,20 +78,110 @@ defmodule VllmBridge.Session do
   Opens a session. Options: `pool_name:` (default the configured runtime pool,
   `:default`), `worker:` (index of the worker, e.g. a DP rank; default the least loaded),
   `owner:` (the process whose death closes it; default the caller), `id:` (a string;
-  default a fresh random one).
+  default a fresh random one), `node:` (the node whose pool it runs on, as the runtime
+  option `node:`: default this node when it has the pool, else a node that has it).
+
+  A session on another node (its `node` field) is opened and closed there, and its
+  requests run there, whatever node makes them (`VllmBridge.Runtime`, "Nodes"); its
+  owner's exit, or its owner's node going, closes it there. If the session's node goes
+  down, its requests answer `:session_lost` naming the node.
   """
   @spec open(keyword()) :: {:ok, t()} | {:error, Error.t()}
   def open(opts \\ []) do
     with :ok <- check_keys(opts),
          {:ok, pool} <- pool_name(opts),
+         {:ok, pinned} <- node_opt(opts),
+         :local <- where(pool, pinned, opts),
          {:ok, meta} <- VllmBridge.Pool.meta(pool),
          {:ok, index} <- pick(meta, Keyword.get(opts, :worker)),
          {:ok, instance} <- instance(pool, index),
          {:ok, id} <- new_id(Keyword.get(opts, :id)),
          {:ok, owner} <- owner(Keyword.get(opts, :owner, self())) do
-      session = %__MODULE__{id: id, pool: pool, worker: index, instance: instance, owner: owner}
+      session = %__MODULE__{
+        id: id,
+        pool: pool,
+        worker: index,
+        instance: instance,
+        owner: owner,
+        node: node()
+      }
+
       Manager.register(session)
+    else
+      {:remote, node, opts} -> open_on(node, opts)
+      {:error, e} -> {:error, e}
     end
+  end
+
+  @doc "The node a session's worker is on (`nil` read as this node)."
+  @spec node_of(t()) :: node()
+  def node_of(%__MODULE__{node: nil}), do: node()
+  def node_of(%__MODULE__{node: n}), do: n
+
+  defp node_opt(opts) do
+    case Keyword.get(opts, :node) do
+      n when n == nil or (is_atom(n) and n not in [true, false]) ->
+        with {:ok, rt} <- Runtime.resolve(node: n), do: {:ok, rt.node}
+
+      other ->
+        Runtime.resolve(node: other)
+    end
+  end
+
+  # This node's pool, or the node to open the session on (as a request would pick it),
+  # with the options that open it there.
+  defp where(pool, pinned, opts) do
+    case VllmBridge.Pool.meta(pool) do
+      {:ok, _meta} when pinned == nil or pinned == node() ->
+        :local
+
+      _elsewhere ->
+        case VllmBridge.Remote.pool_route(%Runtime{pool_name: pool, node: pinned}) do
+          {:remote, n} ->
+            opts = opts |> Keyword.put(:node, n) |> Keyword.put_new(:owner, self())
+            {:remote, n, Keyword.put_new(opts, :pool_name, pool)}
+
+          {:error, e} ->
+            {:error, e}
+        end
+    end
+  end
+
+  # Opened on `node` (its manager watches the owner from there), and known here too, so
+  # that requests naming it by id are routed there and the owner's exit forgets it here.
+  defp open_on(node, opts) do
+    with {:ok, %__MODULE__{} = s} <- remote(node, :open, [opts], @remote_ms, "open") do
+      case Manager.register(s) do
+        {:ok, s} ->
+          {:ok, s}
+
+        {:error, e} ->
+          _ = remote(node, :close, [s.id, @remote_ms], @remote_ms * 2, "close")
+          {:error, e}
+      end
+    end
+  end
+
+  defp remote(node, fun, args, timeout, what) do
+    :erpc.call(node, __MODULE__, fun, args, timeout)
+  catch
+    :error, {:erpc, :noconnection} ->
+      {:error,
+       Error.new(
+         :worker_exit,
+         "session #{what} on node #{inspect(node)}: the node is not reachable"
+       )}
+
+    :error, {:erpc, :timeout} ->
+      {:error,
+       Error.new(:timeout, "session #{what} on node #{inspect(node)}: no answer in #{timeout} ms")}
+
+    class, reason ->
+      {:error,
+       Error.new(
+         :worker_exit,
+         "session #{what} on node #{inspect(node)} failed: #{inspect({class, reason}, limit: 8)}"
+       )}
   end
 
   @doc """
@@ -103,6 +199,27 @@ defmodule VllmBridge.Session do
   def close(%__MODULE__{id: id}, timeout), do: close(id, timeout)
 
   def close(id, timeout) when is_binary(id) do
+    case lookup(id) do
+      {:ok, %__MODULE__{node: n}} when n != nil and n != node() -> close_on(n, id, timeout)
+      _ -> close_here(id, timeout)
+    end
+  end
+
+  def close(other, _timeout),
+    do: {:error, Error.new(:bad_argument, "not a session: #{inspect(other, limit: 5)}")}
+
+  # Forgotten here, closed there; a node that is gone took the session with it.
+  defp close_on(node, id, timeout) do
+    _ = Manager.forget(id)
+    budget = if timeout == :infinity, do: :infinity, else: timeout + @remote_ms
+
+    case remote(node, :close, [id, timeout], budget, "close") do
+      {:error, %Error{type: :worker_exit}} -> :ok
+      other -> other
+    end
+  end
+
+  defp close_here(id, timeout) do
     case Directory.started?() and Manager.forget(id) do
       {:ok, targets} ->
         deadline = Runtime.deadline(System.monotonic_time(:millisecond), timeout)
@@ -139,14 +256,11 @@ defmodule VllmBridge.Session do
     end
   end
 
-  def close(other, _timeout),
-    do: {:error, Error.new(:bad_argument, "not a session: #{inspect(other, limit: 5)}")}
-
   @doc """
   The session this process's calls default to, or `nil`: while `VllmBridge.with_session/2`
   or a `with_…` form (`VllmBridge.with_context/5`, the generated `with_…` bindings) runs
   its function, a call from the same process that names no `session_id` (and no other
-  pool) runs in that session. `session_id: nil` opts a call out. Processes started inside
+  pool, and no other `node:`) runs in that session. `session_id: nil` opts a call out. Processes started inside
   the function (tasks) do not inherit it: pass them the session.
   """
   @spec current() :: t() | nil

@@ -21,9 +21,20 @@ defmodule VllmBridge.Stream do
   mailbox; reading gives room back, half a window at a time. While other requests wait for the same
   worker (a call made for each chunk, a second stream read in step), it does not wait:
   they run after it, and the reader may be waiting for them.
+
+  On another node (a pool, session or reference there: `VllmBridge.Runtime`, "Nodes"), a
+  process spawned there reads the stream as above and sends the chunks on, at most a
+  window ahead of what the enumerating process has read (which gives room back the same
+  way): the generator runs at most two windows ahead of the reader. The deadlines and
+  errors are the same; halting early cancels the generator there (between two chunks, or
+  at once by ending the process that reads it there when no chunk comes within a second)
+  and releases the references of the chunks that reached the reader unread (those still
+  on their way belong to the reader, on that node, or to their session); if that node
+  goes down, enumeration raises
+  `:worker_exit` (`:session_lost` in a session) naming it.
   """
 
-  alias VllmBridge.{Error, Ref}
+  alias VllmBridge.{Error, Ref, Remote}
   alias VllmBridge.Call.{Request, Route, Run, Runtime, Wire}
   alias VllmBridge.Call.Span, as: CallSpan
   alias VllmBridge.Telemetry
@@ -67,7 +78,11 @@ defmodule VllmBridge.Stream do
          {:ok, pid, _i} <- Route.checkout(route, req, rt.deadline) do
       open(pid, req, rt, route, nil)
     else
-      {:error, %Error{} = e} -> raise e
+      {:remote, rt, node, lost} ->
+        Remote.Stream.open(node, rt, {target, args, kwargs}, opts, lost)
+
+      {:error, %Error{} = e} ->
+        raise e
     end
   end
 
@@ -76,6 +91,10 @@ defmodule VllmBridge.Stream do
     system_time = System.system_time()
 
     case resolve(target, args, kwargs, opts) do
+      # Another node's: its span is that node's (when it has :telemetry loaded).
+      {:remote, rt, node, lost} ->
+        Remote.Stream.open(node, rt, {target, args, kwargs}, opts, lost)
+
       {:ok, rt, route} ->
         span = CallSpan.start("stream", target, route, rt, t0, system_time)
         req = request(route, parts, target)
@@ -107,6 +126,7 @@ defmodule VllmBridge.Stream do
       {:ok, rt} ->
         case Route.resolve(rt, "stream", Run.bound_ref(target), {args, kwargs}) do
           {:ok, route} -> {:ok, rt, route}
+          {:remote, node, lost} -> {:remote, rt, node, lost}
           {:error, e} -> {:error, rt, e}
         end
 
@@ -196,6 +216,7 @@ defmodule VllmBridge.Stream do
   end
 
   defp next(%{done: true} = st), do: {:halt, st}
+  defp next(%{remote: _} = st), do: Remote.Stream.next(st)
 
   defp next(%{handle: {pid, id, mref}} = st) do
     receive do
@@ -268,6 +289,8 @@ defmodule VllmBridge.Stream do
     Process.demonitor(mref, [:flush])
     Request.flush(mref)
   end
+
+  defp stop(%{remote: _} = st), do: Remote.Stream.stop(st)
 
   defp stop(st) do
     settle(st)

@@ -21,6 +21,8 @@ defmodule VllmBridge.Runtime.RuntimeFastPathTest do
     session_id: [nil, "s-1", "other", @session, 7, :s],
     pool_name: [:default, :p, :q, {:any, "term"}, "p"],
     affinity: [:hint, :strict_queue, :strict_fail_fast, :loose, nil],
+    # (:this: this node, node() when the option is drawn.)
+    node: [nil, :this, :"b@127.0.0.1", :no_at_sign, "b@127.0.0.1", 5, true],
     bogus: [1]
   }
 
@@ -31,7 +33,11 @@ defmodule VllmBridge.Runtime.RuntimeFastPathTest do
 
       _ ->
         key = Enum.random(Map.keys(@values))
-        {key, Enum.random(@values[key])}
+
+        case {key, Enum.random(@values[key])} do
+          {:node, :this} -> {:node, node()}
+          option -> option
+        end
     end
   end
 

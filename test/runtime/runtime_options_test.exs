@@ -196,6 +196,10 @@ defmodule VllmBridge.Runtime.RuntimeOptionsTest do
       assert refused(timeout_profile: :fast) =~ ":ml_inference"
       assert refused(affinity: :sticky) =~ ":sticky"
       assert refused(session_id: 12) =~ "session_id" and refused(session_id: 12) =~ "12"
+      assert refused(node: "b@h") =~ "node must be" and refused(node: "b@h") =~ ~s("b@h")
+
+      assert refused(node: :no_at_sign) =~ "name@host" and
+               refused(node: :no_at_sign) =~ ":no_at_sign"
     end
 
     test "options that are not a keyword list" do

@@ -11,12 +11,18 @@ defmodule VllmBridge.Call.Route do
   #     `VllmBridge.Session`; a session whose worker restarted is `:session_lost`;
   #   * otherwise: any worker of the pool `pool_name:` names.
   #
+  # Across nodes (VllmBridge.Remote): a reference or session of another node, a pool this
+  # node does not have, or `node:` naming another node answer `{:remote, node, lost}`
+  # instead of a route (`lost` the error type should that node go down meanwhile); the
+  # request then runs on that node, where this same module routes it locally. A `node:`
+  # that differs from the node of the session or reference is `:bad_argument`.
+  #
   # `checkout/3` then checks the request against the pool's frame limit (`max_frame_bytes`;
   # a request over it is `:bad_argument`, and nothing is reserved), reserves room
   # (`VllmBridge.Pool.Checkout`) and checks that the worker it got is still the process the
   # session or reference belongs to.
 
-  alias VllmBridge.{Error, Ref, Session}
+  alias VllmBridge.{Error, Ref, Remote, Session}
   alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Checkout, Directory, Meta, Slots}
 
@@ -41,7 +47,17 @@ defmodule VllmBridge.Call.Route do
   references).
   """
   @spec resolve(Runtime.t(), String.t(), Ref.t() | nil, term()) ::
-          {:ok, t()} | {:error, Error.t()}
+          {:ok, t()} | {:remote, node(), :session_lost | :worker_exit} | {:error, Error.t()}
+  def resolve(%Runtime{node: pinned}, _kind, %Ref{node: n} = ref, _payload)
+      when n != nil and n != node() do
+    with :ok <- Remote.same_node(pinned, n, "reference #{ref.id} (#{ref.type})"),
+         do: {:remote, n, :session_lost}
+  end
+
+  def resolve(%Runtime{node: pinned}, _kind, %Ref{} = ref, _payload)
+      when pinned != nil and pinned != node(),
+      do: Remote.same_node(pinned, node(), "reference #{ref.id} (#{ref.type})")
+
   def resolve(%Runtime{} = rt, _kind, %Ref{} = ref, _payload) do
     case Directory.instance(ref.instance) do
       {pool, index, _pid} ->
@@ -67,6 +83,7 @@ defmodule VllmBridge.Call.Route do
   def resolve(%Runtime{session_id: id} = rt, kind, nil, payload) when is_binary(id) do
     with {:ok, s} <- Session.lookup(id),
          :ok <- same_pool(rt, s),
+         :local <- session_node(rt, s),
          {:ok, meta} <- pool_meta(s.pool, Session.lost(s)),
          {:ok, _pid} <- Session.home(s) do
       constraint =
@@ -87,9 +104,27 @@ defmodule VllmBridge.Call.Route do
     end
   end
 
-  def resolve(%Runtime{pool_name: pool}, _kind, nil, _payload) do
-    with {:ok, meta} <- VllmBridge.Pool.meta(pool) do
-      {:ok, %__MODULE__{meta: meta, constraint: :any}}
+  def resolve(%Runtime{pool_name: pool, node: pinned} = rt, _kind, nil, _payload) do
+    case Directory.pool(pool) do
+      {:ok, meta} when pinned == nil or pinned == node() ->
+        {:ok, %__MODULE__{meta: meta, constraint: :any}}
+
+      _elsewhere ->
+        with {:remote, n} <- Remote.pool_route(rt), do: {:remote, n, :worker_exit}
+    end
+  end
+
+  # A session of another node runs there; `node:` may only name the session's node.
+  defp session_node(%Runtime{node: pinned}, %Session{} = s) do
+    n = Session.node_of(s)
+    what = "session #{inspect(s.id)}"
+
+    cond do
+      n != node() ->
+        with :ok <- Remote.same_node(pinned, n, what), do: {:remote, n, :session_lost}
+
+      true ->
+        with :ok <- Remote.same_node(pinned, n, what), do: :local
     end
   end
 

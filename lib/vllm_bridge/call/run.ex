@@ -4,7 +4,7 @@ defmodule VllmBridge.Call.Run do
   # were resolved once (VllmBridge.Call.Runtime); the arguments were encoded in the
   # caller's process before anything is reserved (VllmBridge.Call.Wire).
 
-  alias VllmBridge.{Error, Ref}
+  alias VllmBridge.{Error, Ref, Remote}
   alias VllmBridge.Call.{Request, Route, Runtime, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Call.Span, as: CallSpan
@@ -50,7 +50,12 @@ defmodule VllmBridge.Call.Run do
   # its frame limit and a worker has room; otherwise, before anything is reserved, the
   # general path runs and answers (queues, refuses) as it always does. Its results are
   # the general path's (test/runtime/lean_call_test.exs).
-  def plain(%Runtime{session_id: nil} = rt, "call", parts, what: what, bound: nil, payload: p) do
+  def plain(%Runtime{session_id: nil, node: n} = rt, "call", parts,
+        what: what,
+        bound: nil,
+        payload: p
+      )
+      when n == nil or n == node() do
     with {:ok, meta} <- Directory.pool(rt.pool_name),
          req = Request.new("call", [<<0xC0>>], parts, true, what),
          true <- Slots.waiting(meta) == 0 and Request.max_size(req) <= meta.max_frame_bytes,
@@ -88,7 +93,12 @@ defmodule VllmBridge.Call.Run do
         exchange(pid, req, kind, route, rt)
       end
 
-    named(result, kind, what, rt)
+    case result do
+      # Another node's pool, session or reference: the request runs there (its result,
+      # a timeout included, is named there).
+      {:remote, node, lost} -> Remote.run(node, rt, kind, parts, opts, lost)
+      result -> named(result, kind, what, rt)
+    end
   end
 
   # The same steps, timed: the span starts when the request enters (its metadata once the
@@ -102,6 +112,10 @@ defmodule VllmBridge.Call.Run do
     system_time = System.system_time()
 
     case resolve(rt, kind, opts) do
+      # Another node's: its span is that node's (when it has :telemetry loaded).
+      {:remote, node, lost} ->
+        Remote.run(node, rt, kind, parts, opts, lost)
+
       {:ok, route} ->
         span = CallSpan.start(kind, what, route, rt, t0, system_time)
 

@@ -20,7 +20,8 @@ defmodule VllmBridge.Call.Runtime do
             pool_name: :default,
             pool_given?: false,
             session_current?: false,
-            affinity: :strict_queue
+            affinity: :strict_queue,
+            node: nil
 
   @type ms :: VllmBridge.Runtime.ms()
 
@@ -34,7 +35,8 @@ defmodule VllmBridge.Call.Runtime do
           pool_name: term(),
           pool_given?: boolean(),
           session_current?: boolean(),
-          affinity: :hint | :strict_queue | :strict_fail_fast
+          affinity: :hint | :strict_queue | :strict_fail_fast,
+          node: node() | nil
         }
 
   @type opts :: VllmBridge.Runtime.opts()
@@ -76,7 +78,8 @@ defmodule VllmBridge.Call.Runtime do
     session_id: @session_bit,
     timeout: 4,
     stream_timeout: 8,
-    affinity: 16
+    affinity: 16,
+    node: 32
   }
 
   defp quick([], rt, seen), do: {:ok, rt, seen}
@@ -107,6 +110,7 @@ defmodule VllmBridge.Call.Runtime do
        do: {:ok, Map.put(rt, key, ms)}
 
   defp quick_put(:affinity, a, rt) when a in @affinities, do: {:ok, %{rt | affinity: a}}
+  defp quick_put(:node, n, rt) when n == nil or n == node(), do: {:ok, %{rt | node: n}}
   defp quick_put(_key, _value, _rt), do: :slow
 
   defp full_resolve(opts, kind, now) do
@@ -126,10 +130,12 @@ defmodule VllmBridge.Call.Runtime do
 
   # A call that names no session_id runs in the process's current session (set while a
   # with_session/with_… function runs; VllmBridge.Session.current/0), unless it names
-  # another pool.
+  # another pool or another node.
   defp current_session(rt) do
     case VllmBridge.Session.current() do
-      %{id: id, pool: pool} when not rt.pool_given? or rt.pool_name == pool ->
+      %{id: id, pool: pool} = s
+      when (not rt.pool_given? or rt.pool_name == pool) and
+             (rt.node == nil or rt.node == s.node or (s.node == nil and rt.node == node())) ->
         %{rt | session_id: id, session_current?: true}
 
       _ ->
@@ -162,7 +168,9 @@ defmodule VllmBridge.Call.Runtime do
          {:ok, session_id} <- session_id(session_id),
          {:ok, pool} <- pick(:pool_name, opts, defaults, :default),
          {:ok, affinity} <- pick(:affinity, opts, defaults, :strict_queue),
-         :ok <- affinity(affinity) do
+         :ok <- affinity(affinity),
+         {:ok, node} <- pick(:node, opts, defaults, nil),
+         :ok <- node_name(node) do
       {:ok,
        %__MODULE__{
          timeout: timeout,
@@ -171,7 +179,8 @@ defmodule VllmBridge.Call.Runtime do
          session_id: session_id,
          pool_name: pool,
          pool_given?: Keyword.has_key?(opts, :pool_name),
-         affinity: affinity
+         affinity: affinity,
+         node: node
        }}
     end
   end
@@ -225,6 +234,31 @@ defmodule VllmBridge.Call.Runtime do
 
   defp affinity(other),
     do: bad("affinity must be one of #{inspect(@affinities)}, got #{inspect(other)}")
+
+  # A node name is an atom (what `node()` and `Node.list/0` give); `nil` leaves the
+  # node to the routing. Whether the node is connected and has the pool is the route's
+  # question (VllmBridge.Remote), answered with the error of a pool not started there.
+  defp node_name(nil), do: :ok
+
+  defp node_name(n) when is_atom(n) and n not in [true, false] do
+    if String.contains?(Atom.to_string(n), "@"),
+      do: :ok,
+      else: node_name({:not_a_node, n})
+  end
+
+  defp node_name({:not_a_node, n}),
+    do:
+      bad(
+        "node must be a node name of the form name@host (node() for this one) or nil, " <>
+          "got #{inspect(n)}"
+      )
+
+  defp node_name(other),
+    do:
+      bad(
+        "node must be a node name (an atom such as :\"gpu@host\", node() for this one) " <>
+          "or nil, got #{inspect(other, limit: 5)}"
+      )
 
   defp check_keyword([], _where), do: :ok
 

@@ -44,6 +44,9 @@ defmodule VllmBridge.Pool.Queue do
     meta = %{meta | queue: self()}
     Directory.put_pool(meta)
     Slots.set_waiting(meta, 0)
+    # Found from the other nodes by its name from now on; :pg drops the membership when
+    # this process exits (the pool stops) or when this node goes (VllmBridge.Remote).
+    :ok = :pg.join(VllmBridge.Remote.scope(), {:pool, meta.name}, self())
     {:ok, %{meta: meta, order: :queue.new(), entries: %{}, monitors: %{}}}
   end
 
@@ -90,6 +93,8 @@ defmodule VllmBridge.Pool.Queue do
 
   @impl true
   def terminate(_reason, state) do
+    # Out of the other nodes' routing before the workers go.
+    :pg.leave(VllmBridge.Remote.scope(), {:pool, state.meta.name}, self())
     Directory.delete_pool(state.meta.name)
     :ok
   end

@@ -35,12 +35,42 @@ defmodule VllmBridge.Session.LooseRefs do
   """
   @spec track(pid(), [Ref.t()]) :: :ok
   def track(_owner, []), do: :ok
-  def track(owner, refs) when is_pid(owner), do: GenServer.cast(__MODULE__, {:track, owner, refs})
 
-  @doc "Forgets `refs` (they were released); references not tracked are ignored."
+  def track(owner, refs) when is_pid(owner),
+    do: GenServer.cast(__MODULE__, {:track, acting_for(owner), refs})
+
+  # The process a proxy's runner makes requests for (VllmBridge.Remote.Proxy): what it
+  # would own belongs to that process, on its node.
+  @acting_for {__MODULE__, :acting_for}
+
+  @doc """
+  From now on the references this process would own belong to `owner` (a process of
+  another node, for which it runs requests): released when `owner` exits or its node
+  goes.
+  """
+  @spec act_for(pid()) :: :ok
+  def act_for(owner) when is_pid(owner) do
+    Process.put(@acting_for, owner)
+    :ok
+  end
+
+  defp acting_for(owner) when owner == self(), do: Process.get(@acting_for, owner)
+  defp acting_for(owner), do: owner
+
+  @doc """
+  Forgets `refs` (they were released); references not tracked are ignored. Those of
+  another node (`node` set) are forgotten there, where they are tracked.
+  """
   @spec forget([Ref.t()]) :: :ok
   def forget([]), do: :ok
-  def forget(refs), do: GenServer.cast(__MODULE__, {:forget, refs})
+
+  def forget(refs) do
+    for {node, refs} <- Enum.group_by(refs, &Ref.node_of/1) do
+      GenServer.cast({__MODULE__, node}, {:forget, refs})
+    end
+
+    :ok
+  end
 
   @doc "How many references `owner` holds here (for tests and diagnostics)."
   @spec count(pid()) :: non_neg_integer()

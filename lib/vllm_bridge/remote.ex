@@ -1,0 +1,280 @@
+defmodule VllmBridge.Remote do
+  @moduledoc false
+  # Pools on other BEAM nodes, on distributed Erlang alone (no cluster layer of ours):
+  #
+  #   * finding them: each pool's queue joins the `:pg` group `{:pool, name}` of the scope
+  #     `VllmBridge.Pool.Groups` (VllmBridge.Pool.Queue), which the application starts on
+  #     every node. `:pg` drops a member when its process exits (the pool stopped) and
+  #     every member of a node when that node disconnects, so a node that goes leaves the
+  #     routing by itself;
+  #   * using them: a request routed to another node (VllmBridge.Call.Route answers
+  #     `{:remote, node}`) runs there as the ordinary local request, in a process spawned
+  #     on that node (VllmBridge.Remote.Proxy's runner), which this process monitors and
+  #     whose watcher monitors this process. The local path is not touched: no pool process, no `:pg`
+  #     look-up on it (only a pool missing here, a session or reference of another node,
+  #     or `node:` pinning another node gets here).
+  #
+  # What holds across nodes, and why:
+  #
+  #   * one deadline: the proxy gets the milliseconds left when it is spawned and fixes
+  #     the same deadline on its node's clock (monotonic clocks of two nodes are not
+  #     comparable), so the remote worker is cancelled there at the deadline exactly as a
+  #     local one, and the answer (a late success, or :timeout) comes back. This process
+  #     waits for it up to @settle_margin past the deadline; past that (a node too busy
+  #     to answer, a connection that hangs) it kills the runner, which cancels the request
+  #     in its worker (the worker monitors its caller, that runner), and answers
+  #     :timeout itself;
+  #   * cancel: this process dying (or `Task.shutdown/2`) is seen by the proxy's watcher,
+  #     which kills the runner that made the request: the worker sees its caller go and
+  #     cancels the request, as for a local caller that dies;
+  #   * a node going down: the monitor's `:noconnection` DOWN comes as soon as the
+  #     connection drops; the request answers `:worker_exit` (`:session_lost` for a
+  #     request in a session or on a reference) naming the node. The watcher's monitor of
+  #     this process fires the same way on the other side, so the request is cancelled
+  #     there too if that node lives on;
+  #   * references: results come back with `node` set on each `%VllmBridge.Ref{}` (the
+  #     proxy sets it), so requests on them are routed back; those made outside a session
+  #     belong to this process on the remote node (its LooseRefs monitors this process),
+  #     so they are released when this process exits or this node goes.
+
+  alias VllmBridge.{Error, Ref}
+  alias VllmBridge.Call.Runtime
+  alias VllmBridge.Pool.Directory
+  alias VllmBridge.Remote.Proxy
+
+  @scope VllmBridge.Pool.Groups
+
+  # How long past its deadline a request waits for the proxy's answer (the remote
+  # worker's settle after its cancel is a message round trip; this bounds a node that
+  # does not answer at all).
+  @settle_margin 2_000
+
+  @doc "The `:pg` scope pools join (started by the application)."
+  @spec scope() :: atom()
+  def scope, do: @scope
+
+  @doc "How long past its deadline a request waits for a remote node's answer, in ms."
+  @spec settle_margin() :: non_neg_integer()
+  def settle_margin, do: @settle_margin
+
+  @doc "The nodes where pool `name` runs (this one included), sorted."
+  @spec nodes(term()) :: [node()]
+  def nodes(name) do
+    @scope
+    |> :pg.get_members({:pool, name})
+    |> Enum.map(&node/1)
+    |> Enum.uniq()
+    |> Enum.sort()
+  rescue
+    # The scope is not running: the application is not started.
+    ArgumentError -> []
+  end
+
+  @doc """
+  Where a request for a pool goes once this node does not serve it (no local pool, or
+  `node:` names another node): `{:remote, node}`, or the error of a pool that is not
+  started, naming the nodes that were looked at.
+  """
+  @spec pool_route(Runtime.t()) :: {:remote, node()} | {:error, Error.t()}
+  def pool_route(%Runtime{pool_name: pool, node: pinned}) do
+    others = nodes(pool) -- [node()]
+
+    cond do
+      pinned == nil and others != [] -> {:remote, Enum.random(others)}
+      pinned == nil -> {:error, not_started(pool, nil)}
+      pinned == node() -> {:error, not_started(pool, pinned)}
+      pinned in others -> {:remote, pinned}
+      true -> {:error, not_started(pool, pinned)}
+    end
+  end
+
+  @doc "The error of pool `pool`, started neither here nor (pinned nil) on any connected node."
+  @spec not_started(term(), node() | nil) :: Error.t()
+  def not_started(pool, pinned) do
+    Directory.not_started(fn ->
+      where =
+        case pinned do
+          nil ->
+            "on this node (running here: #{inspect(Directory.pools())}) nor on any " <>
+              "connected node (looked at: #{inspect(Node.list())})"
+
+          n when n == node() ->
+            "on this node #{inspect(n)}, which node: pins (running here: " <>
+              "#{inspect(Directory.pools())})"
+
+          n ->
+            connected = if n in Node.list(), do: "connected", else: "not connected"
+
+            "on node #{inspect(n)}, which node: pins (#{connected}; nodes that have it: " <>
+              "#{inspect(nodes(pool))})"
+        end
+
+      Error.new(:bad_argument, "pool #{inspect(pool)} is not started #{where}")
+    end)
+  end
+
+  @doc """
+  Whether a request pinned to `pinned` (`node:`) may use something of `owner_node` (a
+  session or reference, described by `what`): `:ok`, or `:bad_argument` naming both.
+  """
+  @spec same_node(node() | nil, node(), String.t()) :: :ok | {:error, Error.t()}
+  def same_node(nil, _owner_node, _what), do: :ok
+  def same_node(n, n, _what), do: :ok
+
+  def same_node(pinned, owner_node, what) do
+    {:error,
+     Error.new(
+       :bad_argument,
+       "#{what} lives on node #{inspect(owner_node)}, but node: #{inspect(pinned)} was given " <>
+         "(its requests run on its own node)"
+     )}
+  end
+
+  @doc """
+  Refuses references of other nodes than `node` in `term` (the arguments of a request
+  that runs on `node`): a worker there could not resolve them.
+  """
+  @spec refs_on(term(), node()) :: :ok | {:error, Error.t()}
+  def refs_on(term, node) do
+    case Enum.find(Ref.collect(term), &(Ref.node_of(&1) != node)) do
+      nil ->
+        :ok
+
+      ref ->
+        {:error,
+         Error.new(
+           :bad_argument,
+           "reference #{ref.id} (#{ref.type}) lives on node #{inspect(Ref.node_of(ref))} " <>
+             "and cannot be used by a request that runs on node #{inspect(node)}"
+         )}
+    end
+  end
+
+  @doc """
+  Runs a request of `kind` (`VllmBridge.Call.Run.run/4`'s arguments) on `node`, in a
+  proxy there, under `rt`'s deadline; `lost` is the error type of a node that goes down
+  meanwhile (`:session_lost` in a session or on a reference, else `:worker_exit`).
+  """
+  @spec run(node(), Runtime.t(), String.t(), [iodata()], keyword(), atom()) ::
+          {:ok, term()} | {:error, Error.t()}
+  def run(node, %Runtime{} = rt, kind, parts, opts, lost) do
+    payload = Keyword.get(opts, :payload)
+
+    with :ok <- refs_on(payload, node) do
+      # Only the references of the arguments travel for the remote route's :hint check
+      # (VllmBridge.Call.Route.has_ref?/1); the arguments themselves are in `parts`.
+      opts = if payload, do: Keyword.put(opts, :payload, Ref.collect(payload)), else: opts
+      job = {:run, %{rt | deadline: nil}, Runtime.remaining(rt.deadline), kind, parts, opts}
+      {pid, mref, reply} = spawn_proxy(node, job)
+      await(pid, mref, reply, node, rt, kind, lost)
+    end
+  end
+
+  @doc """
+  Spawns the proxy of `job` on `node`, monitored: `{proxy, monitor, reply}`, where
+  `reply` is the alias its answers come on (deactivated by `done/2`, so that answers
+  after this process gave up are dropped by the runtime).
+  """
+  @spec spawn_proxy(node(), tuple()) :: {pid(), reference(), reference()}
+  def spawn_proxy(node, job) do
+    reply = :erlang.alias([:explicit_unalias])
+    {pid, mref} = :erlang.spawn_opt(node, Proxy, :start, [self(), reply, job], [:monitor])
+    {pid, mref, reply}
+  end
+
+  @doc "Stops listening to a proxy: its monitor and alias go, and what they brought."
+  @spec done(reference(), reference()) :: :ok
+  def done(mref, reply) do
+    :erlang.unalias(reply)
+    Process.demonitor(mref, [:flush])
+    flush(reply)
+  end
+
+  defp flush(reply) do
+    receive do
+      {^reply, _} -> flush(reply)
+      {^reply, _, _} -> flush(reply)
+    after
+      0 -> :ok
+    end
+  end
+
+  defp await(pid, mref, reply, node, rt, kind, lost) do
+    receive do
+      {^reply, :result, result} ->
+        done(mref, reply)
+        result
+
+      {:DOWN, ^mref, :process, _pid, reason} ->
+        done(mref, reply)
+        {:error, down(node, reason, lost, "#{kind}")}
+    after
+      wait_ms(rt.deadline) ->
+        Process.exit(pid, :kill)
+        done(mref, reply)
+
+        {:error,
+         Error.new(
+           :timeout,
+           "#{kind} on node #{inspect(node)}: no answer within its timeout " <>
+             "(#{rt.timeout} ms) and #{@settle_margin} ms more; it was cancelled there"
+         )}
+    end
+  end
+
+  @doc "How long to wait for a proxy's answer before `deadline` plus the margin."
+  @spec wait_ms(integer() | :infinity) :: timeout()
+  def wait_ms(:infinity), do: :infinity
+  def wait_ms(deadline), do: Runtime.remaining(deadline) + @settle_margin
+
+  @doc "The error of a request whose proxy on `node` went down with `reason`."
+  @spec down(node(), term(), atom(), String.t()) :: Error.t()
+  def down(node, :noconnection, lost, what) do
+    Error.new(
+      lost,
+      "#{what} on node #{inspect(node)}: the node went down or lost its connection " <>
+        "(noconnection) before it answered"
+    )
+  end
+
+  def down(node, :noproc, lost, what) do
+    Error.new(lost, "#{what} on node #{inspect(node)}: the node could not be reached (noproc)")
+  end
+
+  def down(node, reason, _lost, what) do
+    Error.new(
+      :worker_exit,
+      "#{what} on node #{inspect(node)}: its proxy's runner exited " <>
+        "(#{inspect(reason, limit: 8)}) before it answered"
+    )
+  end
+
+  @doc """
+  `term` with this node set on every `%VllmBridge.Ref{}` that has none (a result leaving
+  this node for another).
+  """
+  @spec stamp(term(), node()) :: term()
+  def stamp(%Ref{node: nil} = ref, node), do: %{ref | node: node}
+  def stamp(%Ref{} = ref, _node), do: ref
+  def stamp(%VllmBridge.Tensor{} = t, _node), do: t
+  def stamp(%VllmBridge.Bytes{} = b, _node), do: b
+  def stamp(%Error{} = e, _node), do: e
+
+  def stamp(%_{} = struct, node),
+    do: Map.merge(struct, struct |> Map.from_struct() |> stamp(node))
+
+  def stamp(list, node) when is_list(list), do: stamp_list(list, node)
+
+  def stamp(map, node) when is_map(map),
+    do: Map.new(map, fn {k, v} -> {stamp(k, node), stamp(v, node)} end)
+
+  def stamp(tuple, node) when is_tuple(tuple),
+    do: tuple |> Tuple.to_list() |> stamp(node) |> List.to_tuple()
+
+  def stamp(other, _node), do: other
+
+  # (Improper lists too: a value decoded from msgpack has none, but a term may.)
+  defp stamp_list([h | t], node), do: [stamp(h, node) | stamp_list(t, node)]
+  defp stamp_list([], _node), do: []
+  defp stamp_list(tail, node), do: stamp(tail, node)
+end

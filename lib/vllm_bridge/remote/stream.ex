@@ -1,0 +1,170 @@
+defmodule VllmBridge.Remote.Stream do
+  @moduledoc false
+  # The enumerating side of a stream that runs on another node (VllmBridge.Stream, when
+  # VllmBridge.Call.Route answers `{:remote, ...}`): a proxy there reads the ordinary
+  # local stream and sends each chunk here (VllmBridge.Remote.Proxy).
+  #
+  #   * flow control: the proxy sends at most a window (VllmBridge.Stream.window/0) of
+  #     chunks ahead of what this process has read, and this process gives room back
+  #     half a window at a time, as a local reader does to its worker. The proxy's own
+  #     reading gives the worker room as a local reader's would, so the generator runs
+  #     at most two windows ahead of this process (one in the worker's window, one in the
+  #     proxy's);
+  #   * deadlines: the proxy's stream has the same deadline (the milliseconds left when
+  #     enumeration began) and the same `timeout` per chunk, and raises there what a
+  #     local stream raises here; this process waits `VllmBridge.Remote.settle_margin/0`
+  #     more before it gives up on the node itself, kills the proxy and raises :timeout;
+  #   * halting early: this process sends `:halt` and goes on at once; the proxy halts its
+  #     local stream between two chunks (which cancels the generator and releases the
+  #     references of the chunks it had not sent), or, when no chunk comes within a
+  #     second, kills the process that reads it (the worker cancels the generator); the
+  #     references of the chunks that had reached this process unread are released in
+  #     their worker (VllmBridge.release/2, routed to the node);
+  #   * the node going down: the proxy's DOWN (`:noconnection`) raises `:worker_exit`
+  #     (`:session_lost` in a session) naming the node.
+
+  alias VllmBridge.{Error, Ref, Remote}
+  alias VllmBridge.Call.Runtime
+
+  @doc false
+  @spec open(node(), Runtime.t(), {term(), list(), term()}, keyword(), atom()) :: map()
+  def open(node, %Runtime{} = rt, {target, args, kwargs}, opts, lost) do
+    case Remote.refs_on({target, args, kwargs}, node) do
+      :ok ->
+        # The session the stream resolved to, when it is this process's current one
+        # rather than named in the options (the proxy makes it its own current one).
+        current = if rt.session_current?, do: rt.session_id
+        left = Runtime.remaining(rt.deadline)
+
+        opts =
+          (opts || [])
+          |> Keyword.drop([:timeout_profile])
+          |> Keyword.merge(
+            timeout: rt.timeout,
+            stream_timeout: left,
+            node: node,
+            affinity: rt.affinity
+          )
+
+        {pid, mref, reply} =
+          Remote.spawn_proxy(node, {:stream, target, args, kwargs, opts, current})
+
+        %{
+          remote: %{node: node, pid: pid, mref: mref, reply: reply, lost: lost, watcher: nil},
+          done: false,
+          deadline: rt.deadline,
+          idle: rt.timeout,
+          read: 0,
+          obs: nil
+        }
+
+      {:error, e} ->
+        raise e
+    end
+  end
+
+  @doc false
+  @spec next(map()) :: {[term()], map()} | {:halt, map()}
+  def next(%{remote: %{reply: reply, mref: mref, pid: pid, node: node} = r} = st) do
+    receive do
+      {^reply, :chunk, value} ->
+        {[value], credit(st)}
+
+      {^reply, :watcher, watcher} ->
+        next(%{st | remote: %{r | watcher: watcher}})
+
+      {^reply, :end} ->
+        {:halt, %{st | done: true}}
+
+      {^reply, :error, %Error{} = e} ->
+        ended(st)
+        raise e
+
+      {:DOWN, ^mref, :process, _, reason} ->
+        ended(st)
+        raise Remote.down(node, reason, r.lost, "stream")
+    after
+      wait(st) ->
+        Process.exit(pid, :kill)
+        ended(st)
+
+        raise Error.new(
+                :timeout,
+                "stream on node #{inspect(node)}: no chunk within its timeout or " <>
+                  "stream_timeout and #{Remote.settle_margin()} ms more; it was cancelled there"
+              )
+    end
+  end
+
+  defp credit(%{read: read, remote: %{pid: pid}} = st) do
+    read = read + 1
+    half = div(VllmBridge.Stream.window(), 2)
+    if rem(read, half) == 0, do: send(pid, {:credit, half})
+    %{st | read: read}
+  end
+
+  defp wait(%{deadline: deadline, idle: idle}) do
+    case min(Runtime.remaining(deadline), idle) do
+      :infinity -> :infinity
+      ms -> ms + Remote.settle_margin()
+    end
+  end
+
+  # A stream that raised: Stream.resource runs stop/1 after, with the state from before
+  # the raise; the mark tells it that nothing is left to settle.
+  defp ended(%{remote: %{mref: mref}} = st) do
+    finish(st)
+    Process.put({__MODULE__, :ended, mref}, true)
+  end
+
+  @doc false
+  @spec stop(map()) :: :ok
+  def stop(%{done: true} = st), do: finish(st)
+
+  def stop(%{remote: %{mref: mref} = r} = st) do
+    if Process.delete({__MODULE__, :ended, mref}), do: :ok, else: halt(r, st)
+  end
+
+  # Halted before its end: the proxy halts its stream there (between two chunks, or by
+  # killing the process that reads it: either cancels the generator). Nothing here waits
+  # for that. The references of chunks that had reached this process unread are
+  # released; those of chunks still on their way belong to this process on that node
+  # (released when it exits) or to their session.
+  defp halt(%{reply: reply} = r, st) do
+    case watcher(r) do
+      nil -> :ok
+      watcher -> send(watcher, :halt)
+    end
+
+    refs = drain(reply, [])
+    finish(st)
+
+    if refs != [] do
+      # In their own session each (release/2 groups them), on their node.
+      _ = VllmBridge.release(refs, timeout: 60_000, session_id: nil)
+    end
+
+    :ok
+  end
+
+  # The proxy's watcher, which takes the :halt: its pid is the proxy's first message
+  # (nil when the proxy is gone before it came: nothing left to halt).
+  defp watcher(%{watcher: nil, reply: reply, mref: mref}) do
+    receive do
+      {^reply, :watcher, watcher} -> watcher
+      {:DOWN, ^mref, :process, _, _} -> nil
+    end
+  end
+
+  defp watcher(%{watcher: watcher}), do: watcher
+
+  defp drain(reply, refs) do
+    receive do
+      {^reply, :chunk, value} -> drain(reply, Ref.collect(value) ++ refs)
+    after
+      0 -> refs
+    end
+  end
+
+  defp finish(%{remote: %{mref: mref, reply: reply}}), do: Remote.done(mref, reply)
+end

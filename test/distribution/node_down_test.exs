@@ -1,0 +1,95 @@
+defmodule VllmBridge.Distribution.NodeDownTest do
+  @moduledoc """
+  A node that goes down (its BEAM killed with SIGKILL) while calls, a session's call and
+  a stream wait on it: each answers at once, long before its own timeout, with
+  `:worker_exit` (`:session_lost` for the session's) naming the node; the node's pools
+  leave the routing; its Python workers exit.
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+  @moduletag :distributed
+
+  import VllmBridge.RuntimeHelpers
+  import VllmBridge.PeerHelpers
+
+  alias VllmBridge.{Error, Pool, Session}
+
+  case VllmBridge.PeerHelpers.ensure_distributed() do
+    :ok -> :ok
+    {:error, why} -> @moduletag skip: "distributed Erlang cannot start here: #{inspect(why)}"
+  end
+
+  @diag "vllm_bridge.bridge.diag"
+  @pool :dist_down
+  # Far beyond the test's waits: an answer that comes is the node's going, not a timeout.
+  @long 120_000
+
+  defp load(c) do
+    {:ok, ws} = :erpc.call(c, Pool, :workers, [@pool])
+    ws |> Enum.reject(&is_nil/1) |> Enum.map(& &1.load) |> Enum.sum()
+  end
+
+  test "callers waiting on a node that dies get :worker_exit / :session_lost naming it" do
+    {peer, c} = start_peer!(:dist_c)
+    on_exit(fn -> stop_peer(peer) end)
+    start_pool_on!(c, @pool, size: 1, max_in_flight: 4)
+    [python] = os_pids_on(c, @pool)
+    {:ok, s} = Session.open(pool_name: @pool)
+    assert s.node == c
+
+    call =
+      Task.async(fn ->
+        VllmBridge.call({@diag, "sleep"}, [60.0], %{}, pool_name: @pool, timeout: @long)
+      end)
+
+    wait_until(fn -> load(c) == 1 end)
+
+    in_session =
+      Task.async(fn ->
+        VllmBridge.call({@diag, "get_var"}, [], %{}, session_id: s, timeout: @long)
+      end)
+
+    streaming =
+      Task.async(fn ->
+        {:ok, st} =
+          VllmBridge.stream({@diag, "count"}, [3], %{}, pool_name: @pool, timeout: @long)
+
+        try do
+          Enum.to_list(st)
+        rescue
+          e in Error -> e
+        end
+      end)
+
+    # All three are in the worker (running or queued behind the sleep).
+    wait_until(fn -> load(c) == 3 end)
+
+    System.cmd("kill", ["-9", "#{beam_os_pid(c)}"])
+
+    # Answered while every one of them had most of its timeout left.
+    assert {:error, %Error{type: :worker_exit, message: m1}} = Task.await(call, 15_000)
+    assert {:error, %Error{type: :session_lost, message: m2}} = Task.await(in_session, 15_000)
+    assert %Error{type: :worker_exit, message: m3} = Task.await(streaming, 15_000)
+
+    for m <- [m1, m2, m3] do
+      assert m =~ "node #{inspect(c)}" and m =~ "noconnection", m
+    end
+
+    # The node's pool is out of the routing; its session's requests say where it was.
+    wait_until(fn -> Pool.nodes(@pool) == [] end, 5_000, "the pool left :pg")
+
+    assert {:error, %Error{type: :bad_argument, message: m}} =
+             VllmBridge.call({@diag, "add"}, [1, 2], %{}, pool_name: @pool)
+
+    assert m =~ "pool #{inspect(@pool)} is not started"
+
+    assert {:error, %Error{type: :session_lost, message: m}} =
+             VllmBridge.call({@diag, "get_var"}, [], %{}, session_id: s)
+
+    assert m =~ inspect(c)
+    assert :ok = Session.close(s)
+
+    # Its Python worker saw its BEAM go (EOF) and exited.
+    wait_until(fn -> not os_alive?(python) end, 30_000, "the worker's Python process exited")
+  end
+end
