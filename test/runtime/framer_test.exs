@@ -91,6 +91,43 @@ defmodule VllmBridge.Runtime.FramerTest do
     end
   end
 
+  # Framer.whole/3, the worker process's one step for a chunk that is one whole frame:
+  # on generated states (between frames, part of a header, a body in progress) and
+  # chunks (one frame, several, a frame and a part, a part, a header over the limit, the
+  # limit itself), wherever it gives a body, feed/3 gives exactly that body and the
+  # state between frames; where it gives nil, feed/3 is taken and is not that case.
+  test "whole/3 answers as feed/3 wherever it takes the chunk, and only there" do
+    for seed <- @seeds do
+      :rand.seed(:exsss, {seed, seed, seed})
+
+      for _ <- 1..300 do
+        max = Enum.random([0, 1, 100, 70_000, @max])
+        state = Enum.random([Framer.new(), <<0, 0>>, {:body, 5, ["abc"]}])
+        b = body()
+
+        chunk =
+          case :rand.uniform(6) do
+            1 -> frame(b)
+            2 -> frame(b) <> frame(<<>>)
+            3 -> frame(b) <> <<0, 0>>
+            4 -> binary_part(frame(b), 0, :rand.uniform(byte_size(b) + 4) - 1)
+            5 -> frame(:binary.copy("x", min(max, 2000)))
+            6 -> <<byte_size(b) + 1::32>> <> b
+          end
+
+        case Framer.whole(state, chunk, max) do
+          nil ->
+            refute match?({:ok, [_], <<>>}, Framer.feed(state, chunk, max)) and
+                     state == Framer.new() and
+                     chunk == frame(hd(elem(Framer.feed(state, chunk, max), 1)))
+
+          body ->
+            assert Framer.feed(state, chunk, max) == {:ok, [body], Framer.new()}
+        end
+      end
+    end
+  end
+
   test "a body exactly at the limit passes; one byte more is refused at its header" do
     at = :binary.copy("a", 1000)
     assert {:ok, [^at], <<>>} = Framer.feed(<<>>, frame(at), 1000)

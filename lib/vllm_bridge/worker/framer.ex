@@ -26,6 +26,16 @@ defmodule VllmBridge.Worker.Framer do
   def new, do: <<>>
 
   @doc """
+  The body of `chunk` when nothing is pending and the chunk is exactly one frame within
+  `max` (a reply that came alone: the common case), else nil. Where it gives a body,
+  `feed/3` gives `{:ok, [body], new()}`: the worker process takes this one step instead,
+  keeping its framer state as it was (no tuple, no list, no update of its state).
+  """
+  @spec whole(t(), binary(), pos_integer()) :: binary() | nil
+  def whole(<<>>, <<len::32, body::binary-size(len)>>, max) when len <= max, do: body
+  def whole(_state, _chunk, _max), do: nil
+
+  @doc """
   Feeds one chunk: the whole bodies it completes, in order, and the new state; or
   `{:too_large, length, bodies}` when a header declares more than `max` bytes (`bodies`:
   the whole ones before it). The stream cannot be trusted after that.
