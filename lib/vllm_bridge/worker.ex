@@ -36,10 +36,11 @@ defmodule VllmBridge.Worker do
   #     stops; its supervisor starts a new one (a new Python process, a new `instance`).
   #   * **Timeouts, and callers that die.** A caller that gives up settles its call through
   #     here (`VllmBridge.Call.Request.give_up/2`: `:cancelled` comes back after any reply
-  #     already passed on), and the calls of a caller that dies (each waiting caller is
-  #     monitored) are cancelled the same way: Python drops a queued call and interrupts a
-  #     running one where it is (docs/PROTOCOL.md, "Cancel"), so its slot comes back and
-  #     the worker, its sessions and their state stay. A reply that still comes is dropped
+  #     already passed on), and the calls of a caller that dies (a caller with calls in
+  #     flight is monitored, once: VllmBridge.Worker.Calls) are cancelled the same way:
+  #     Python drops a queued call and interrupts a running one where it is
+  #     (docs/PROTOCOL.md, "Cancel"), so its slot comes back and the worker, its
+  #     sessions and their state stay. A reply that still comes is dropped
   #     here, and the references in it (seen by nobody) are released in their sessions.
   #   * **`cancel_grace`.** A cancelled call still running `cancel_grace` ms later did not
   #     stop when interrupted: it is stuck in C code (interrupted only once it returns to

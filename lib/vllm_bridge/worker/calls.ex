@@ -97,7 +97,7 @@ defmodule VllmBridge.Worker.Calls do
 
   @doc false
   # A request just written to the port: its caller (if any) is monitored, so that a
-  # caller that dies has its calls cancelled (`abandoned/2`).
+  # caller that dies has its calls cancelled (`abandoned/3`).
   @spec add(t(), Submit.t()) :: t()
   def add(t, %Submit{id: id, alias: alias, caller: caller} = s) do
     status = if alias || caller, do: :live, else: :detached
@@ -264,13 +264,13 @@ defmodule VllmBridge.Worker.Calls do
     {overdue, %{t | seen: correct(t), arrivals: 0, callers: let_go(t.callers)}}
   end
 
-  # Callers without a live call are no longer monitored (a :DOWN already on its way is
-  # ignored by `abandoned/3`).
+  # Callers without a live call are no longer monitored. No :flush (a scan of this
+  # mailbox): a :DOWN already on its way finds no monitor in the table (`abandoned/3`).
   defp let_go(callers) do
     :maps.filter(
       fn
         _pid, {mon, 0} ->
-          Process.demonitor(mon, [:flush])
+          Process.demonitor(mon)
           false
 
         _pid, _held ->
@@ -324,7 +324,7 @@ defmodule VllmBridge.Worker.Calls do
       Messages.send_worker_exit(alias, message)
     end
 
-    for {_pid, {mon, _n}} <- t.callers, do: Process.demonitor(mon, [:flush])
+    for {_pid, {mon, _n}} <- t.callers, do: Process.demonitor(mon)
     %{t | map: %{}, callers: %{}}
   end
 
