@@ -2,10 +2,11 @@ defmodule VllmBridge.Runtime.FramerTest do
   @moduledoc """
   `VllmBridge.Worker.Framer` on seeded random streams: frames of random sizes (empty,
   small, around 64 KiB, larger), cut at random points (single bytes, headers split, many
-  frames in one chunk, a body over many chunks), come out whole and in order; the fast
-  path (one whole frame in one chunk) agrees with the general one; a header over the
-  limit is refused wherever the cut falls, with the whole frames before it, and nothing
-  after the header is kept.
+  frames in one chunk, a body over many chunks), come out whole and in order; one whole
+  frame in one chunk comes out as it does among others, and `whole/3` (the worker
+  process's one step for it) answers as `feed/3`; a header over the limit is refused
+  wherever the cut falls, with the whole frames before it, and nothing after the header
+  is kept.
   """
   use ExUnit.Case, async: true
 
@@ -75,7 +76,7 @@ defmodule VllmBridge.Runtime.FramerTest do
     end
   end
 
-  test "the fast path (one whole frame in one chunk) agrees with the general path" do
+  test "one whole frame in one chunk comes out as behind another frame or after a split header" do
     for seed <- @seeds do
       :rand.seed(:exsss, {seed, seed, seed})
 

@@ -42,11 +42,8 @@ defmodule VllmBridge.Worker.Framer do
   """
   @spec feed(t(), binary(), pos_integer()) ::
           {:ok, [binary()], t()} | {:too_large, non_neg_integer(), [binary()]}
-  # Fast path: nothing pending and the chunk is exactly one frame (a reply that came
-  # alone); its body is a sub-binary of the chunk, not a copy.
-  def feed(<<>>, <<len::32, body::binary-size(len)>>, max) when len <= max,
-    do: {:ok, [body], <<>>}
-
+  # (A chunk that is exactly one frame, nothing pending, goes through `split/3` here too;
+  # the worker process takes `whole/3` for it first, so this has no fast clause of its own.)
   def feed(<<>>, chunk, max), do: split(chunk, max, [])
   def feed(head, chunk, max) when is_binary(head), do: split(head <> chunk, max, [])
 
