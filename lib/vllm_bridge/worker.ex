@@ -36,10 +36,11 @@ defmodule VllmBridge.Worker do
   #     stops; its supervisor starts a new one (a new Python process, a new `instance`).
   #   * **Timeouts, and callers that die.** A caller that gives up settles its call through
   #     here (`VllmBridge.Call.Request.give_up/2`: `:cancelled` comes back after any reply
-  #     already passed on), and the calls of a caller that dies (each waiting caller is
-  #     monitored) are cancelled the same way: Python drops a queued call and interrupts a
-  #     running one where it is (docs/PROTOCOL.md, "Cancel"), so its slot comes back and
-  #     the worker, its sessions and their state stay. A reply that still comes is dropped
+  #     already passed on), and the calls of a caller that dies (a caller with calls in
+  #     flight is monitored, once: VllmBridge.Worker.Calls) are cancelled the same way:
+  #     Python drops a queued call and interrupts a running one where it is
+  #     (docs/PROTOCOL.md, "Cancel"), so its slot comes back and the worker, its
+  #     sessions and their state stay. A reply that still comes is dropped
   #     here, and the references in it (seen by nobody) are released in their sessions.
   #   * **`cancel_grace`.** A cancelled call still running `cancel_grace` ms later did not
   #     stop when interrupted: it is stuck in C code (interrupted only once it returns to
@@ -226,18 +227,9 @@ defmodule VllmBridge.Worker do
     do: Starting.handle_info(message, state)
 
   def handle_info({port, {:data, data}}, %{port: port} = state) do
-    case Framer.feed(state.framer, data, state.max_frame) do
-      {:ok, [frame], framer} ->
-        {:noreply, route(%{state | framer: framer}, frame)}
-
-      {:ok, frames, framer} ->
-        {:noreply, Enum.reduce(frames, %{state | framer: framer}, &route(&2, &1))}
-
-      {:too_large, len, frames} ->
-        state = Enum.reduce(frames, state, &route(&2, &1))
-        # Killed first: it must not go on writing into a stream nobody reads.
-        Launcher.kill(state.os_pid)
-        down(state, Launcher.too_large_message(state.os_pid, len, state.max_frame))
+    case Framer.whole(state.framer, data, state.max_frame) do
+      nil -> feed(state, data)
+      body -> {:noreply, route(state, body)}
     end
   end
 
@@ -278,12 +270,10 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  # The caller of a call died: cancel the call as if it had timed out.
-  def handle_info({:DOWN, mon, :process, _caller, _reason}, state) do
-    case Calls.abandoned(state.calls, mon) do
-      nil -> {:noreply, state}
-      id -> {:noreply, cancel(state, id)}
-    end
+  # A caller died: cancel its live calls as if they had timed out.
+  def handle_info({:DOWN, mon, :process, caller, _reason}, state) do
+    {ids, calls} = Calls.abandoned(state.calls, mon, caller)
+    {:noreply, Enum.reduce(ids, %{state | calls: calls}, &cancel(&2, &1))}
   end
 
   def handle_info(:sweep, state) do
@@ -392,6 +382,23 @@ defmodule VllmBridge.Worker do
         )
 
         state
+    end
+  end
+
+  # Chunks that are not one whole frame: the framer's general path.
+  defp feed(state, data) do
+    case Framer.feed(state.framer, data, state.max_frame) do
+      {:ok, [frame], framer} ->
+        {:noreply, route(%{state | framer: framer}, frame)}
+
+      {:ok, frames, framer} ->
+        {:noreply, Enum.reduce(frames, %{state | framer: framer}, &route(&2, &1))}
+
+      {:too_large, len, frames} ->
+        state = Enum.reduce(frames, state, &route(&2, &1))
+        # Killed first: it must not go on writing into a stream nobody reads.
+        Launcher.kill(state.os_pid)
+        down(state, Launcher.too_large_message(state.os_pid, len, state.max_frame))
     end
   end
 

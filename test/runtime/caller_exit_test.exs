@@ -12,6 +12,7 @@ defmodule VllmBridge.Runtime.CallerExitTest do
 
   alias VllmBridge.{Pool, Worker}
   alias VllmBridge.Pool.Slots
+  alias VllmBridge.Call.{Request, Wire}
 
   # A short cancel grace: a worker restarted for a dead caller's call would show.
   @pool :rt_caller
@@ -122,5 +123,85 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     wait_until(fn -> worker_idle?(w, meta) end, @prompt)
     assert Slots.waiting(meta) == 0
     assert {:ok, 5} = diag("add", [2, 3])
+  end
+
+  # The worker monitors a caller once, not once per call (VllmBridge.Worker.Calls): the
+  # monitor holds every live call of its caller, and goes at the sweep after its last.
+  defp monitored?(w, pid), do: Map.has_key?(:sys.get_state(w).calls.callers, pid)
+
+  test "a caller with two calls in flight that dies has both cancelled", %{w: w, meta: meta} do
+    me = self()
+    target = {"vllm_bridge.bridge.diag", "sleep"}
+    {:ok, parts} = Wire.encode_invoke(target, [60], %{})
+    req = Request.new("call", pre: [Wire.value(nil)], post: parts, target: target)
+
+    # Two requests sent straight to the worker process by one caller (a pool's caller
+    # has one at a time; a process may hold more through Request.send_request/4).
+    caller =
+      spawn(fn ->
+        Request.send_request(w, req, :infinity)
+        Request.send_request(w, req, :infinity)
+        send(me, :sent)
+        Process.sleep(:infinity)
+      end)
+
+    assert_receive :sent, 30_000
+    wait_until(fn -> Worker.in_flight(w) == 2 and running?(w) end)
+    assert monitored?(w, caller)
+    Process.exit(caller, :kill)
+
+    wait_until(
+      fn -> worker_idle?(w, meta) end,
+      @prompt,
+      "both calls of the dead caller cancelled"
+    )
+
+    refute monitored?(w, caller)
+    assert {:ok, 3} = diag("add", [1, 2])
+  end
+
+  test "an idle caller's monitor goes at a sweep; its next call is monitored again",
+       %{w: w, meta: meta, instance: instance} do
+    me = self()
+
+    caller =
+      spawn(fn ->
+        {:ok, 2} = diag("add", [1, 1])
+        send(me, :first_done)
+        receive do: (:go -> diag("sleep", [60], timeout: :infinity))
+      end)
+
+    assert_receive :first_done, 30_000
+    # Idle (no call in flight): let go at a sweep, however many calls it made before.
+    wait_until(fn -> not monitored?(w, caller) end, @prompt, "the idle caller let go")
+
+    send(caller, :go)
+    wait_until(fn -> running?(w) end)
+    assert monitored?(w, caller)
+    Process.exit(caller, :kill)
+
+    # Long before the sleep's 60 s: the call was cancelled by the new monitor.
+    wait_until(fn -> worker_idle?(w, meta) end, @prompt, "the call cancelled")
+    assert [%{instance: ^instance}] = workers!(@pool)
+  end
+
+  test "callers that die between calls leave nothing to cancel", %{w: w, meta: meta} do
+    me = self()
+
+    callers =
+      for i <- 1..10 do
+        spawn(fn ->
+          {:ok, _} = diag("add", [i, 1])
+          send(me, {:done, self()})
+          Process.sleep(:infinity)
+        end)
+      end
+
+    for c <- callers, do: assert_receive({:done, ^c}, 30_000)
+    Enum.each(callers, &Process.exit(&1, :kill))
+
+    wait_until(fn -> Enum.all?(callers, &(not monitored?(w, &1))) end, @prompt, "monitors gone")
+    assert worker_idle?(w, meta)
+    assert {:ok, 7} = diag("add", [3, 4])
   end
 end

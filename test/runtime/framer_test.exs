@@ -2,10 +2,11 @@ defmodule VllmBridge.Runtime.FramerTest do
   @moduledoc """
   `VllmBridge.Worker.Framer` on seeded random streams: frames of random sizes (empty,
   small, around 64 KiB, larger), cut at random points (single bytes, headers split, many
-  frames in one chunk, a body over many chunks), come out whole and in order; the fast
-  path (one whole frame in one chunk) agrees with the general one; a header over the
-  limit is refused wherever the cut falls, with the whole frames before it, and nothing
-  after the header is kept.
+  frames in one chunk, a body over many chunks), come out whole and in order; one whole
+  frame in one chunk comes out as it does among others, and `whole/3` (the worker
+  process's one step for it) answers as `feed/3`; a header over the limit is refused
+  wherever the cut falls, with the whole frames before it, and nothing after the header
+  is kept.
   """
   use ExUnit.Case, async: true
 
@@ -75,7 +76,7 @@ defmodule VllmBridge.Runtime.FramerTest do
     end
   end
 
-  test "the fast path (one whole frame in one chunk) agrees with the general path" do
+  test "one whole frame in one chunk comes out as behind another frame or after a split header" do
     for seed <- @seeds do
       :rand.seed(:exsss, {seed, seed, seed})
 
@@ -87,6 +88,43 @@ defmodule VllmBridge.Runtime.FramerTest do
         <<h::binary-size(2), rest::binary>> = frame(b)
         assert {:ok, [], st} = Framer.feed(<<>>, h, @max)
         assert {:ok, [^b], <<>>} = Framer.feed(st, rest, @max)
+      end
+    end
+  end
+
+  # Framer.whole/3, the worker process's one step for a chunk that is one whole frame:
+  # on generated states (between frames, part of a header, a body in progress) and
+  # chunks (one frame, several, a frame and a part, a part, a header over the limit, the
+  # limit itself), wherever it gives a body, feed/3 gives exactly that body and the
+  # state between frames; where it gives nil, feed/3 is taken and is not that case.
+  test "whole/3 answers as feed/3 wherever it takes the chunk, and only there" do
+    for seed <- @seeds do
+      :rand.seed(:exsss, {seed, seed, seed})
+
+      for _ <- 1..300 do
+        max = Enum.random([0, 1, 100, 70_000, @max])
+        state = Enum.random([Framer.new(), <<0, 0>>, {:body, 5, ["abc"]}])
+        b = body()
+
+        chunk =
+          case :rand.uniform(6) do
+            1 -> frame(b)
+            2 -> frame(b) <> frame(<<>>)
+            3 -> frame(b) <> <<0, 0>>
+            4 -> binary_part(frame(b), 0, :rand.uniform(byte_size(b) + 4) - 1)
+            5 -> frame(:binary.copy("x", min(max, 2000)))
+            6 -> <<byte_size(b) + 1::32>> <> b
+          end
+
+        case Framer.whole(state, chunk, max) do
+          nil ->
+            refute match?({:ok, [_], <<>>}, Framer.feed(state, chunk, max)) and
+                     state == Framer.new() and
+                     chunk == frame(hd(elem(Framer.feed(state, chunk, max), 1)))
+
+          body ->
+            assert Framer.feed(state, chunk, max) == {:ok, [body], Framer.new()}
+        end
       end
     end
   end

@@ -9,6 +9,13 @@ defmodule VllmBridge.Worker.Calls do
   # slots back and keeps the pool's slot count right (`sweep/3`).
   #
   # An entry is a `VllmBridge.Worker.Calls.Entry`.
+  #
+  # Callers whose death must cancel their calls are monitored once per caller, not once
+  # per call (`callers`: pid => {monitor, live calls}): a caller that calls again and
+  # again (the common case) costs no monitor and no demonitor per call, only two small
+  # map updates. A caller's monitor stays while it has no call in flight and goes at the
+  # next sweep (`sweep/3`), so the table holds at most the callers of the last second;
+  # its death meanwhile finds nothing to cancel.
 
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Wire}
@@ -20,10 +27,10 @@ defmodule VllmBridge.Worker.Calls do
     @moduledoc false
     # One call in flight: `alias`, where its replies go; `holds_slot`, whether it holds
     # a pool slot; `what`, `{kind, target}` or nil (for messages); its `deadline`;
-    # `status`, :live (a caller waits on `alias`, monitored by `monitor` when the
-    # caller's death must cancel it), :detached (nobody waits) or {:cancelled, since}
-    # (cancel sent, `cancel_grace` running).
-    defstruct [:alias, :holds_slot, :what, :deadline, :status, :monitor]
+    # `status`, :live (a caller waits on `alias`; `caller`, when set, is the process
+    # whose death cancels it, counted in the table's `callers`), :detached (nobody
+    # waits) or {:cancelled, since} (cancel sent, `cancel_grace` running).
+    defstruct [:alias, :holds_slot, :what, :deadline, :status, :caller]
 
     @type t :: %__MODULE__{
             alias: reference() | nil,
@@ -31,20 +38,22 @@ defmodule VllmBridge.Worker.Calls do
             what: {String.t(), term()} | nil,
             deadline: integer() | :infinity,
             status: :live | :detached | {:cancelled, integer()},
-            monitor: reference() | nil
+            caller: pid() | nil
           }
   end
 
-  defstruct map: %{}, arrivals: 0, slot: nil, seen: nil
+  defstruct map: %{}, callers: %{}, arrivals: 0, slot: nil, seen: nil
 
   @typedoc """
-  `map` the calls by id; `arrivals` how many were added since the last sweep; `slot`
+  `map` the calls by id; `callers` the monitored callers, pid => {monitor, how many of
+  its calls are live}; `arrivals` how many were added since the last sweep; `slot`
   the pool's meta and this worker's index (nil for a worker outside a pool); `seen` the
   slot count the last sweep found above what the table holds, with the table empty and
   nothing arriving (see `sweep/3`).
   """
   @type t :: %__MODULE__{
           map: %{optional(non_neg_integer()) => Entry.t()},
+          callers: %{optional(pid()) => {reference(), non_neg_integer()}},
           arrivals: non_neg_integer(),
           slot: {VllmBridge.Pool.Meta.t(), non_neg_integer()} | nil,
           seen: integer() | nil
@@ -88,19 +97,42 @@ defmodule VllmBridge.Worker.Calls do
 
   @doc false
   # A request just written to the port: its caller (if any) is monitored, so that a
-  # caller that dies has its call cancelled (`abandon/2`).
+  # caller that dies has its calls cancelled (`abandoned/3`).
   @spec add(t(), Submit.t()) :: t()
   def add(t, %Submit{id: id, alias: alias, caller: caller} = s) do
-    entry = %Entry{alias: alias, holds_slot: s.holds_slot, what: s.what, deadline: s.deadline}
+    status = if alias || caller, do: :live, else: :detached
 
-    entry =
-      cond do
-        caller -> %{entry | status: :live, monitor: Process.monitor(caller)}
-        alias -> %{entry | status: :live}
-        true -> %{entry | status: :detached}
-      end
+    entry = %Entry{
+      alias: alias,
+      holds_slot: s.holds_slot,
+      what: s.what,
+      deadline: s.deadline,
+      status: status,
+      caller: caller
+    }
 
-    %{t | map: Map.put(t.map, id, entry), arrivals: t.arrivals + 1}
+    callers = if caller, do: hold(t.callers, caller), else: t.callers
+    %{t | map: Map.put(t.map, id, entry), callers: callers, arrivals: t.arrivals + 1}
+  end
+
+  # One more live call of `caller`: monitored the first time it is seen (or seen again
+  # after a sweep let it go).
+  defp hold(callers, caller) do
+    case callers do
+      %{^caller => {mon, n}} -> %{callers | caller => {mon, n + 1}}
+      _ -> Map.put(callers, caller, {Process.monitor(caller), 1})
+    end
+  end
+
+  # One live call of `caller` fewer (it ended, or was cancelled): its monitor stays until
+  # the sweep.
+  defp unhold(callers, nil), do: callers
+
+  defp unhold(callers, caller) do
+    case callers do
+      %{^caller => {mon, n}} when n > 0 -> %{callers | caller => {mon, n - 1}}
+      _ -> callers
+    end
   end
 
   @doc false
@@ -129,10 +161,14 @@ defmodule VllmBridge.Worker.Calls do
         # The slot first: a caller that has its reply and calls again at once must find
         # the worker idle (`:strict_fail_fast` and `:hint` look for an idle count).
         if e.holds_slot, do: release(t)
-        if e.status == :live, do: Messages.send_finish(e.alias, tag, bin), else: drop(bin)
-        # No :flush (a scan of this mailbox): a :DOWN already on its way finds no call.
-        if e.monitor, do: Process.demonitor(e.monitor)
-        %{t | map: map}
+
+        if e.status == :live do
+          Messages.send_finish(e.alias, tag, bin)
+          %{t | map: map, callers: unhold(t.callers, e.caller)}
+        else
+          drop(bin)
+          %{t | map: map}
+        end
 
       {nil, _} ->
         t
@@ -171,9 +207,8 @@ defmodule VllmBridge.Worker.Calls do
   def cancel(t, id, now) do
     case t.map do
       %{^id => %Entry{status: :live} = e} ->
-        if e.monitor, do: Process.demonitor(e.monitor)
-        entry = %{e | status: {:cancelled, now}, monitor: nil}
-        {:cancelled, %{t | map: Map.put(t.map, id, entry)}}
+        entry = %{e | status: {:cancelled, now}}
+        {:cancelled, %{t | map: Map.put(t.map, id, entry), callers: unhold(t.callers, e.caller)}}
 
       _ ->
         :not_live
@@ -181,12 +216,21 @@ defmodule VllmBridge.Worker.Calls do
   end
 
   @doc false
-  # The live call whose caller's monitor is `mon` (the caller died), if any.
-  @spec abandoned(t(), reference()) :: non_neg_integer() | nil
-  def abandoned(%__MODULE__{map: map}, mon) do
-    case Enum.find(map, &match?({_id, %Entry{status: :live, monitor: ^mon}}, &1)) do
-      {id, _entry} -> id
-      nil -> nil
+  # Caller `pid`, monitored by `mon`, died: the ids of its live calls (to cancel), and the
+  # table without its monitor. A :DOWN of a monitor already let go (the sweep) finds none.
+  @spec abandoned(t(), reference(), pid()) :: {[non_neg_integer()], t()}
+  def abandoned(t, mon, pid) do
+    case t.callers do
+      %{^pid => {^mon, n}} ->
+        ids =
+          if n == 0,
+            do: [],
+            else: for({id, %Entry{status: :live, caller: ^pid}} <- t.map, do: id)
+
+        {ids, %{t | callers: Map.delete(t.callers, pid)}}
+
+      _ ->
+        {[], t}
     end
   end
 
@@ -217,7 +261,23 @@ defmodule VllmBridge.Worker.Calls do
           is_integer(deadline) and deadline + slack < now,
           do: id
 
-    {overdue, %{t | seen: correct(t), arrivals: 0}}
+    {overdue, %{t | seen: correct(t), arrivals: 0, callers: let_go(t.callers)}}
+  end
+
+  # Callers without a live call are no longer monitored. No :flush (a scan of this
+  # mailbox): a :DOWN already on its way finds no monitor in the table (`abandoned/3`).
+  defp let_go(callers) do
+    :maps.filter(
+      fn
+        _pid, {mon, 0} ->
+          Process.demonitor(mon)
+          false
+
+        _pid, _held ->
+          true
+      end,
+      callers
+    )
   end
 
   # The count is the reservations made (by callers, before they send) less the slots
@@ -264,7 +324,8 @@ defmodule VllmBridge.Worker.Calls do
       Messages.send_worker_exit(alias, message)
     end
 
-    %{t | map: %{}}
+    for {_pid, {mon, _n}} <- t.callers, do: Process.demonitor(mon)
+    %{t | map: %{}, callers: %{}}
   end
 
   @doc false

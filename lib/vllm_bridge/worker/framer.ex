@@ -26,17 +26,24 @@ defmodule VllmBridge.Worker.Framer do
   def new, do: <<>>
 
   @doc """
+  The body of `chunk` when nothing is pending and the chunk is exactly one frame within
+  `max` (a reply that came alone: the common case), else nil. Where it gives a body,
+  `feed/3` gives `{:ok, [body], new()}`: the worker process takes this one step instead,
+  keeping its framer state as it was (no tuple, no list, no update of its state).
+  """
+  @spec whole(t(), binary(), pos_integer()) :: binary() | nil
+  def whole(<<>>, <<len::32, body::binary-size(len)>>, max) when len <= max, do: body
+  def whole(_state, _chunk, _max), do: nil
+
+  @doc """
   Feeds one chunk: the whole bodies it completes, in order, and the new state; or
   `{:too_large, length, bodies}` when a header declares more than `max` bytes (`bodies`:
   the whole ones before it). The stream cannot be trusted after that.
   """
   @spec feed(t(), binary(), pos_integer()) ::
           {:ok, [binary()], t()} | {:too_large, non_neg_integer(), [binary()]}
-  # Fast path: nothing pending and the chunk is exactly one frame (a reply that came
-  # alone); its body is a sub-binary of the chunk, not a copy.
-  def feed(<<>>, <<len::32, body::binary-size(len)>>, max) when len <= max,
-    do: {:ok, [body], <<>>}
-
+  # (A chunk that is exactly one frame, nothing pending, goes through `split/3` here too;
+  # the worker process takes `whole/3` for it first, so this has no fast clause of its own.)
   def feed(<<>>, chunk, max), do: split(chunk, max, [])
   def feed(head, chunk, max) when is_binary(head), do: split(head <> chunk, max, [])
 
