@@ -51,7 +51,9 @@ defmodule VllmBridge.WorkerSkeletonTest do
     {:ok, %{"pid" => os_pid}} = await_hello(port)
     assert alive?(os_pid)
     Port.close(port)
-    assert wait_gone(os_pid, 1_000), "python process #{os_pid} still alive 1 s after EOF"
+    # What is asserted is that it goes at all: tearing down an interpreter with torch loaded
+    # took over 1 s at load average 6, so the bound is only there to end the test.
+    assert wait_gone(os_pid, 15_000), "python process #{os_pid} still alive 15 s after EOF"
   end
 
   test "closing a worker reports that its process left by itself" do
