@@ -164,6 +164,8 @@ defmodule VllmBridge.Shm do
   # `{:error, why}` (no root, not a writable directory).
   @spec make_dir(term()) :: {:ok, String.t(), non_neg_integer()} | {:error, String.t()}
   def make_dir(root) when root in [nil, false], do: {:error, "shm_dir is off"}
+  # (As `-vllm_bridge shm_dir "..."` on erl's command line gives it.)
+  def make_dir([c | _] = root) when is_integer(c), do: make_dir(List.to_string(root))
 
   def make_dir(root) when is_binary(root) do
     name = "vllm_bridge-#{System.pid()}-#{Base.encode16(:rand.bytes(6), case: :lower)}"
@@ -302,7 +304,7 @@ defmodule VllmBridge.Shm do
     case :file.list_dir(state.path) do
       {:ok, names} ->
         for name <- names,
-            [_, pid] <- [Regex.run(~r/\Ar-([0-9]{1,10})-[0-9]{1,20}(\.free)?\z/, "#{name}")],
+            [_, pid] <- [Regex.run(~r/\Ar-([0-9]{1,10})-[0-9]{1,20}(?:\.free)?\z/, "#{name}")],
             not File.exists?("/proc/#{pid}") do
           :file.delete(Path.join(state.path, name))
         end
