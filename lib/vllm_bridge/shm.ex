@@ -28,7 +28,7 @@ defmodule VllmBridge.Shm do
 
   require Logger
 
-  @default_min_bytes 4 * 1024 * 1024
+  @default_min_bytes 1024 * 1024
   # Argument slots at most (lent and free): past it a tensor takes the pipe.
   @max_slots 8
   @idle_ms 2_000
@@ -91,6 +91,21 @@ defmodule VllmBridge.Shm do
   end
 
   @doc """
+  Runs `fun` with argument slots off: every tensor it encodes takes the pipe (the
+  benchmarks' pipe figures; a worker module of one's own that cannot read ext 8).
+  """
+  @spec without((() -> result)) :: result when result: term()
+  def without(fun) do
+    previous = Process.put(@lent, :off)
+
+    try do
+      fun.()
+    after
+      if previous == nil, do: Process.delete(@lent), else: Process.put(@lent, previous)
+    end
+  end
+
+  @doc """
   Writes `data` into an argument slot when this process is inside `scope/1`, the node
   has a directory, `data` is at least the threshold and a slot can be had: `{:ok,
   name}`; else `:pipe` (the caller sends the bytes inline).
@@ -118,7 +133,11 @@ defmodule VllmBridge.Shm do
   defp write(path, data, new?) do
     modes = [:read, :write, :raw, :binary] ++ if(new?, do: [:exclusive], else: [])
 
-    with {:ok, fd} <- :file.open(path, modes) do
+    # A new slot is made with O_EXCL (a link planted there fails); a reused one must
+    # still be a regular file (Erlang's open has no O_NOFOLLOW; only our uid can write
+    # in the 0700 directory).
+    with :ok <- if(new?, do: :ok, else: regular(path)),
+         {:ok, fd} <- :file.open(path, modes) do
       try do
         with :ok <- :file.pwrite(fd, 0, data),
              {:ok, _} <- :file.position(fd, byte_size(data)),
@@ -126,6 +145,14 @@ defmodule VllmBridge.Shm do
       after
         :file.close(fd)
       end
+    end
+  end
+
+  defp regular(path) do
+    case File.lstat(path) do
+      {:ok, %File.Stat{type: :regular}} -> :ok
+      {:ok, %File.Stat{type: type}} -> {:error, {:not_a_regular_file, type}}
+      {:error, _} = error -> error
     end
   end
 
@@ -203,10 +230,11 @@ defmodule VllmBridge.Shm do
     end
   end
 
-  # A free slot of this size first, else any free one; taken back by renaming it.
+  # A free slot of this size first, else any free one (one a worker held may have been
+  # handed back since); taken back by renaming it.
   defp take_free(state, size) do
     state.slots
-    |> Enum.filter(fn {_, s} -> s.owner == nil end)
+    |> Enum.filter(fn {_, s} -> s.owner in [nil, :worker] end)
     |> Enum.sort_by(fn {_, s} -> if s.size == size, do: 0, else: 1 end)
     |> Enum.find_value(:none, fn {name, _} ->
       path = Path.join(state.path, name)
@@ -263,8 +291,10 @@ defmodule VllmBridge.Shm do
   def handle_info({port, _}, %{keeper: port} = state), do: {:noreply, state}
   def handle_info({:EXIT, _, _}, state), do: {:noreply, state}
 
-  # A lent slot's call is over: handed back (renamed .free) by its reader, it is free;
-  # else nobody will read it for this call: deleted (a late reader finds it gone).
+  # A lent slot's call is over. Handed back (renamed .free) by its reader: free. Held by
+  # the worker (renamed .held-<os pid>: a tensor in Python still maps it): the worker's
+  # until it hands it back or dies. Else nobody read it for this call: deleted (a late
+  # reader finds it gone, never someone else's data).
   defp settle(name, state) do
     path = Path.join(state.path, name)
 
@@ -273,38 +303,66 @@ defmodule VllmBridge.Shm do
         state
 
       File.exists?(path <> ".free") ->
-        now = System.monotonic_time(:millisecond)
-        put_in(state.slots[name], %{state.slots[name] | owner: nil, used: now})
+        owned(state, name, nil)
+
+      held(path) != [] ->
+        owned(state, name, :worker)
 
       true ->
-        _ = :file.delete(path)
-        _ = :file.delete(path <> ".free")
-        %{state | slots: Map.delete(state.slots, name)}
+        drop(state, name)
     end
   end
 
+  defp owned(state, name, owner) do
+    slot = %{state.slots[name] | owner: owner, used: System.monotonic_time(:millisecond)}
+    %{state | slots: Map.put(state.slots, name, slot)}
+  end
+
+  defp drop(state, name) do
+    path = Path.join(state.path, name)
+    _ = :file.delete(path)
+    _ = :file.delete(path <> ".free")
+    %{state | slots: Map.delete(state.slots, name)}
+  end
+
+  defp held(path), do: Path.wildcard(path <> ".held-*")
+
+  # Free slots idle for @idle_ms are deleted; a slot a worker held is free again once
+  # handed back, and forgotten when its file is gone (its worker died: the sweep).
   defp expire_free(state) do
     now = System.monotonic_time(:millisecond)
 
     Enum.reduce(state.slots, state, fn
       {name, %{owner: nil, used: used}}, acc when now - used > @idle_ms ->
-        _ = :file.delete(Path.join(acc.path, name <> ".free"))
-        %{acc | slots: Map.delete(acc.slots, name)}
+        drop(acc, name)
+
+      {name, %{owner: :worker}}, acc ->
+        path = Path.join(acc.path, name)
+
+        cond do
+          File.exists?(path <> ".free") -> owned(acc, name, nil)
+          held(path) == [] -> drop(acc, name)
+          true -> acc
+        end
 
       _, acc ->
         acc
     end)
   end
 
-  # The result slots (`r-<os pid>-<n>`, with or without `.free`) of a process that is
-  # gone: its worker was killed, or exited before cleaning up.
+  # The result slots (`r-<os pid>-<n>`, with or without `.free`) and the argument slots
+  # it held (`e-<n>.held-<os pid>`) of a worker process that is gone: killed, or exited
+  # before cleaning up.
+  @of_worker ~r/\A(?:r-([0-9]{1,10})-[0-9]{1,20}(?:\.free)?|e-[0-9]{1,20}\.held-([0-9]{1,10}))\z/
   defp sweep_results(%{path: nil} = state), do: state
 
   defp sweep_results(state) do
     case :file.list_dir(state.path) do
       {:ok, names} ->
         for name <- names,
-            [_, pid] <- [Regex.run(~r/\Ar-([0-9]{1,10})-[0-9]{1,20}(?:\.free)?\z/, "#{name}")],
+            groups = Regex.run(@of_worker, "#{name}", capture: :all_but_first),
+            groups != nil,
+            pid = Enum.find(groups, &(&1 != "")),
             not File.exists?("/proc/#{pid}") do
           :file.delete(Path.join(state.path, name))
         end

@@ -318,20 +318,31 @@ defmodule VllmBridge.Bench do
   defp tensor_lines(ten) do
     rows =
       Enum.map(ten, fn t ->
-        full = t.bytes / (t.full_ms / 1000) / 1.0e9
-        raw = t.bytes / (t.raw_ms / 1000) / 1.0e9
+        [full, pipe, raw] =
+          Enum.map([t.full_ms, t.pipe_ms, t.raw_ms], &(t.bytes / (&1 / 1000) / 1.0e9))
 
         "   #{String.pad_leading("#{t.mib}", 3)} MiB  #{pad(Stats.fmt(t.full_ms), 9)} ms  " <>
-          "#{pad(Stats.fmt(full, 2), 6)} GB/s   #{pad(Stats.fmt(t.raw_ms), 9)} ms  " <>
-          "#{pad(Stats.fmt(raw, 2), 6)} GB/s   #{Stats.fmt(full / raw * 100)}%  (median of #{t.reps})"
+          "#{pad(Stats.fmt(full, 2), 6)} GB/s   #{pad(Stats.fmt(t.pipe_ms), 9)} ms  " <>
+          "#{pad(Stats.fmt(pipe, 2), 6)} GB/s   #{pad(Stats.fmt(t.raw_ms), 9)} ms  " <>
+          "#{pad(Stats.fmt(raw, 2), 6)} GB/s   #{pad(Stats.fmt(full / raw, 2), 5)}x  " <>
+          "#{pad(Stats.fmt(full / pipe, 2), 5)}x  (median of #{t.reps})"
       end)
 
     [
       "",
       "4. tensors: float32 round trip through diag.echo (GB/s = tensor bytes / median round trip)",
-      "   size     full stack                raw echo (same frame size)  full/raw"
+      "   full stack: shared memory from #{shm_threshold()}; full stack, pipe only: the same with it off",
+      "   size     full stack                full stack, pipe only     raw echo (same frame size)  " <>
+        "full/raw  full/pipe"
       | rows
     ]
+  end
+
+  defp shm_threshold do
+    case VllmBridge.Shm.dir() do
+      %{min_bytes: m} -> "#{Stats.fmt(m / 1_048_576, 1)} MiB (#{VllmBridge.Shm.dir().path})"
+      :disabled -> "nowhere (no slot directory: every tensor takes the pipe)"
+    end
   end
 
   defp us(x), do: String.pad_leading(Stats.fmt(x), 7) <> " us"

@@ -6,6 +6,7 @@ and writes result slots, and answers a hostile slot with bad_argument under the 
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 from pathlib import Path
@@ -79,15 +80,25 @@ def test_no_directory_without_a_private_dir_of_ours(tmp_path: Path):
 # -- reading argument slots ----------------------------------------------------------------
 
 
-def test_an_argument_slot_is_copied_out_and_handed_back(slots: SlotDir, slot_root: Path):
+def test_an_argument_slot_is_held_while_its_tensor_lives_then_handed_back(
+    slots: SlotDir, slot_root: Path
+):
     t = torch.arange(600, dtype=torch.float32)
     put_arg(slot_root, "e-5", t.numpy().tobytes())
     got = Decoder(slots).decode(ext8(t, "e-5")).value
     assert torch.equal(got, t)
-    assert sorted(os.listdir(slot_root)) == ["e-5.free"]
-    # The copy is the tensor's own: rewriting the slot changes nothing in it.
-    (slot_root / "e-5.free").write_bytes(b"\0" * t.nbytes)
-    assert torch.equal(got, t)
+    assert os.listdir(slot_root) == [f"e-5.held-{os.getpid()}"]
+    # The mapping is private: writing to the tensor never changes the slot.
+    got[0] = -1.0
+    assert (slot_root / f"e-5.held-{os.getpid()}").read_bytes() == t.numpy().tobytes()
+    view = got[10:20]
+    del got
+    gc.collect()
+    assert os.listdir(slot_root) == [f"e-5.held-{os.getpid()}"]  # a view keeps it
+    assert torch.equal(view, t[10:20])
+    del view
+    gc.collect()
+    assert os.listdir(slot_root) == ["e-5.free"]
 
 
 @pytest.mark.parametrize(
@@ -204,7 +215,7 @@ def test_a_worker_reads_argument_slots_and_answers_hostile_ones(slot_root: Path,
         _, name = split_payload(value.data)
         assert name == f"r-{wp.proc.pid}-0"
         assert (slot_root / name).read_bytes() == t.numpy().tobytes()
-        assert (slot_root / "e-0.free").exists()
+        assert (slot_root / "e-0.free").exists() or (slot_root / f"e-0.held-{wp.proc.pid}").exists()
 
         (tmp_path / "secret").write_bytes(b"\0" * t.nbytes)
         (slot_root / "e-9").symlink_to(tmp_path / "secret")

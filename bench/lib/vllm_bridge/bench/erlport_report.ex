@@ -36,7 +36,8 @@ defmodule VllmBridge.Bench.Erlport.Report do
           "raw echo #{rate(thr.raw)} calls/s",
         "   full / erlport #{x(thr.full / thr.erlport)}, full / raw #{pct(thr.full / thr.raw)}, " <>
           "erlport / raw #{pct(thr.erlport / thr.raw)}",
-        "   binary round trips: erlport echoes bytes (diag.echo); full stack and raw echo are part 4's tensor figures",
+        "   binary round trips: erlport echoes bytes (diag.echo); full stack (shared memory from " <>
+          "the threshold on) and raw echo are part 4's tensor figures",
         "   size     full stack      erlport         raw echo        full/erlport  full/raw  erlport/raw"
       ] ++ binary_rows(erl.binaries, ten)
 

@@ -3,9 +3,10 @@
 The Elixir side makes one directory per BEAM (mode 0700, on ``/dev/shm``) and gives it to
 its workers in ``VLLM_BRIDGE_SHM_DIR``. A slot is a plain file there, named by its writer:
 ``e-<n>`` for arguments (written by Elixir callers, read here), ``r-<pid>-<n>`` for this
-worker's results (written here, read by Elixir). A reader that has copied a slot out hands
+worker's results (written here, read by Elixir). A reader that is done with a slot hands
 it back by renaming it ``<name>.free``; its writer takes it again by renaming it back, so
-a slot keeps its pages and a transfer is one memcpy each way.
+a slot keeps its pages. An argument arrives without a copy: its tensor maps the slot
+privately, and the slot is held (``<name>.held-<pid>``) until the tensor is gone.
 
 A frame names a slot, never a path: a name that is not of the pattern of what this side
 reads is refused; the file is opened relative to the directory with ``O_NOFOLLOW`` and
@@ -23,20 +24,20 @@ import os
 import re
 import stat
 import threading
+import warnings
+import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from vllm_bridge.bridge.protocol.errors import BadArgument
 
 #: Tensors of at least this many bytes go into a slot (``VLLM_BRIDGE_SHM_MIN_BYTES``).
-DEFAULT_MIN_BYTES = 4 * 1024 * 1024
+DEFAULT_MIN_BYTES = 1024 * 1024
 #: Result slots a worker keeps at most (lent and free): past it a result takes the pipe.
 MAX_RESULT_SLOTS = 4
 
 _ARG_NAME = re.compile(r"e-[0-9]{1,20}")
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def slot_payload(header: bytes, name: str) -> bytes:
@@ -89,8 +90,14 @@ class SlotDir:
     # -- arguments: read ------------------------------------------------------------------
 
     def read(self, name: str, nbytes: int) -> torch.Tensor:
-        """The ``nbytes`` of argument slot ``name`` as a new uint8 tensor; the slot is
-        handed back (renamed ``name.free``) once copied out.
+        """The ``nbytes`` of argument slot ``name`` as a uint8 tensor that maps the slot
+        privately (no copy: pages are read where they lie, and a write to the tensor
+        copies only the page it touches, never changing the file).
+
+        While the tensor lives the slot is this process's: renamed
+        ``name.held-<pid>``; once the tensor (and every view of it) is gone, the slot is
+        handed back (renamed ``name.free``). A worker that dies holding it: the BEAM's
+        sweep deletes it.
 
         Raises:
             BadArgument: ``name`` is not an argument slot's (``e-<n>``), or the file is
@@ -116,22 +123,27 @@ class SlotDir:
                 raise BadArgument(
                     f"the tensor slot {name!r} holds {st.st_size} bytes, the tensor needs {nbytes}"
                 )
-            out = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-                try:
-                    src = np.frombuffer(m, dtype=np.uint8, count=nbytes)
-                    np.copyto(out.numpy(), src)
-                    del src  # (the mapping cannot close while an array holds it)
-                finally:
-                    m.close()
-            return out
-        finally:
+            if nbytes == 0:
+                self._rename(name, name + ".free")
+                return torch.empty(0, dtype=torch.uint8)
+            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
             os.close(fd)
-            try:
-                os.rename(name, name + ".free", src_dir_fd=self.fd, dst_dir_fd=self.fd)
-            except OSError:
-                pass  # deleted meanwhile: its caller gave up
+            self._rename(name, name + ".free")  # refused: its writer may have it back
+            raise
+        os.close(fd)
+        held = f"{name}.held-{os.getpid()}"
+        self._rename(name, held)
+        weakref.finalize(m, self._rename, held, name + ".free")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(m, dtype=torch.uint8)
+
+    def _rename(self, src: str, dst: str) -> None:
+        try:
+            os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except OSError:
+            pass  # deleted meanwhile (its caller gave up), or the directory is closed
 
     # -- results: write -------------------------------------------------------------------
 
