@@ -104,13 +104,17 @@ class SlotDir:
                 missing, a link, not a regular file of this uid, or not ``nbytes`` long.
         """
         if not _ARG_NAME.fullmatch(name):
-            raise BadArgument(f"the tensor slot {name!r} is not the name of an argument slot (e-<n>)")
+            raise BadArgument(
+                f"the tensor slot {name!r} is not the name of an argument slot (e-<n>)"
+            )
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
         except FileNotFoundError:
             raise BadArgument(f"the tensor slot {name!r} is gone (its caller gave up)") from None
         except OSError as exc:
-            raise BadArgument(f"the tensor slot {name!r} cannot be opened: {exc.strerror}") from None
+            raise BadArgument(
+                f"the tensor slot {name!r} cannot be opened: {exc.strerror}"
+            ) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -158,8 +162,8 @@ class SlotDir:
             try:
                 if slot.size != n or slot.mapping is None:
                     self._resize(slot, n)
-                assert slot.mapping is not None
-                slot.mapping[:n] = data
+                if slot.mapping is not None:  # (None only for an empty tensor)
+                    slot.mapping[:n] = data
             except OSError:
                 self._drop(slot)
                 return None
@@ -209,9 +213,14 @@ class SlotDir:
         fd = os.open(slot.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
         try:
             os.ftruncate(fd, n)
+            # Its pages now, not at the first write through the mapping: a full /dev/shm
+            # is an OSError here (the tensor takes the pipe), not a SIGBUS there.
+            if n:
+                os.posix_fallocate(fd, 0, n)
             slot.size = n
             if n:
-                slot.mapping = mmap.mmap(fd, n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                prot = mmap.PROT_READ | mmap.PROT_WRITE
+                slot.mapping = mmap.mmap(fd, n, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
 
