@@ -67,10 +67,13 @@ defmodule VllmBridge.Runtime.ShmTest do
     assert "r-#{pid}-0" in names, "the result went through a slot: #{inspect(ls(dir))}"
     assert Enum.any?(names, &(&1 =~ ~r/\Ae-\d+\z/)), "the argument went through a slot"
 
-    # Reused: the same files carry the next large round trip (of another size too).
+    # Reused once handed back (the worker holds an argument's slot until its tensor is
+    # gone, just after the reply): the same files carry the next large round trip.
+    wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
     other = tensor(5, 7)
     assert {:ok, ^other} = echo(other)
     assert slots(dir) == names
+    wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
 
     # Below the threshold: the pipe, and the same answer.
     %{min_bytes: min} = Shm.dir()

@@ -15,8 +15,9 @@ defmodule VllmBridge.Bench do
        callers wait in the pool's queue) is measured and reported beside it;
     3. `multiprocessing.Pool.apply` of the same call (`bench/mp_peer.py`): the full stack's
        p50 at least 2x faster;
-    4. tensor round trips of 1, 16 and 64 MiB (`VllmBridge.Bench.Tensors`): 64 MiB at
-       1 GB/s or more;
+    4. tensor round trips of 1, 16 and 64 MiB (`VllmBridge.Bench.Tensors`): the full
+       stack (shared memory from the threshold on), the same with shared memory off, and
+       the raw echo; 64 MiB at 1 GB/s or more;
     5. `bench/forward_context_bench.py`, printed as it reports itself;
     6. the Python side alone (`bench/worker_alone.py`): the worker and the raw echo, each
        driven over its pipes by one Python process with 32 requests in flight, no BEAM:
