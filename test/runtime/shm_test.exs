@@ -196,25 +196,27 @@ defmodule VllmBridge.Runtime.ShmTest do
       end
     end
 
-    test "a link, a directory, a file of the wrong size or none are refused",
+    test "a link, a directory, a FIFO, a file of the wrong size or none are refused",
          %{shm: shm, secret: secret, dir: dir} do
-      File.ln_s!(secret, Path.join(dir, "r-999999-1"))
-      File.mkdir!(Path.join(dir, "r-999999-2"))
-      File.write!(Path.join(dir, "r-999999-3"), <<0::15*8>>)
+      # Named as a live process's result slots (this BEAM's os pid), so that the sweep of
+      # dead workers' slots leaves them alone.
+      name = fn n -> "r-#{System.pid()}-#{900 + n}" end
+      File.ln_s!(secret, Path.join(dir, name.(1)))
+      File.mkdir!(Path.join(dir, name.(2)))
+      File.write!(Path.join(dir, name.(3)), <<0::15*8>>)
+      {_, 0} = System.cmd("mkfifo", [Path.join(dir, name.(5))])
 
       try do
-        assert {:error, "is a symlink, not a regular file"} = SlotExt.read(shm, "r-999999-1", 16)
+        assert {:error, "is not a regular file (symlink)"} = SlotExt.read(shm, name.(1), 16)
+        assert {:error, "is not a regular file (directory)"} = SlotExt.read(shm, name.(2), 16)
 
-        assert {:error, "is a directory, not a regular file"} =
-                 SlotExt.read(shm, "r-999999-2", 16)
+        assert {:error, "holds 15 bytes, the tensor needs 16"} = SlotExt.read(shm, name.(3), 16)
 
-        assert {:error, "holds 15 bytes, the tensor needs 16"} =
-                 SlotExt.read(shm, "r-999999-3", 16)
-
-        assert {:error, "is gone" <> _} = SlotExt.read(shm, "r-999999-4", 16)
+        assert {:error, "is gone" <> _} = SlotExt.read(shm, name.(4), 16)
+        assert {:error, "is not a regular file (other)"} = SlotExt.read(shm, name.(5), 16)
         assert File.read!(secret) == :binary.copy(<<1>>, 16)
       after
-        for n <- 1..3, s <- ["", ".free"], do: File.rm_rf!(Path.join(dir, "r-999999-#{n}#{s}"))
+        for n <- 1..5, s <- ["", ".free"], do: File.rm_rf!(Path.join(dir, name.(n) <> s))
       end
     end
 

@@ -115,7 +115,7 @@ defmodule VllmBridge.Codec.SlotExt do
   defp lstat(path) do
     case File.lstat(path, time: :posix) do
       {:ok, %File.Stat{type: :regular}} = ok -> ok
-      {:ok, %File.Stat{type: type}} -> {:error, "is a #{type}, not a regular file"}
+      {:ok, %File.Stat{type: type}} -> {:error, "is not a regular file (#{type})"}
       {:error, :enoent} -> {:error, "is gone (its worker exited before it was read)"}
       {:error, reason} -> {:error, "cannot be read (#{reason})"}
     end
@@ -136,7 +136,7 @@ defmodule VllmBridge.Codec.SlotExt do
         %File.Stat{type: type, uid: owner, size: size} = File.Stat.from_record(info)
 
         cond do
-          type != :regular -> {:error, "is a #{type}, not a regular file"}
+          type != :regular -> {:error, "is not a regular file (#{type})"}
           owner != uid -> {:error, "belongs to uid #{owner}, not to this node's #{uid}"}
           size != nbytes -> {:error, "holds #{size} bytes, the tensor needs #{nbytes}"}
           true -> :ok

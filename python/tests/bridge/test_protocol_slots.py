@@ -126,10 +126,13 @@ def test_a_file_of_the_wrong_size_is_refused(slots: SlotDir, slot_root: Path):
         slots.read("e-4", 16)
 
 
-def test_a_directory_or_a_missing_slot_is_refused(slots: SlotDir, slot_root: Path):
+def test_a_directory_a_fifo_or_a_missing_slot_is_refused(slots: SlotDir, slot_root: Path):
     (slot_root / "e-6").mkdir()
     with pytest.raises(BadArgument, match="'e-6' is not a regular file"):
         slots.read("e-6", 16)
+    os.mkfifo(slot_root / "e-8")  # (an open that waited for a writer would hang here)
+    with pytest.raises(BadArgument, match="'e-8' is not a regular file"):
+        slots.read("e-8", 16)
     with pytest.raises(BadArgument, match="'e-7' is gone"):
         slots.read("e-7", 16)
 

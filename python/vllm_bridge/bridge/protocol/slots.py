@@ -108,7 +108,9 @@ class SlotDir:
                 f"the tensor slot {name!r} is not the name of an argument slot (e-<n>)"
             )
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+            # (O_NONBLOCK: a FIFO planted there must not block the open; it is refused.)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(name, flags, dir_fd=self.fd)
         except FileNotFoundError:
             raise BadArgument(f"the tensor slot {name!r} is gone (its caller gave up)") from None
         except OSError as exc:
