@@ -36,7 +36,6 @@ from typing import Any
 
 from vllm_bridge import PROTOCOL_VERSION
 from vllm_bridge.bridge.protocol.decoder import Decoder
-from vllm_bridge.bridge.protocol.slots import slot_dir_from_env
 from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.errors import BadArgument, ProtocolError, safe_str
 from vllm_bridge.bridge.protocol.flow import STREAM_WINDOW
@@ -55,6 +54,7 @@ from vllm_bridge.bridge.protocol.messages import (
     peek_request_id,
 )
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
+from vllm_bridge.bridge.protocol.slots import slot_dir_from_env
 from vllm_bridge.bridge.worker import allowlist
 from vllm_bridge.bridge.worker.channel import Channel, LogFrameHandler
 
