@@ -117,14 +117,18 @@ defmodule VllmBridge do
   """
   @spec call(target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) :: result(term())
   def call(target, args \\ [], kwargs \\ %{}, opts \\ []) do
-    with {:ok, rt} <- Runtime.resolve(opts),
-         {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
-      Run.run(rt, "call", parts,
-        what: target,
-        bound: Run.bound_ref(target),
-        payload: {args, kwargs}
-      )
-    end
+    # Large tensors in the arguments may go through shared memory while the call runs
+    # (VllmBridge.Shm): their slots are given back when it returns.
+    VllmBridge.Shm.scope(fn ->
+      with {:ok, rt} <- Runtime.resolve(opts),
+           {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
+        Run.run(rt, "call", parts,
+          what: target,
+          bound: Run.bound_ref(target),
+          payload: {args, kwargs}
+        )
+      end
+    end)
   end
 
   @doc """

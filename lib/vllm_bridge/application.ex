@@ -9,6 +9,7 @@ defmodule VllmBridge.Application do
     VllmBridge.Codec.Registry.load_dependents()
 
     children = [
+      VllmBridge.Shm,
       VllmBridge.Pool.Directory,
       {Registry, keys: :unique, name: VllmBridge.Pool.Names},
       VllmBridge.Session.Manager,

@@ -134,7 +134,7 @@ defmodule VllmBridge.Codec.ExtTest do
   end
 
   test "unknown extension codes are errors naming the code" do
-    for type <- [0, 8, 100, -1, -128] do
+    for type <- [0, 9, 100, -1, -128] do
       assert {:error, msg} = Codec.decode(<<0xD4, type::signed-8, 0>>)
       assert msg == "unknown extension type #{type}"
     end

@@ -15,8 +15,9 @@ defmodule VllmBridge.Bench do
        callers wait in the pool's queue) is measured and reported beside it;
     3. `multiprocessing.Pool.apply` of the same call (`bench/mp_peer.py`): the full stack's
        p50 at least 2x faster;
-    4. tensor round trips of 1, 16 and 64 MiB (`VllmBridge.Bench.Tensors`): 64 MiB at
-       1 GB/s or more;
+    4. tensor round trips of 1, 16 and 64 MiB (`VllmBridge.Bench.Tensors`): the full
+       stack (shared memory from the threshold on), the same with shared memory off, and
+       the raw echo; 64 MiB at 1 GB/s or more;
     5. `bench/forward_context_bench.py`, printed as it reports itself;
     6. the Python side alone (`bench/worker_alone.py`): the worker and the raw echo, each
        driven over its pipes by one Python process with 32 requests in flight, no BEAM:
@@ -318,20 +319,31 @@ defmodule VllmBridge.Bench do
   defp tensor_lines(ten) do
     rows =
       Enum.map(ten, fn t ->
-        full = t.bytes / (t.full_ms / 1000) / 1.0e9
-        raw = t.bytes / (t.raw_ms / 1000) / 1.0e9
+        [full, pipe, raw] =
+          Enum.map([t.full_ms, t.pipe_ms, t.raw_ms], &(t.bytes / (&1 / 1000) / 1.0e9))
 
         "   #{String.pad_leading("#{t.mib}", 3)} MiB  #{pad(Stats.fmt(t.full_ms), 9)} ms  " <>
-          "#{pad(Stats.fmt(full, 2), 6)} GB/s   #{pad(Stats.fmt(t.raw_ms), 9)} ms  " <>
-          "#{pad(Stats.fmt(raw, 2), 6)} GB/s   #{Stats.fmt(full / raw * 100)}%  (median of #{t.reps})"
+          "#{pad(Stats.fmt(full, 2), 6)} GB/s   #{pad(Stats.fmt(t.pipe_ms), 9)} ms  " <>
+          "#{pad(Stats.fmt(pipe, 2), 6)} GB/s   #{pad(Stats.fmt(t.raw_ms), 9)} ms  " <>
+          "#{pad(Stats.fmt(raw, 2), 6)} GB/s   #{pad(Stats.fmt(full / raw, 2), 5)}x  " <>
+          "#{pad(Stats.fmt(full / pipe, 2), 5)}x  (median of #{t.reps})"
       end)
 
     [
       "",
       "4. tensors: float32 round trip through diag.echo (GB/s = tensor bytes / median round trip)",
-      "   size     full stack                raw echo (same frame size)  full/raw"
+      "   full stack: shared memory from #{shm_threshold()}; full stack, pipe only: the same with it off",
+      "   size     full stack                full stack, pipe only     raw echo (same frame size)  " <>
+        "full/raw  full/pipe"
       | rows
     ]
+  end
+
+  defp shm_threshold do
+    case VllmBridge.Shm.dir() do
+      %{min_bytes: m} -> "#{Stats.fmt(m / 1_048_576, 1)} MiB (#{VllmBridge.Shm.dir().path})"
+      :disabled -> "nowhere (no slot directory: every tensor takes the pipe)"
+    end
   end
 
   defp us(x), do: String.pad_leading(Stats.fmt(x), 7) <> " us"

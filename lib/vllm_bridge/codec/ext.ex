@@ -3,7 +3,7 @@ defmodule VllmBridge.Codec.Ext do
   # The extension types of docs/PROTOCOL.md, as the `VllmBridge.Codec.Msgpack` handler that
   # `VllmBridge.Codec` uses: atoms (1), tuples (2), tensors (3, `VllmBridge.Codec.TensorExt`),
   # dataclasses (4, `VllmBridge.Codec.Dataclass`), enum members (5, decode only), object
-  # references (6), big integers (7), plus the special floats and `VllmBridge.Bytes`.
+  # references (6), big integers (7), tensors in slots (8, `VllmBridge.Codec.SlotExt`), plus the special floats and `VllmBridge.Bytes`.
   #
   # Map keys are checked against Python's dict (`check_keys/1`, `VllmBridge.Codec.PyKeys`):
   # a key Python cannot hash, or two keys that are equal there (`1` and `true`, `1` and
@@ -12,7 +12,7 @@ defmodule VllmBridge.Codec.Ext do
 
   @behaviour VllmBridge.Codec.Msgpack
 
-  alias VllmBridge.Codec.{Dataclass, Msgpack, PyKeys, TensorExt}
+  alias VllmBridge.Codec.{Dataclass, Msgpack, PyKeys, SlotExt, TensorExt}
   alias VllmBridge.Codec.Msgpack.Decoder
   alias VllmBridge.{Bytes, Object, Ref, Tensor}
 
@@ -23,6 +23,7 @@ defmodule VllmBridge.Codec.Ext do
   @enum 5
   @ref 6
   @bigint 7
+  @slot_tensor 8
 
   # -- encoding --------------------------------------------------------------
 
@@ -97,6 +98,7 @@ defmodule VllmBridge.Codec.Ext do
   end
 
   def decode_ext(@tensor, payload, _depth), do: TensorExt.decode(payload)
+  def decode_ext(@slot_tensor, payload, _depth), do: SlotExt.decode(payload)
   def decode_ext(@dataclass, payload, depth), do: Dataclass.decode(payload, __MODULE__, depth)
 
   def decode_ext(@enum, payload, depth) do

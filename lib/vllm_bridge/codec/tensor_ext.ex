@@ -9,9 +9,9 @@ defmodule VllmBridge.Codec.TensorExt do
   # fit, data of the wrong size, or bool data with a byte other than 0 and 1 is a decode
   # error.
 
-  alias VllmBridge.Codec.Msgpack
+  alias VllmBridge.Codec.{Msgpack, SlotExt}
   alias VllmBridge.Codec.Msgpack.Decoder
-  alias VllmBridge.Tensor
+  alias VllmBridge.{Shm, Tensor}
 
   @type_code 3
 
@@ -33,9 +33,22 @@ defmodule VllmBridge.Codec.TensorExt do
         raise ArgumentError, "tensor shape #{inspect(shape)} has a dimension over 2^64 - 1"
 
       true ->
-        head = [Tensor.code(dtype), ndim, byte_size(dev), dev | for(d <- shape, do: <<d::64>>)]
-        size = 3 + byte_size(dev) + 8 * ndim + byte_size(data)
-        [Msgpack.ext_header(@type_code, size), head | data]
+        # A large tensor inside VllmBridge.Shm.scope/1 goes into a slot (ext 8).
+        case Shm.put(data) do
+          {:ok, slot} ->
+            SlotExt.encode(t, slot)
+
+          :pipe ->
+            head = [
+              Tensor.code(dtype),
+              ndim,
+              byte_size(dev),
+              dev | for(d <- shape, do: <<d::64>>)
+            ]
+
+            size = 3 + byte_size(dev) + 8 * ndim + byte_size(data)
+            [Msgpack.ext_header(@type_code, size), head | data]
+        end
     end
   end
 

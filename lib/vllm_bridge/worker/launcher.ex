@@ -66,7 +66,10 @@ defmodule VllmBridge.Worker.Launcher do
             log_level_args(Keyword.get(opts, :log_level, :warning)) ++
             ["--max-frame-bytes", Integer.to_string(max_frame_bytes(opts))]
 
-        env = for {k, v} <- Keyword.get(opts, :env, []), do: {to_charlist(k), to_charlist(v)}
+        # The node's slot directory (VllmBridge.Shm) first: a pool's own env cannot name it.
+        env =
+          for {k, v} <- VllmBridge.Shm.worker_env() ++ Keyword.get(opts, :env, []),
+              do: {to_charlist(k), to_charlist(v)}
 
         {exe, args, env} =
           case Keyword.get(opts, :output) do
@@ -105,7 +108,7 @@ defmodule VllmBridge.Worker.Launcher do
   @stderr_fd 5
   @capture_script ~S'o=$1 e=$2 && shift 2 && exec 1>"$o" 5>"$e" && u=$(umask) && umask 077 && set -C && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
   @output_script ~S'o=$1 e=$2 && shift 2 && exec 1>"$o" 2>"$e" && exec "$@"'
-  @own_env ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"]
+  @own_env ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"] ++ VllmBridge.Shm.own_env()
 
   @doc "The environment variables the launcher sets itself (a pool's `worker_env` may not)."
   @spec own_env() :: [String.t()]

@@ -111,11 +111,20 @@ NOT_ECHOED = {
     "ref_object",
     # The worker decodes it to a CPU tensor; its echo says device "" (cpu).
     "tensor_f32_cuda",
+    # Its slot exists in no directory (and this worker has none).
+    "tensor_slot_f32_2x2_e7",
+}
+
+
+#: Tensors in slots (ext 8): the header and the slot the bytes name; decoding them
+#: reads the slot (test_protocol_slots.py), so here only their parts are checked.
+SLOTS = {
+    "tensor_slot_f32_2x2_e7": (torch.zeros(2, 2, dtype=torch.float32), "e-7"),
 }
 
 
 def test_tables_cover_every_vector():
-    assert set(VALUES) | set(DECODE_ONLY) | set(REFUSED) == set(VECTORS)
+    assert set(VALUES) | set(DECODE_ONLY) | set(REFUSED) | set(SLOTS) == set(VECTORS)
     assert not set(VALUES) & set(DECODE_ONLY)
     assert not set(REFUSED) & (set(VALUES) | set(DECODE_ONLY))
 
@@ -165,3 +174,16 @@ def test_every_echoable_vector_comes_back_bit_exact_from_a_worker(shared_worker)
         shared_worker.send_raw(head + target + b"\x91" + VECTORS[name] + b"\x80")
         body = shared_worker.recv_raw()
         assert body == b"\x93" + packb("ok") + packb(rid) + VECTORS[name], name
+
+
+@pytest.mark.parametrize("name", sorted(SLOTS))
+def test_slot_vectors_are_the_header_and_the_slot_name(name):
+    import msgpack
+
+    from vllm_bridge.bridge.protocol.slots import slot_payload, split_payload
+    from vllm_bridge.bridge.protocol.tensors import tensor_parts
+
+    tensor, slot = SLOTS[name]
+    header, _ = tensor_parts(tensor)
+    assert msgpack.packb(msgpack.ExtType(8, slot_payload(header, slot))) == VECTORS[name]
+    assert split_payload(msgpack.unpackb(VECTORS[name]).data) == (header, slot)

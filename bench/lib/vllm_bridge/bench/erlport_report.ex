@@ -36,8 +36,9 @@ defmodule VllmBridge.Bench.Erlport.Report do
           "raw echo #{rate(thr.raw)} calls/s",
         "   full / erlport #{x(thr.full / thr.erlport)}, full / raw #{pct(thr.full / thr.raw)}, " <>
           "erlport / raw #{pct(thr.erlport / thr.raw)}",
-        "   binary round trips: erlport echoes bytes (diag.echo); full stack and raw echo are part 4's tensor figures",
-        "   size     full stack      erlport         raw echo        full/erlport  full/raw  erlport/raw"
+        "   binary round trips: erlport echoes bytes (diag.echo); full stack (shared memory from " <>
+          "the threshold on) and raw echo are part 4's tensor figures",
+        "   size     full stack      erlport         raw echo        full/erlport  full/echo  erlport/echo"
       ] ++ binary_rows(erl.binaries, ten)
 
     targets = [
@@ -74,8 +75,8 @@ defmodule VllmBridge.Bench.Erlport.Report do
           raw = gbps(t.bytes, t.raw_ms)
 
           "   #{mib(b.mib)}  #{gb(full)}  #{gb(erl)}  #{gb(raw)}  " <>
-            "#{String.pad_leading(x(full / erl), 12)}  #{String.pad_leading(pct(full / raw), 8)}  " <>
-            String.pad_leading(pct(erl / raw), 11)
+            "#{String.pad_leading(x(full / erl), 12)}  #{String.pad_leading(x(full / raw), 9)}  " <>
+            String.pad_leading(x(erl / raw), 12)
       end
     end)
   end

@@ -31,7 +31,8 @@ from vllm_bridge.bridge.protocol import describe, locate
 from vllm_bridge.bridge.protocol.errors import BadArgument, ProtocolError, safe_str, short_repr
 from vllm_bridge.bridge.protocol.registry import TypeRegistry, coerce_atom
 from vllm_bridge.bridge.protocol.splice import Spliced, splice_tensors
-from vllm_bridge.bridge.protocol.tensors import decode_tensor
+from vllm_bridge.bridge.protocol.slots import SlotDir, split_payload
+from vllm_bridge.bridge.protocol.tensors import decode_tensor, parse_slot_header, tensor_from_slot
 from vllm_bridge.bridge.protocol.types import Atom, ExtCode, Ref
 
 #: How deeply extension values (tuples in tuples, ...) may nest inside one another.
@@ -63,7 +64,13 @@ class Decoded:
 
 
 class Decoder:
-    """Decodes msgpack bodies with the extension types of protocol version 1."""
+    """Decodes msgpack bodies with the extension types of protocol version 1.
+
+    ``slots``: the slot directory tensors in slots (ext 8) are read from; without one, an
+    ext 8 is refused (``BadArgument``)."""
+
+    def __init__(self, slots: SlotDir | None = None) -> None:
+        self.slots = slots
 
     def decode(self, data: bytes | bytearray | memoryview) -> Decoded:
         """Decode one body.
@@ -74,7 +81,7 @@ class Decoder:
             ProtocolError: the body is not well-formed msgpack.
         """
         spliced = splice_tensors(data)  # large frames: large tensors with one copy each
-        p = _Pass(spliced)
+        p = _Pass(spliced, slots=self.slots)
         try:
             value = p.unpack(spliced.body if spliced is not None else data)
         except Exception as exc:  # noqa: BLE001 - every failure is named, then re-raised
@@ -104,7 +111,10 @@ class Pairs(list):  # type: ignore[type-arg]
 
 
 class _Pass:
-    def __init__(self, spliced: Spliced | None = None, lenient: bool = False) -> None:
+    def __init__(
+        self, spliced: Spliced | None = None, lenient: bool = False, slots: SlotDir | None = None
+    ) -> None:
+        self.slots = slots
         self.depth = 0
         self.special = False
         self.spliced = spliced
@@ -151,6 +161,8 @@ class _Pass:
                 if tensor is not None:
                     return tensor
             return decode_tensor(data)
+        if code == ExtCode.SLOT_TENSOR:
+            return self.slot_tensor(data)
         if code == ExtCode.DATACLASS:
             value = self.nested(data, "dataclass")
             if self.lenient and _is_pair(value, Pairs):
@@ -192,6 +204,19 @@ class _Pass:
             magnitude = int.from_bytes(data[1:], "big")
             return -magnitude if data[0] else magnitude
         raise BadArgument(f"unknown extension type code {code}")
+
+
+    def slot_tensor(self, data: bytes) -> Any:
+        header, name = split_payload(data)
+        _dtype, _shape, nbytes = parse_slot_header(header)
+        if self.lenient:
+            return None  # locating a bad value: the slot was read (and handed back) already
+        if self.slots is None:
+            raise BadArgument(
+                f"a tensor in the slot {name!r} (ext 8) arrived, but this worker has no slot "
+                "directory (VLLM_BRIDGE_SHM_DIR)"
+            )
+        return tensor_from_slot(self.slots.read(name, nbytes), header)
 
 
 def _checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
+from vllm_bridge.bridge.protocol.slots import SlotDir, slot_payload
 from vllm_bridge.bridge.protocol.tensors import can_encode, tensor_parts
 from vllm_bridge.bridge.protocol.types import Atom, ExtCode, Ref, qualified_name
 
@@ -66,9 +67,16 @@ def bigint_payload(n: int) -> bytes:
 class Encoder:
     """Encodes values with the extension types of a :class:`TypeRegistry`."""
 
-    def __init__(self, registry: TypeRegistry, large_tensor_bytes: int = LARGE_TENSOR_BYTES):
+    def __init__(
+        self,
+        registry: TypeRegistry,
+        large_tensor_bytes: int = LARGE_TENSOR_BYTES,
+        slots: SlotDir | None = None,
+    ):
         self.registry = registry
         self.large_tensor_bytes = large_tensor_bytes
+        #: Where tensors of at least ``slots.min_bytes`` go (ext 8); None: the pipe.
+        self.slots = slots
 
     def encode(self, value: Any, make_ref: MakeRef | None = None) -> list[Segment]:
         """Encode ``value`` into segments whose concatenation is one msgpack body.
@@ -77,7 +85,15 @@ class Encoder:
             value: Any value. Values with no by-value encoding become references.
             make_ref: Creates those references; without it they raise ``TypeError``.
         """
-        return _Pass(self, make_ref).pack(value)
+        p = _Pass(self, make_ref)
+        try:
+            return p.pack(value)
+        except BaseException:
+            # The frame will not be sent: its result slots are free again.
+            if self.slots is not None:
+                for name in p.slots_written:
+                    self.slots.give_back(name)
+            raise
 
     def packb(self, value: Any, make_ref: MakeRef | None = None) -> bytes:
         """Encode ``value`` into one ``bytes`` body (copies large tensors)."""
@@ -96,6 +112,7 @@ class _Pass:
         self.make_ref = make_ref
         self.nonce = b""
         self.spliced: list[tuple[int, list[Segment]]] = []
+        self.slots_written: list[str] = []
 
     def pack(self, value: Any) -> list[Segment]:
         data = msgpack.packb(value, default=self.default, strict_types=True, use_bin_type=True)
@@ -193,6 +210,12 @@ class _Pass:
 
     def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
         header, data = tensor_parts(t)
+        slots = self.encoder.slots
+        if slots is not None and data.nbytes >= slots.min_bytes:
+            name = slots.write(data)
+            if name is not None:  # else every result slot is lent: the pipe
+                self.slots_written.append(name)
+                return msgpack.ExtType(ExtCode.SLOT_TENSOR, slot_payload(header, name))
         if data.nbytes >= self.encoder.large_tensor_bytes:
             return self._token(ExtCode.TENSOR, [header, data])
         return msgpack.ExtType(ExtCode.TENSOR, header + data.tobytes())

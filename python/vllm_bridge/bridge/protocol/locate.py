@@ -19,7 +19,8 @@ import msgpack
 
 from vllm_bridge.bridge.protocol.describe import colliding_keys, hashable, unhashable_key, wire_repr
 from vllm_bridge.bridge.protocol.errors import BadArgument
-from vllm_bridge.bridge.protocol.tensors import check_tensor_payload
+from vllm_bridge.bridge.protocol.slots import split_payload
+from vllm_bridge.bridge.protocol.tensors import check_tensor_payload, parse_slot_header
 from vllm_bridge.bridge.protocol.types import ExtCode
 
 #: msgpack's own nesting limit for one value (the C unpacker's stack).
@@ -255,6 +256,9 @@ def _holds_nothing(raw: memoryview) -> bool:
         code = raw[1 + size]
         if code == ExtCode.TENSOR:
             check_tensor_payload(raw[2 + size :])
+            return True
+        if code == ExtCode.SLOT_TENSOR:  # its slot was read by the first pass: the header
+            parse_slot_header(split_payload(raw[2 + size :])[0])
             return True
     return False
 

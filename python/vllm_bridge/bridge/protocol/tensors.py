@@ -77,7 +77,9 @@ def tensor_parts(t: torch.Tensor) -> tuple[bytes, memoryview]:
     return header, memoryview(raw).cast("B")
 
 
-def _parse_header(payload: bytes | memoryview) -> tuple[torch.dtype, list[int], int, int]:
+def _parse_header(
+    payload: bytes | memoryview, header_only: bool = False
+) -> tuple[torch.dtype, list[int], int, int]:
     """``(dtype, shape, data_offset, data_bytes)`` of an ext 3 payload, checked.
 
     Raises:
@@ -107,6 +109,10 @@ def _parse_header(payload: bytes | memoryview) -> tuple[torch.dtype, list[int], 
     for n in shape:
         numel *= n
     nbytes = numel * itemsize
+    if header_only:
+        if len(payload) != offset:
+            raise BadArgument(f"tensor header of {len(payload)} bytes should be {offset}")
+        return dtype, shape, offset, nbytes
     if len(payload) - offset != nbytes:
         raise BadArgument(
             f"tensor of shape {shape} and dtype {dtype} needs {nbytes} data bytes, "
@@ -171,3 +177,27 @@ def tensor_from_payload(payload: memoryview) -> torch.Tensor:
     if nbytes:
         out.copy_(_frombuffer(payload, nbytes, offset))
     return _finish(out, dtype, shape)
+
+
+def parse_slot_header(header: bytes) -> tuple[torch.dtype, list[int], int]:
+    """``(dtype, shape, data_bytes)`` of the ext 3 header that starts an ext 8 payload
+    (a tensor in a slot: :mod:`~vllm_bridge.bridge.protocol.slots`), checked.
+
+    Raises:
+        BadArgument: an unknown dtype code or a malformed header.
+    """
+    dtype, shape, _offset, nbytes = _parse_header(header, header_only=True)
+    return dtype, shape, nbytes
+
+
+def tensor_from_slot(raw: torch.Tensor, header: bytes) -> torch.Tensor:
+    """The tensor of an ext 8 payload's header whose data ``raw`` (uint8, owned) was
+    read from its slot.
+
+    Raises:
+        BadArgument: bool data holding a byte other than 0 or 1.
+    """
+    dtype, shape, _ = parse_slot_header(header)
+    if raw.numel() == 0:
+        return torch.empty(shape, dtype=dtype)
+    return _finish(raw, dtype, shape)

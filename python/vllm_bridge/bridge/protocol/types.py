@@ -25,6 +25,7 @@ class ExtCode(enum.IntEnum):
     ENUM = 5
     REF = 6
     BIGINT = 7
+    SLOT_TENSOR = 8
 
 
 class Atom(str):

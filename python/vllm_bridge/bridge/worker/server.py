@@ -54,6 +54,7 @@ from vllm_bridge.bridge.protocol.messages import (
     peek_request_id,
 )
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
+from vllm_bridge.bridge.protocol.slots import slot_dir_from_env
 from vllm_bridge.bridge.worker import allowlist
 from vllm_bridge.bridge.worker.channel import Channel, LogFrameHandler
 
@@ -153,8 +154,10 @@ class Worker:
         self.import_errors = dict(import_errors or {})
         self.instance = secrets.token_hex(8)
         self.registry = TypeRegistry(modules)
-        self.decoder = Decoder()
-        self.channel = Channel(Encoder(self.registry), max_frame=max_frame)
+        # Large tensors through shared memory when the BEAM gave a slot directory.
+        self.slots = slot_dir_from_env()
+        self.decoder = Decoder(self.slots)
+        self.channel = Channel(Encoder(self.registry, slots=self.slots), max_frame=max_frame)
         self.sessions = Sessions(self.instance, max_refs)
         self.interrupter = Interrupter()
         self.dispatcher = Dispatcher(
@@ -201,6 +204,8 @@ class Worker:
         root.addHandler(_HeldLogFrameHandler(self.channel, self.interrupter, self.log_level))
         threading.Thread(target=self._watch, name="vllm-bridge-watch", daemon=True).start()
         self.executor.run(final=self._close_sessions)
+        if self.slots is not None:
+            self.slots.close()  # (a worker killed instead: the BEAM's sweep deletes them)
         return 0
 
     def _watch(self) -> None:

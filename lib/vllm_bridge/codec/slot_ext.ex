@@ -1,0 +1,175 @@
+defmodule VllmBridge.Codec.SlotExt do
+  @moduledoc false
+  # A tensor in a slot (ext 8 of docs/PROTOCOL.md): ext 3's header (dtype code, ndim,
+  # device name, shape), then the slot's name (u8 length, ASCII). The data lies in that
+  # file of the node's slot directory (VllmBridge.Shm), not in the frame.
+  #
+  # A frame names a slot, never a path: a name must be of its writer's fixed pattern
+  # (`e-<n>` for arguments, which only the worker reads; `r-<os pid>-<n>` for results,
+  # which only this side reads). The reader takes the name relative to the directory,
+  # refuses a symbolic link, and checks a regular file of its own uid whose size is the
+  # tensor's; then copies the data out and hands the slot back (renames it `<name>.free`).
+
+  alias VllmBridge.Codec.Msgpack
+  alias VllmBridge.Codec.Msgpack.Decoder
+  alias VllmBridge.{Shm, Tensor}
+
+  @type_code 8
+  @result_name ~r/\Ar-[0-9]{1,10}-[0-9]{1,20}\z/
+
+  @doc "The ext 8 value of a tensor (validated by the caller) whose data is in `slot`."
+  @spec encode(Tensor.t(), String.t()) :: iodata()
+  def encode(%Tensor{dtype: dtype, shape: shape, device: device}, slot) do
+    dev = if device == "cpu", do: "", else: device
+    payload = payload(dtype, shape, dev, slot)
+    [Msgpack.ext_header(@type_code, byte_size(payload)) | payload]
+  end
+
+  @doc false
+  # The payload bytes (also for the byte vectors' test).
+  @spec payload(Tensor.dtype(), [non_neg_integer()], binary(), String.t()) :: binary()
+  def payload(dtype, shape, dev, slot) do
+    IO.iodata_to_binary([
+      Tensor.code(dtype),
+      length(shape),
+      byte_size(dev),
+      dev,
+      for(d <- shape, do: <<d::64>>),
+      byte_size(slot),
+      slot
+    ])
+  end
+
+  @doc false
+  # `{dtype, shape, device, slot}` of a payload, checked; a malformed one fails the decode.
+  @spec parse(binary()) :: {Tensor.dtype(), [non_neg_integer()], String.t(), binary()}
+  def parse(<<code, ndim, len, dev::binary-size(len), rest::binary>> = payload) do
+    dtype =
+      case Tensor.from_code(code) do
+        {:ok, dtype} -> dtype
+        :error -> Decoder.fail!("unknown tensor dtype code #{code}")
+      end
+
+    shape_bytes = 8 * ndim
+
+    case rest do
+      <<shape_bin::binary-size(shape_bytes), n, slot::binary-size(n)>> ->
+        {dtype, for(<<d::64 <- shape_bin>>, do: d), device(dev), slot}
+
+      _ ->
+        Decoder.fail!("malformed tensor-in-a-slot (ext 8) payload of #{byte_size(payload)} bytes")
+    end
+  end
+
+  def parse(payload),
+    do: Decoder.fail!("truncated tensor-in-a-slot (ext 8) payload (#{byte_size(payload)} bytes)")
+
+  @doc "Decodes an ext 8 payload: reads the slot, hands it back, returns the tensor."
+  @spec decode(binary()) :: Tensor.t()
+  def decode(payload) do
+    {dtype, shape, device, slot} = parse(payload)
+    nbytes = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
+
+    data =
+      case read(Shm.dir(), slot, nbytes) do
+        {:ok, data} -> data
+        {:error, why} -> Decoder.fail!("the tensor slot #{inspect(slot)} (ext 8): #{why}")
+      end
+
+    if dtype == :bool do
+      with {offset, byte} <- Tensor.bad_bool_byte(data),
+           do: Decoder.fail!("bool tensor data holds the byte #{byte} at offset #{offset}")
+    end
+
+    %Tensor{dtype: dtype, shape: shape, data: data, device: device}
+  end
+
+  @doc false
+  # Reads `nbytes` from the result slot `slot` of `dir` and hands it back: `{:ok, data}`
+  # or `{:error, why}` (a name of another pattern, a link, not a regular file of our
+  # uid, another size, gone).
+  @spec read(Shm.dir() | :disabled, binary(), non_neg_integer()) ::
+          {:ok, binary()} | {:error, String.t()}
+  def read(:disabled, _slot, _nbytes), do: {:error, "this node has no slot directory"}
+
+  def read(%{path: dir, uid: uid}, slot, nbytes) do
+    if Regex.match?(@result_name, slot) do
+      path = Path.join(dir, slot)
+
+      result =
+        with {:ok, %File.Stat{type: :regular}} <- lstat(path),
+             {:ok, fd} <- open(path) do
+          try do
+            with :ok <- check(fd, uid, nbytes), do: pread(fd, nbytes)
+          after
+            :file.close(fd)
+          end
+        end
+
+      handed_back(result, path)
+    else
+      {:error, "not the name of a result slot (r-<os pid>-<n>)"}
+    end
+  end
+
+  defp lstat(path) do
+    case File.lstat(path, time: :posix) do
+      {:ok, %File.Stat{type: :regular}} = ok -> ok
+      {:ok, %File.Stat{type: type}} -> {:error, "is not a regular file (#{type})"}
+      {:error, :enoent} -> {:error, "is gone (its worker exited before it was read)"}
+      {:error, reason} -> {:error, "cannot be read (#{reason})"}
+    end
+  end
+
+  defp open(path) do
+    case :file.open(path, [:read, :raw, :binary]) do
+      {:ok, _} = ok -> ok
+      {:error, :enoent} -> {:error, "is gone (its worker exited before it was read)"}
+      {:error, reason} -> {:error, "cannot be opened (#{reason})"}
+    end
+  end
+
+  # The open file itself (a name swapped for a link after the lstat is caught here).
+  defp check(fd, uid, nbytes) do
+    case :file.read_file_info(fd, time: :posix) do
+      {:ok, info} ->
+        %File.Stat{type: type, uid: owner, size: size} = File.Stat.from_record(info)
+
+        cond do
+          type != :regular -> {:error, "is not a regular file (#{type})"}
+          owner != uid -> {:error, "belongs to uid #{owner}, not to this node's #{uid}"}
+          size != nbytes -> {:error, "holds #{size} bytes, the tensor needs #{nbytes}"}
+          true -> :ok
+        end
+
+      {:error, reason} ->
+        {:error, "cannot be read (#{reason})"}
+    end
+  end
+
+  defp pread(_fd, 0), do: {:ok, <<>>}
+
+  defp pread(fd, nbytes) do
+    case :file.pread(fd, 0, nbytes) do
+      {:ok, data} when byte_size(data) == nbytes -> {:ok, data}
+      {:ok, data} -> {:error, "gave #{byte_size(data)} bytes, the tensor needs #{nbytes}"}
+      :eof -> {:error, "is empty, the tensor needs #{nbytes} bytes"}
+      {:error, reason} -> {:error, "cannot be read (#{reason})"}
+    end
+  end
+
+  # Copied out (or refused): the slot goes back to its writer either way, so that a bad
+  # slot is not left lent for ever; a writer reuses it only once it holds no frame.
+  defp handed_back(result, path) do
+    _ = :file.rename(path, path <> ".free")
+    result
+  end
+
+  defp device(""), do: "cpu"
+
+  defp device(name) do
+    if is_binary(:unicode.characters_to_binary(name)),
+      do: name,
+      else: Decoder.fail!("tensor device name is not valid UTF-8")
+  end
+end

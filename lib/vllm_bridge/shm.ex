@@ -1,0 +1,383 @@
+defmodule VllmBridge.Shm do
+  @moduledoc false
+  # Shared memory for large tensors (docs/PROTOCOL.md, "Tensors in slots (ext 8)"): the
+  # node's slot directory and the slots that carry arguments to the workers.
+  #
+  # One directory per BEAM, `<root>/vllm_bridge-<os pid>-<random>` (mode 0700; root:
+  # `config :vllm_bridge, shm_dir:`, default "/dev/shm", false: none), made when the
+  # application starts. A keeper, `/bin/sh -c 'cat >/dev/null; rm -rf -- "$0"' DIR`, runs
+  # as a port of this process: when the BEAM dies by any means (kill -9 included) its
+  # stdin reaches EOF and it removes the directory. Without a directory (no root, or one
+  # that is not writable) every tensor takes the pipe, and nothing else changes.
+  #
+  # Slots are plain files in that directory, named by their writer: `e-<n>` the
+  # argument slots (written by callers, named and lent by this process), `r-<os pid>-<n>`
+  # the result slots of the worker of that os pid. A reader that has copied a slot out
+  # hands it back by renaming it to `<name>.free`; its writer takes it again by renaming
+  # it back (`rename` is atomic: there is one winner), so a slot keeps its pages and the
+  # next transfer is a memcpy each way (bench/README.md, "Shared memory for large tensors").
+  #
+  # Lifetimes: an argument slot is lent to the calling process (monitored) while its
+  # call runs (`scope/1`). When the call ends, a slot the worker did not hand back (it
+  # never read it: the call was refused, timed out, or its worker died) is deleted, never
+  # reused, so a late reader finds it gone rather than someone else's data; the same
+  # when the caller dies. Free slots unused for @idle_ms are deleted. Result slots of a
+  # worker whose os process is gone are deleted by a sweep every @sweep_ms.
+
+  use GenServer
+
+  require Logger
+
+  @default_min_bytes 1024 * 1024
+  # Argument slots at most (lent and free): past it a tensor takes the pipe.
+  @max_slots 8
+  @idle_ms 2_000
+  @sweep_ms 500
+  @key {__MODULE__, :dir}
+  @lent {__MODULE__, :lent}
+
+  @typedoc "The node's slot directory, or :disabled."
+  @type dir :: %{path: String.t(), uid: non_neg_integer(), min_bytes: pos_integer()}
+
+  @doc false
+  def start_link(opts), do: GenServer.start_link(__MODULE__, opts, name: __MODULE__)
+
+  @doc "The node's slot directory (`t:dir/0`), or `:disabled`."
+  @spec dir() :: dir() | :disabled
+  def dir, do: :persistent_term.get(@key, :disabled)
+
+  @doc "The environment a worker gets: `VLLM_BRIDGE_SHM_DIR` and its threshold, or none."
+  @spec worker_env() :: [{String.t(), String.t()}]
+  def worker_env do
+    case dir() do
+      :disabled ->
+        []
+
+      %{path: path, min_bytes: min} ->
+        [{"VLLM_BRIDGE_SHM_DIR", path}, {"VLLM_BRIDGE_SHM_MIN_BYTES", Integer.to_string(min)}]
+    end
+  end
+
+  @doc "The environment variables `worker_env/0` sets (a pool's `worker_env` may not)."
+  @spec own_env() :: [String.t()]
+  def own_env, do: ["VLLM_BRIDGE_SHM_DIR", "VLLM_BRIDGE_SHM_MIN_BYTES"]
+
+  @doc """
+  Runs `fun` with argument slots allowed: a tensor of at least the threshold that is
+  encoded meanwhile in this process goes into a slot (ext 8). When `fun` returns (or
+  raises), every slot it lent is given back: kept for reuse when the worker handed it
+  back, deleted otherwise. Nested scopes share the outermost one.
+  """
+  @spec scope((() -> result)) :: result when result: term()
+  def scope(fun) do
+    cond do
+      dir() == :disabled -> fun.()
+      Process.get(@lent) != nil -> fun.()
+      true -> scoped(fun)
+    end
+  end
+
+  defp scoped(fun) do
+    Process.put(@lent, [])
+
+    try do
+      fun.()
+    after
+      case Process.delete(@lent) do
+        [] -> :ok
+        names -> GenServer.cast(__MODULE__, {:done, self(), names})
+      end
+    end
+  end
+
+  @doc """
+  Runs `fun` with argument slots off: every tensor it encodes takes the pipe (the
+  benchmarks' pipe figures; a worker module of one's own that cannot read ext 8).
+  """
+  @spec without((() -> result)) :: result when result: term()
+  def without(fun) do
+    previous = Process.put(@lent, :off)
+
+    try do
+      fun.()
+    after
+      if previous == nil, do: Process.delete(@lent), else: Process.put(@lent, previous)
+    end
+  end
+
+  @doc """
+  Writes `data` into an argument slot when this process is inside `scope/1`, the node
+  has a directory, `data` is at least the threshold and a slot can be had: `{:ok,
+  name}`; else `:pipe` (the caller sends the bytes inline).
+  """
+  @spec put(binary()) :: {:ok, String.t()} | :pipe
+  def put(data) do
+    with lent when is_list(lent) <- Process.get(@lent),
+         %{path: path, min_bytes: min} when byte_size(data) >= min <- dir(),
+         {:ok, name, new?} <- GenServer.call(__MODULE__, {:take, self(), byte_size(data)}) do
+      Process.put(@lent, [name | lent])
+
+      case write(Path.join(path, name), data, new?) do
+        :ok ->
+          {:ok, name}
+
+        {:error, reason} ->
+          Logger.warning("vllm_bridge: writing the slot #{name} failed (#{inspect(reason)})")
+          :pipe
+      end
+    else
+      _ -> :pipe
+    end
+  end
+
+  defp write(path, data, new?) do
+    modes = [:read, :write, :raw, :binary] ++ if(new?, do: [:exclusive], else: [])
+
+    # A new slot is made with O_EXCL (a link planted there fails); a reused one must
+    # still be a regular file (Erlang's open has no O_NOFOLLOW; only our uid can write
+    # in the 0700 directory).
+    with :ok <- if(new?, do: :ok, else: regular(path)),
+         {:ok, fd} <- :file.open(path, modes) do
+      try do
+        with :ok <- :file.pwrite(fd, 0, data),
+             {:ok, _} <- :file.position(fd, byte_size(data)),
+             do: :file.truncate(fd)
+      after
+        :file.close(fd)
+      end
+    end
+  end
+
+  defp regular(path) do
+    case File.lstat(path) do
+      {:ok, %File.Stat{type: :regular}} -> :ok
+      {:ok, %File.Stat{type: type}} -> {:error, {:not_a_regular_file, type}}
+      {:error, _} = error -> error
+    end
+  end
+
+  # -- the process ------------------------------------------------------------------------
+
+  @impl true
+  def init(opts) do
+    Process.flag(:trap_exit, true)
+    root = Keyword.get(opts, :root, Application.get_env(:vllm_bridge, :shm_dir, "/dev/shm"))
+
+    min =
+      Keyword.get(opts, :min_bytes, Application.get_env(:vllm_bridge, :shm_min_bytes)) ||
+        @default_min_bytes
+
+    case make_dir(root) do
+      {:ok, path, uid} ->
+        keeper =
+          Port.open({:spawn_executable, "/bin/sh"}, [
+            {:args, ["-c", ~S(cat >/dev/null; rm -rf -- "$0"), path]},
+            :binary
+          ])
+
+        :persistent_term.put(@key, %{path: path, uid: uid, min_bytes: min})
+        Process.send_after(self(), :sweep, @sweep_ms)
+        {:ok, %{path: path, keeper: keeper, slots: %{}, owners: %{}, next: 0}}
+
+      {:error, why} ->
+        Logger.debug("vllm_bridge: no shared memory for tensors (#{why}); they take the pipe")
+        :persistent_term.put(@key, :disabled)
+        {:ok, %{path: nil, keeper: nil, slots: %{}, owners: %{}, next: 0}}
+    end
+  end
+
+  @doc false
+  # Makes `<root>/vllm_bridge-<os pid>-<random>`, mode 0700: `{:ok, path, uid}` or
+  # `{:error, why}` (no root, not a writable directory).
+  @spec make_dir(term()) :: {:ok, String.t(), non_neg_integer()} | {:error, String.t()}
+  def make_dir(root) when root in [nil, false], do: {:error, "shm_dir is off"}
+  # (As `-vllm_bridge shm_dir "..."` on erl's command line gives it.)
+  def make_dir([c | _] = root) when is_integer(c), do: make_dir(List.to_string(root))
+
+  def make_dir(root) when is_binary(root) do
+    name = "vllm_bridge-#{System.pid()}-#{Base.encode16(:rand.bytes(6), case: :lower)}"
+    path = Path.join(root, name)
+
+    with :ok <- :file.make_dir(path) |> why("cannot make #{path}"),
+         :ok <- :file.change_mode(path, 0o700) |> why("cannot chmod #{path}"),
+         {:ok, %File.Stat{uid: uid}} <- File.lstat(path) |> why("cannot stat #{path}") do
+      {:ok, path, uid}
+    end
+  end
+
+  def make_dir(root), do: {:error, "shm_dir must be a path or false, got #{inspect(root)}"}
+
+  defp why(:ok, _), do: :ok
+  defp why({:ok, _} = ok, _), do: ok
+  defp why({:error, reason}, what), do: {:error, "#{what}: #{reason}"}
+
+  @impl true
+  def handle_call({:take, _pid, _size}, _from, %{path: nil} = state),
+    do: {:reply, :pipe, state}
+
+  def handle_call({:take, pid, size}, _from, state) do
+    case take_free(state, size) do
+      {:ok, name, state} ->
+        {:reply, {:ok, name, false}, lend(state, name, pid, size)}
+
+      :none when map_size(state.slots) < @max_slots ->
+        name = "e-#{state.next}"
+        state = %{state | next: state.next + 1}
+        {:reply, {:ok, name, true}, lend(state, name, pid, size)}
+
+      :none ->
+        {:reply, :pipe, state}
+    end
+  end
+
+  # A free slot of this size first, else any free one (one a worker held may have been
+  # handed back since); taken back by renaming it.
+  defp take_free(state, size) do
+    state.slots
+    |> Enum.filter(fn {_, s} -> s.owner in [nil, :worker] end)
+    |> Enum.sort_by(fn {_, s} -> if s.size == size, do: 0, else: 1 end)
+    |> Enum.find_value(:none, fn {name, _} ->
+      path = Path.join(state.path, name)
+
+      case :file.rename(path <> ".free", path) do
+        :ok -> {:ok, name, state}
+        {:error, _} -> nil
+      end
+    end)
+  end
+
+  defp lend(state, name, pid, size) do
+    owners =
+      Map.update(state.owners, pid, {Process.monitor(pid), [name]}, fn {ref, names} ->
+        {ref, [name | names]}
+      end)
+
+    slot = %{size: size, owner: pid, used: System.monotonic_time(:millisecond)}
+    %{state | owners: owners, slots: Map.put(state.slots, name, slot)}
+  end
+
+  @impl true
+  def handle_cast({:done, pid, names}, state) do
+    state =
+      case Map.fetch(state.owners, pid) do
+        {:ok, {ref, held}} ->
+          case held -- names do
+            [] ->
+              Process.demonitor(ref, [:flush])
+              %{state | owners: Map.delete(state.owners, pid)}
+
+            rest ->
+              %{state | owners: Map.put(state.owners, pid, {ref, rest})}
+          end
+
+        :error ->
+          state
+      end
+
+    {:noreply, Enum.reduce(names, state, &settle/2)}
+  end
+
+  @impl true
+  def handle_info({:DOWN, _ref, :process, pid, _}, state) do
+    {{_, names}, owners} = Map.pop(state.owners, pid, {nil, []})
+    {:noreply, Enum.reduce(names, %{state | owners: owners}, &settle/2)}
+  end
+
+  def handle_info(:sweep, state) do
+    Process.send_after(self(), :sweep, @sweep_ms)
+    {:noreply, state |> expire_free() |> sweep_results()}
+  end
+
+  def handle_info({port, _}, %{keeper: port} = state), do: {:noreply, state}
+  def handle_info({:EXIT, _, _}, state), do: {:noreply, state}
+
+  # A lent slot's call is over. Handed back (renamed .free) by its reader: free. Held by
+  # the worker (renamed .held-<os pid>: a tensor in Python still maps it): the worker's
+  # until it hands it back or dies. Else nobody read it for this call: deleted (a late
+  # reader finds it gone, never someone else's data).
+  defp settle(name, state) do
+    path = Path.join(state.path, name)
+
+    cond do
+      not Map.has_key?(state.slots, name) ->
+        state
+
+      File.exists?(path <> ".free") ->
+        owned(state, name, nil)
+
+      held(path) != [] ->
+        owned(state, name, :worker)
+
+      true ->
+        drop(state, name)
+    end
+  end
+
+  defp owned(state, name, owner) do
+    slot = %{state.slots[name] | owner: owner, used: System.monotonic_time(:millisecond)}
+    %{state | slots: Map.put(state.slots, name, slot)}
+  end
+
+  defp drop(state, name) do
+    path = Path.join(state.path, name)
+    _ = :file.delete(path)
+    _ = :file.delete(path <> ".free")
+    %{state | slots: Map.delete(state.slots, name)}
+  end
+
+  defp held(path), do: Path.wildcard(path <> ".held-*")
+
+  # Free slots idle for @idle_ms are deleted; a slot a worker held is free again once
+  # handed back, and forgotten when its file is gone (its worker died: the sweep).
+  defp expire_free(state) do
+    now = System.monotonic_time(:millisecond)
+
+    Enum.reduce(state.slots, state, fn
+      {name, %{owner: nil, used: used}}, acc when now - used > @idle_ms ->
+        drop(acc, name)
+
+      {name, %{owner: :worker}}, acc ->
+        path = Path.join(acc.path, name)
+
+        cond do
+          File.exists?(path <> ".free") -> owned(acc, name, nil)
+          held(path) == [] -> drop(acc, name)
+          true -> acc
+        end
+
+      _, acc ->
+        acc
+    end)
+  end
+
+  # The result slots (`r-<os pid>-<n>`, with or without `.free`) and the argument slots
+  # it held (`e-<n>.held-<os pid>`) of a worker process that is gone: killed, or exited
+  # before cleaning up.
+  @of_worker ~r/\A(?:r-([0-9]{1,10})-[0-9]{1,20}(?:\.free)?|e-[0-9]{1,20}\.held-([0-9]{1,10}))\z/
+  defp sweep_results(%{path: nil} = state), do: state
+
+  defp sweep_results(state) do
+    case :file.list_dir(state.path) do
+      {:ok, names} ->
+        for name <- names,
+            groups = Regex.run(@of_worker, "#{name}", capture: :all_but_first),
+            groups != nil,
+            pid = Enum.find(groups, &(&1 != "")),
+            not File.exists?("/proc/#{pid}") do
+          :file.delete(Path.join(state.path, name))
+        end
+
+        state
+
+      {:error, _} ->
+        state
+    end
+  end
+
+  @impl true
+  def terminate(_reason, %{path: path}) do
+    :persistent_term.put(@key, :disabled)
+    if path, do: File.rm_rf(path)
+    :ok
+  end
+end

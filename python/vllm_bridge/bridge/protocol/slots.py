@@ -1,0 +1,273 @@
+"""Tensors in slots (ext 8): large tensors through shared memory instead of the pipe.
+
+The Elixir side makes one directory per BEAM (mode 0700, on ``/dev/shm``) and gives it to
+its workers in ``VLLM_BRIDGE_SHM_DIR``. A slot is a plain file there, named by its writer:
+``e-<n>`` for arguments (written by Elixir callers, read here), ``r-<pid>-<n>`` for this
+worker's results (written here, read by Elixir). A reader that is done with a slot hands
+it back by renaming it ``<name>.free``; its writer takes it again by renaming it back, so
+a slot keeps its pages. An argument arrives without a copy: its tensor maps the slot
+privately, and the slot is held (``<name>.held-<pid>``) until the tensor is gone.
+
+A frame names a slot, never a path: a name that is not of the pattern of what this side
+reads is refused; the file is opened relative to the directory with ``O_NOFOLLOW`` and
+must be a regular file of this process's uid whose size is the tensor's
+(docs/PROTOCOL.md, "Tensors in slots (ext 8)"; docs/SECURITY.md).
+
+The ext 8 payload: ext 3's header (dtype code, ndim, device length and name, the shape as
+big-endian u64s), then the slot's name (u8 length, ASCII).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_bridge.bridge.protocol.errors import BadArgument
+
+#: Tensors of at least this many bytes go into a slot (``VLLM_BRIDGE_SHM_MIN_BYTES``).
+DEFAULT_MIN_BYTES = 1024 * 1024
+#: Result slots a worker keeps at most (lent and free): past it a result takes the pipe.
+MAX_RESULT_SLOTS = 4
+
+_ARG_NAME = re.compile(r"e-[0-9]{1,20}")
+
+
+def slot_payload(header: bytes, name: str) -> bytes:
+    """The ext 8 payload of a tensor whose ext 3 header is ``header``, in slot ``name``."""
+    raw = name.encode("ascii")
+    return header + bytes((len(raw),)) + raw
+
+
+def split_payload(payload: bytes | memoryview) -> tuple[bytes, str]:
+    """``(ext 3 header, slot name)`` of an ext 8 payload.
+
+    Raises:
+        BadArgument: a truncated payload, or a name that is not ASCII.
+    """
+    data = bytes(payload)
+    if len(data) < 3:
+        raise BadArgument(f"tensor-in-a-slot (ext 8) payload of {len(data)} bytes is truncated")
+    head = 3 + data[2] + 8 * data[1]
+    if len(data) < head + 1 or len(data) != head + 1 + data[head]:
+        raise BadArgument(
+            f"malformed tensor-in-a-slot (ext 8) payload of {len(data)} bytes"
+        )
+    try:
+        name = data[head + 1 :].decode("ascii")
+    except UnicodeDecodeError:
+        raise BadArgument(f"tensor slot name {data[head + 1:]!r} is not ASCII") from None
+    return data[:head], name
+
+
+@dataclass
+class _Slot:
+    name: str
+    size: int = 0
+    lent: bool = False
+    mapping: mmap.mmap | None = None
+
+
+@dataclass
+class SlotDir:
+    """The slot directory of this worker's BEAM: reads argument slots, writes result slots."""
+
+    path: str
+    fd: int
+    min_bytes: int = DEFAULT_MIN_BYTES
+    max_slots: int = MAX_RESULT_SLOTS
+    _slots: list[_Slot] = field(default_factory=list)
+    _next: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # -- arguments: read ------------------------------------------------------------------
+
+    def read(self, name: str, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` of argument slot ``name`` as a uint8 tensor that maps the slot
+        privately (no copy: pages are read where they lie, and a write to the tensor
+        copies only the page it touches, never changing the file).
+
+        While the tensor lives the slot is this process's: renamed
+        ``name.held-<pid>``; once the tensor (and every view of it) is gone, the slot is
+        handed back (renamed ``name.free``). A worker that dies holding it: the BEAM's
+        sweep deletes it.
+
+        Raises:
+            BadArgument: ``name`` is not an argument slot's (``e-<n>``), or the file is
+                missing, a link, not a regular file of this uid, or not ``nbytes`` long.
+        """
+        if not _ARG_NAME.fullmatch(name):
+            raise BadArgument(
+                f"the tensor slot {name!r} is not the name of an argument slot (e-<n>)"
+            )
+        try:
+            # (O_NONBLOCK: a FIFO planted there must not block the open; it is refused.)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(name, flags, dir_fd=self.fd)
+        except FileNotFoundError:
+            raise BadArgument(f"the tensor slot {name!r} is gone (its caller gave up)") from None
+        except OSError as exc:
+            raise BadArgument(
+                f"the tensor slot {name!r} cannot be opened: {exc.strerror}"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadArgument(f"the tensor slot {name!r} is not a regular file")
+            if st.st_uid != os.geteuid():
+                raise BadArgument(
+                    f"the tensor slot {name!r} belongs to uid {st.st_uid}, not {os.geteuid()}"
+                )
+            if st.st_size != nbytes:
+                raise BadArgument(
+                    f"the tensor slot {name!r} holds {st.st_size} bytes, the tensor needs {nbytes}"
+                )
+            if nbytes == 0:
+                self._rename(name, name + ".free")
+                return torch.empty(0, dtype=torch.uint8)
+            m = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            self._rename(name, name + ".free")  # refused: its writer may have it back
+            raise
+        os.close(fd)
+        held = f"{name}.held-{os.getpid()}"
+        self._rename(name, held)
+        weakref.finalize(m, self._rename, held, name + ".free")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(m, dtype=torch.uint8)
+
+    def _rename(self, src: str, dst: str) -> None:
+        try:
+            os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except OSError:
+            pass  # deleted meanwhile (its caller gave up), or the directory is closed
+
+    # -- results: write -------------------------------------------------------------------
+
+    def write(self, data: memoryview) -> str | None:
+        """Writes ``data`` into a free result slot of this worker and lends it out: its
+        name, or None when every slot is lent (the tensor then takes the pipe)."""
+        with self._lock:
+            slot = self._take()
+            if slot is None:
+                return None
+            n = data.nbytes
+            try:
+                if slot.size != n or slot.mapping is None:
+                    self._resize(slot, n)
+                if slot.mapping is not None:  # (None only for an empty tensor)
+                    slot.mapping[:n] = data
+            except OSError:
+                self._drop(slot)
+                return None
+            slot.lent = True
+            return slot.name
+
+    def give_back(self, name: str) -> None:
+        """A result slot written for a frame that was not sent: free again."""
+        with self._lock:
+            for slot in self._slots:
+                if slot.name == name:
+                    slot.lent = False
+
+    def _take(self) -> _Slot | None:
+        for slot in self._slots:
+            if not slot.lent:
+                return slot
+        for slot in self._slots:
+            try:
+                os.rename(slot.name + ".free", slot.name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            except OSError:
+                continue
+            slot.lent = False
+            return slot
+        if len(self._slots) >= self.max_slots:
+            return None
+        name = f"r-{os.getpid()}-{self._next}"
+        self._next += 1
+        try:
+            fd = os.open(
+                name,
+                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=self.fd,
+            )
+        except OSError:
+            return None
+        os.close(fd)
+        slot = _Slot(name)
+        self._slots.append(slot)
+        return slot
+
+    def _resize(self, slot: _Slot, n: int) -> None:
+        if slot.mapping is not None:
+            slot.mapping.close()
+            slot.mapping = None
+        fd = os.open(slot.name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        try:
+            os.ftruncate(fd, n)
+            # Its pages now, not at the first write through the mapping: a full /dev/shm
+            # is an OSError here (the tensor takes the pipe), not a SIGBUS there.
+            if n:
+                os.posix_fallocate(fd, 0, n)
+            slot.size = n
+            if n:
+                prot = mmap.PROT_READ | mmap.PROT_WRITE
+                slot.mapping = mmap.mmap(fd, n, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)
+
+    def _drop(self, slot: _Slot) -> None:
+        if slot.mapping is not None:
+            slot.mapping.close()
+        for name in (slot.name, slot.name + ".free"):
+            try:
+                os.unlink(name, dir_fd=self.fd)
+            except OSError:
+                pass
+        self._slots.remove(slot)
+
+    def close(self) -> None:
+        """Deletes this worker's result slots (it is exiting)."""
+        with self._lock:
+            for slot in list(self._slots):
+                self._drop(slot)
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def open_slot_dir(path: str | None, min_bytes: int = DEFAULT_MIN_BYTES) -> SlotDir | None:
+    """The slot directory at ``path``, or None (no path; not a directory of this uid with
+    mode 0700; cannot be opened): then every tensor takes the pipe."""
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        return None
+    return SlotDir(path=path, fd=fd, min_bytes=min_bytes)
+
+
+def slot_dir_from_env() -> SlotDir | None:
+    """:func:`open_slot_dir` of ``VLLM_BRIDGE_SHM_DIR`` (threshold
+    ``VLLM_BRIDGE_SHM_MIN_BYTES``), or None."""
+    try:
+        min_bytes = int(os.environ.get("VLLM_BRIDGE_SHM_MIN_BYTES", DEFAULT_MIN_BYTES))
+    except ValueError:
+        min_bytes = DEFAULT_MIN_BYTES
+    return open_slot_dir(os.environ.get("VLLM_BRIDGE_SHM_DIR"), max(1, min_bytes))

@@ -1,0 +1,242 @@
+defmodule VllmBridge.Runtime.ShmTest do
+  @moduledoc """
+  Large tensors through shared memory (VllmBridge.Shm, ext 8) on real workers: both
+  directions, agreement with the pipe, lifetimes (a worker killed with kill -9 in the
+  middle of a call, a caller killed, a pool stopped: no slot file left), a frame naming
+  anything but a result slot refused. Not async: it looks at the node's slot directory,
+  which every test's large tensors share.
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+
+  import VllmBridge.RuntimeHelpers
+
+  alias VllmBridge.{Error, Shm, Tensor}
+  alias VllmBridge.Codec.SlotExt
+  alias VllmBridge.Worker.Launcher
+
+  @pool :rt_shm
+  @diag "vllm_bridge.bridge.diag"
+
+  setup_all do
+    start_pool!(@pool,
+      size: 1,
+      allow: [@diag, "rt_shm"],
+      worker_env: [python_path([support_dir()])]
+    )
+
+    :ok
+  end
+
+  setup do
+    %{path: dir} = Shm.dir()
+    await_idle!(@pool)
+    tmp = Path.join(System.tmp_dir!(), "rt_shm_#{System.unique_integer([:positive])}")
+    File.mkdir_p!(tmp)
+    on_exit(fn -> File.rm_rf!(tmp) end)
+    %{dir: dir, tmp: tmp}
+  end
+
+  defp tensor(mib, seed) do
+    n = div(mib * 1_048_576, 4)
+    data = for i <- 0..1023, into: <<>>, do: <<i + seed::little-float-32>>
+    Tensor.new(:binary.copy(data, div(n, 1024)), :float32, [n])
+  end
+
+  defp echo(t), do: VllmBridge.call({@diag, "echo"}, [t], %{}, pool_name: @pool)
+  defp ls(dir), do: dir |> File.ls!() |> Enum.sort()
+  # The directory empties within a bounded wait (saying what is left when it does not).
+  defp empties(dir, keep \\ fn _ -> false end) do
+    wait_until(fn -> Enum.all?(ls(dir), keep) end, 15_000, "the slot directory empties")
+  rescue
+    e in ExUnit.AssertionError ->
+      reraise %{e | message: e.message <> ": #{inspect(ls(dir))}"}, __STACKTRACE__
+  end
+
+  defp os_pid, do: hd(workers!(@pool)).os_pid
+
+  # The slots, whatever their state (lent, held by a worker, free).
+  defp slots(dir),
+    do: dir |> ls() |> Enum.map(&String.replace(&1, ~r/\.(free|held-\d+)\z/, "")) |> Enum.uniq()
+
+  test "large tensors travel both ways through slots, small ones through the pipe", %{dir: dir} do
+    big = tensor(8, 1)
+    assert {:ok, ^big} = echo(big)
+    pid = os_pid()
+    names = slots(dir)
+    assert "r-#{pid}-0" in names, "the result went through a slot: #{inspect(ls(dir))}"
+    assert Enum.any?(names, &(&1 =~ ~r/\Ae-\d+\z/)), "the argument went through a slot"
+
+    # Reused once handed back (the worker holds an argument's slot until its tensor is
+    # gone, just after the reply): the same files carry the next large round trip.
+    wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
+    other = tensor(5, 7)
+    assert {:ok, ^other} = echo(other)
+    assert slots(dir) == names
+    wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
+
+    # Below the threshold: the pipe, and the same answer.
+    %{min_bytes: min} = Shm.dir()
+    small = Tensor.new(:binary.copy(<<1, 2, 3, 4>>, div(min, 4) - 1), :int32, [div(min, 4) - 1])
+    assert {:ok, ^small} = echo(small)
+    assert slots(dir) == names
+    # (What the caller sends: the small tensor inline, the large one as a slot's name.)
+    sent = fn t ->
+      Shm.scope(fn ->
+        {:ok, parts} = VllmBridge.Call.Wire.encode_invoke({@diag, "echo"}, [t], %{})
+        IO.iodata_length(parts)
+      end)
+    end
+
+    assert sent.(small) > byte_size(small.data)
+    assert sent.(big) < 200
+    # Outside a scope (a stream, say), and with slots off, a large one goes inline too.
+    assert {:ok, parts} = VllmBridge.Call.Wire.encode_invoke({@diag, "echo"}, [big], %{})
+    assert IO.iodata_length(parts) > byte_size(big.data)
+    assert Shm.scope(fn -> Shm.without(fn -> sent.(big) end) end) > byte_size(big.data)
+
+    # Nested in containers, several at once, each its own slot.
+    assert {:ok, [^big, {^other, %{"x" => ^small}}]} =
+             VllmBridge.call({@diag, "echo"}, [[big, {other, %{"x" => small}}]], %{},
+               pool_name: @pool
+             )
+  end
+
+  test "a worker killed with kill -9 in the middle of a call leaves no slot behind",
+       %{dir: dir, tmp: tmp} do
+    assert {:ok, _} = echo(tensor(8, 2))
+    old = os_pid()
+    assert Enum.any?(ls(dir), &String.starts_with?(&1, "r-#{old}-"))
+
+    started = Path.join(tmp, "started")
+
+    caller =
+      Task.async(fn ->
+        VllmBridge.call({"rt_shm", "hold"}, [tensor(8, 3), started, Path.join(tmp, "never")], %{},
+          pool_name: @pool
+        )
+      end)
+
+    wait_until(fn -> File.exists?(started) end, 60_000, "the worker runs the call")
+    Launcher.kill(old)
+
+    assert {:error, %Error{type: :worker_exit}} = Task.await(caller, 60_000)
+    # The killed worker's result slots are swept, its caller's argument slot is given
+    # back, free slots expire: the directory empties.
+    empties(dir)
+    # The pool restarted the worker, and it serves large tensors again.
+    assert os_pid() != old
+    again = tensor(8, 4)
+    assert {:ok, ^again} = echo(again)
+  end
+
+  test "a caller killed in the middle of a call leaves no slot behind", %{dir: dir, tmp: tmp} do
+    started = Path.join(tmp, "started")
+    gate = Path.join(tmp, "gate")
+
+    caller =
+      spawn(fn ->
+        VllmBridge.call({"rt_shm", "hold"}, [tensor(8, 5), started, gate], %{}, pool_name: @pool)
+      end)
+
+    wait_until(fn -> File.exists?(started) end, 60_000, "the worker runs the call")
+    Process.exit(caller, :kill)
+    File.write!(gate, "")
+    await_idle!(@pool)
+
+    wait_until(
+      fn -> ls(dir) |> Enum.all?(&String.starts_with?(&1, "r-")) end,
+      15_000,
+      "the caller's slot is gone"
+    )
+  end
+
+  test "stopping a pool removes its slots", %{dir: dir} do
+    start_pool!(:rt_shm_stop, size: 1, allow: [@diag])
+    big = tensor(6, 6)
+    assert {:ok, ^big} = VllmBridge.call({@diag, "echo"}, [big], %{}, pool_name: :rt_shm_stop)
+    [w] = workers!(:rt_shm_stop)
+    assert Enum.any?(ls(dir), &String.starts_with?(&1, "r-#{w.os_pid}-"))
+    :ok = VllmBridge.stop_pool(:rt_shm_stop)
+
+    wait_until(
+      fn -> not Enum.any?(ls(dir), &String.starts_with?(&1, "r-#{w.os_pid}-")) end,
+      15_000,
+      "the stopped worker's slots are gone"
+    )
+
+    wait_until(
+      fn -> Enum.all?(ls(dir), &String.starts_with?(&1, "r-")) end,
+      15_000,
+      "the free argument slots expire"
+    )
+  end
+
+  describe "a frame names a result slot, never a path" do
+    setup %{dir: dir, tmp: tmp} do
+      secret = Path.join(tmp, "secret")
+      File.write!(secret, :binary.copy(<<1>>, 16))
+      %{secret: secret, shm: Shm.dir(), dir: dir}
+    end
+
+    test "names of another pattern are refused", %{shm: shm, secret: secret} do
+      for name <- [
+            "../x",
+            secret,
+            "/etc/passwd",
+            "e-1",
+            "r-1",
+            "r-1-1/../../x",
+            "r-1-1.free",
+            "",
+            "r-01-x"
+          ] do
+        assert {:error, why} = SlotExt.read(shm, name, 16)
+        assert why =~ "not the name of a result slot", name
+      end
+    end
+
+    test "a link, a directory, a FIFO, a file of the wrong size or none are refused",
+         %{shm: shm, secret: secret, dir: dir} do
+      # Named as a live process's result slots (this BEAM's os pid), so that the sweep of
+      # dead workers' slots leaves them alone.
+      name = fn n -> "r-#{System.pid()}-#{900 + n}" end
+      File.ln_s!(secret, Path.join(dir, name.(1)))
+      File.mkdir!(Path.join(dir, name.(2)))
+      File.write!(Path.join(dir, name.(3)), <<0::15*8>>)
+      {_, 0} = System.cmd("mkfifo", [Path.join(dir, name.(5))])
+
+      try do
+        assert {:error, "is not a regular file (symlink)"} = SlotExt.read(shm, name.(1), 16)
+        assert {:error, "is not a regular file (directory)"} = SlotExt.read(shm, name.(2), 16)
+
+        assert {:error, "holds 15 bytes, the tensor needs 16"} = SlotExt.read(shm, name.(3), 16)
+
+        assert {:error, "is gone" <> _} = SlotExt.read(shm, name.(4), 16)
+        assert {:error, "is not a regular file (other)"} = SlotExt.read(shm, name.(5), 16)
+        assert File.read!(secret) == :binary.copy(<<1>>, 16)
+      after
+        for n <- 1..5, s <- ["", ".free"], do: File.rm_rf!(Path.join(dir, name.(n) <> s))
+      end
+    end
+
+    test "a reply naming a bad slot is a protocol error naming it", %{shm: shm} do
+      payload = SlotExt.payload(:float32, [4], "", "../../etc/passwd")
+      reply = IO.iodata_to_binary([0x93, 0xA2, "ok", 7, 0xC7, byte_size(payload), 8, payload])
+
+      assert {:error, %Error{type: :protocol, message: msg}} =
+               VllmBridge.Call.Wire.decode_reply(reply)
+
+      assert msg =~ ~s(the tensor slot "../../etc/passwd")
+      assert SlotExt.read(:disabled, "r-1-1", 4) == {:error, "this node has no slot directory"}
+      assert is_map(shm)
+    end
+  end
+
+  test "a root that cannot hold a directory gives none (tensors take the pipe)" do
+    assert {:error, _} = Shm.make_dir("/proc")
+    assert {:error, _} = Shm.make_dir("/etc/hostname")
+    assert {:error, _} = Shm.make_dir("/nonexistent/vllm_bridge")
+    assert {:error, "shm_dir is off"} = Shm.make_dir(false)
+  end
+end
