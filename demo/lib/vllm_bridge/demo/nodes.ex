@@ -80,8 +80,13 @@ defmodule VllmBridge.Demo.Nodes do
     if Node.alive?() do
       {:ok, false}
     else
-      # epmd (port 4369) must run for a named node; -daemon is a no-op when it does.
-      _ = System.cmd("epmd", ["-daemon"], stderr_to_stdout: true)
+      # epmd (port 4369) must run for a named node (Node.start/2 does not start it, as
+      # `erl -name` does); -daemon is a no-op when it runs.
+      case epmd() do
+        nil -> :ok
+        epmd -> System.cmd(epmd, ["-daemon"], stderr_to_stdout: true)
+      end
+
       name = :"vllm_demo_#{System.unique_integer([:positive])}@#{@host}"
 
       case Node.start(name, :longnames) do
@@ -96,6 +101,12 @@ defmodule VllmBridge.Demo.Nodes do
            )}
       end
     end
+  end
+
+  # On PATH, else in the running ERTS's bin folder (where OTP installs it).
+  defp epmd do
+    System.find_executable("epmd") ||
+      Path.wildcard(Path.join([:code.root_dir(), "erts-*", "bin", "epmd"])) |> List.first()
   end
 
   @doc """
