@@ -108,3 +108,43 @@ def test_a_dead_rank_fails_the_step_and_the_group_is_joined_again() -> None:
     assert events[2] == ("rank0", "port_free", True)
     assert sorted(events[3:5]) == [("rank0", "sum", [3]), ("rank1", "sum", [3])]
     assert events[5] == ("rank0", "kept", 1)
+
+
+def _rank0_leftovers(port: int, out: Any) -> None:
+    """Rank 0 leaves its group while something still holds the old process group (as a
+    kept traceback once did): its store and its gloo listener outlive the group.
+
+    Here gloo's mesh to the old group times out; once, through the bridge, it connected
+    and only the join's first all_reduce (``_roll_call``) caught it. Either way the late
+    rank's join must fail within the timeout."""
+    import torch.distributed as dist
+
+    from vllm_bridge import dp
+
+    ctx = mp.get_context("spawn")
+    first = ctx.Process(target=_rank1, args=(port, "die", out))
+    first.start()
+    dp.init_dp_group(0, 2, "127.0.0.1", port, "gloo", TIMEOUT_S)
+    first.join(GUARD_S)
+    held = dist.distributed_c10d._get_default_group()
+    dp.destroy_dp_group()
+    # A new rank 1 meets the leftovers: it must not report a group it cannot use.
+    late = ctx.Process(target=_rank1, args=(port, "sum", out))
+    late.start()
+    late.join(GUARD_S)
+    out.put(("rank0", "held", held is not None))
+
+
+def test_a_rank_cannot_join_a_group_whose_peer_has_left() -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    rank0 = ctx.Process(target=_rank0_leftovers, args=(_free_port(), out))
+    rank0.start()
+    events = [out.get(timeout=GUARD_S) for _ in range(2)]
+    rank0.join(GUARD_S)
+    assert rank0.exitcode == 0
+    who, kind, message = events[0]
+    assert (who, kind) == ("rank1", "DPTimeoutError"), events
+    assert message.startswith("DP rank 1 of 2: ")
+    assert "not every rank joined" in message or "not every rank answered" in message
+    assert events[1] == ("rank0", "held", True)
