@@ -11,8 +11,12 @@ import multiprocessing as mp
 import socket
 from typing import Any
 
-TIMEOUT_S = 3.0
-GUARD_S = 120.0
+#: The ranks that must meet wait this long for each other (a spawned rank imports torch
+#: first, which takes seconds on a loaded machine).
+TIMEOUT_S = 60.0
+#: A rank expected not to get in gives up after this.
+LATE_TIMEOUT_S = 3.0
+GUARD_S = 180.0
 
 
 def _free_port() -> int:
@@ -30,7 +34,7 @@ def _port_free(port: int) -> bool:
         return True
 
 
-def _rank1(port: int, then: str, out: Any) -> None:
+def _rank1(port: int, then: str, out: Any, timeout_s: float = TIMEOUT_S) -> None:
     """Rank 1: join, then die at once (``then == "die"``) or take part in one all_reduce."""
     import os
 
@@ -39,7 +43,7 @@ def _rank1(port: int, then: str, out: Any) -> None:
     from vllm_bridge import dp
 
     try:
-        dp.init_dp_group(1, 2, "127.0.0.1", port, "gloo", TIMEOUT_S)
+        dp.init_dp_group(1, 2, "127.0.0.1", port, "gloo", timeout_s)
     except dp.DPGroupError as exc:
         out.put(("rank1", type(exc).__name__, str(exc)))
         return
@@ -56,8 +60,8 @@ def _rank0(port: int, out: Any) -> None:
 
     ctx = mp.get_context("spawn")
 
-    def start_rank1(then: str) -> Any:
-        p = ctx.Process(target=_rank1, args=(port, then, out))
+    def start_rank1(then: str, timeout_s: float = TIMEOUT_S) -> Any:
+        p = ctx.Process(target=_rank1, args=(port, then, out, timeout_s))
         p.start()
         return p
 
@@ -73,7 +77,7 @@ def _rank0(port: int, out: Any) -> None:
 
     # A restarted rank 1 meets rank 0's old store (still listening: rank 0 has not left
     # its broken group) and must fail its join, not join the dead group.
-    late = start_rank1("sum")
+    late = start_rank1("sum", LATE_TIMEOUT_S)
     late.join(GUARD_S)
 
     dp.destroy_dp_group()
@@ -129,7 +133,7 @@ def _rank0_leftovers(port: int, out: Any) -> None:
     held = dist.distributed_c10d._get_default_group()
     dp.destroy_dp_group()
     # A new rank 1 meets the leftovers: it must not report a group it cannot use.
-    late = ctx.Process(target=_rank1, args=(port, "sum", out))
+    late = ctx.Process(target=_rank1, args=(port, "sum", out, LATE_TIMEOUT_S))
     late.start()
     late.join(GUARD_S)
     out.put(("rank0", "held", held is not None))
