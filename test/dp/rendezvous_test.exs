@@ -91,7 +91,7 @@ defmodule VllmBridge.DP.RendezvousTest do
       assert {:error, %Error{type: :bad_argument, message: m}} =
                VllmBridge.start_pool(:dp_bad, size: 2, dp: @good)
 
-      assert m =~ "ranks [1] must name one DP rank per worker (size: 2)"
+      assert m =~ "pool option dp: ranks [1] must name one DP rank per worker (size: 2)"
 
       assert {:error, %Error{type: :bad_argument, message: m}} =
                VllmBridge.start_pool(:dp_bad,
@@ -104,7 +104,7 @@ defmodule VllmBridge.DP.RendezvousTest do
       assert {:error, %Error{message: m}} =
                VllmBridge.start_pool(:dp_bad, dp: Keyword.put(@good, :master_port, 70_000))
 
-      assert m =~ "master_port must be an integer from 1 to 65535, got 70000"
+      assert m =~ "pool option dp: master_port must be an integer from 1 to 65535, got 70000"
       refute :dp_bad in VllmBridge.Pool.names()
     end
 

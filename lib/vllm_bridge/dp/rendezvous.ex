@@ -59,6 +59,7 @@ defmodule VllmBridge.DP.Rendezvous do
           timeout_s: number() | nil
         }
 
+  @prefix "dp rendezvous: "
   @backends ["gloo", "nccl", "cpu:gloo,cuda:nccl"]
   @keys [:master_addr, :master_port, :world_size, :ranks, :backend, :timeout_s]
   @wildcards ["0.0.0.0", "::", "[::]", "*"]
@@ -156,12 +157,18 @@ defmodule VllmBridge.DP.Rendezvous do
   def for_pool(dp, size) do
     case new(dp) do
       {:ok, %{ranks: ranks}} when length(ranks) != size ->
-        bad("ranks #{inspect(ranks)} must name one DP rank per worker (size: #{size})")
+        as_option(bad("ranks #{inspect(ranks)} must name one DP rank per worker (size: #{size})"))
 
-      other ->
-        other
+      {:ok, r} ->
+        {:ok, r}
+
+      error ->
+        as_option(error)
     end
   end
+
+  defp as_option({:error, e}),
+    do: {:error, %{e | message: String.replace_prefix(e.message, @prefix, "pool option dp: ")}}
 
   defp fields_of(fields) do
     fields = Map.new(fields)
@@ -232,5 +239,5 @@ defmodule VllmBridge.DP.Rendezvous do
   defp bad_field(field, value, expected),
     do: bad("#{field} must be #{expected}, got #{inspect(value, limit: 8)}")
 
-  defp bad(message), do: {:error, Error.new(:bad_argument, "dp rendezvous: " <> message)}
+  defp bad(message), do: {:error, Error.new(:bad_argument, @prefix <> message)}
 end
