@@ -50,10 +50,16 @@ defmodule VllmBridge.DemoNodesTest do
   end
 
   test "afterwards: the pool and the peer node are gone, distribution as before", %{
-    was_alive: was_alive
+    was_alive: was_alive,
+    printed: printed
   } do
     assert {:error, %VllmBridge.Error{}} = VllmBridge.Pool.workers(:demo_nodes)
-    assert Node.list() == []
+    [_, peer] = Regex.run(~r/rank 1 runs on node (\S+) /, printed)
+    refute String.to_atom(peer) in Node.list()
+    # Rank 1's Python process went with the peer node (it sees EOF and exits).
+    [_, os_pid] = Regex.run(~r/rank 1 ready: os pid (\d+)/, printed)
+    import VllmBridge.RuntimeHelpers, only: [wait_until: 3, os_alive?: 1]
+    wait_until(fn -> not os_alive?(String.to_integer(os_pid)) end, 30_000, "rank 1 exited")
     assert Node.alive?() == was_alive
   end
 end
