@@ -3,10 +3,11 @@ defmodule VllmBridge.Demo do
   The main job (`make demo`, `mix vllm.demo`): a data-parallel forward-pass demo of a
   small MoE transformer, driven from Elixir.
 
-    1. start a pool of 2 Python workers as DP ranks 0 and 1 (`VllmBridge.Demo.Ranks`),
-       showing progress while they start, and open a session on each;
+    1. start 2 Python workers as DP ranks 0 and 1 (`VllmBridge.Demo.Ranks`): one pool
+       here, or with `nodes: 2` rank 1's pool on a second BEAM node (printing which node
+       each rank runs on), showing progress while they start, and open a session on each;
     2. both ranks join the DP group together (`vllm_bridge.dp.init_dp_group`, settings
-       from their environment);
+       from their environment, which the pool option `dp:` gave);
     3. rank 0 generates the weights from a seed and saves them to a file; both ranks load
        that file with the checked loader, each keeping its own shard of the experts;
     4. run the steps of a seeded schedule with uneven token counts per rank
@@ -47,8 +48,10 @@ defmodule VllmBridge.Demo do
   @doc """
   Runs the demo. Options: `:steps` (default 6), `:seed` (default 7, for the weights
   and the schedule), `:check` (run the no-DP reference, default true), `:pool` (pool
-  name, default `:vllm_demo`), `:weights_dir` (default `tmp/demo`), `:out` (a function
-  taking each line to print, default `IO.puts/1`).
+  name, default `:vllm_demo`), `:nodes` (1, default: both ranks in one pool here; 2:
+  rank 1's pool on a second BEAM node on this machine, `VllmBridge.Demo.Nodes`),
+  `:weights_dir` (default `tmp/demo`), `:out` (a function taking each line to print,
+  default `IO.puts/1`).
   """
   @spec run(keyword()) :: result()
   def run(opts \\ []) do
@@ -57,9 +60,16 @@ defmodule VllmBridge.Demo do
     seed = Keyword.get(opts, :seed, 7)
     started = System.monotonic_time(:millisecond)
 
+    nodes = Keyword.get(opts, :nodes, 1)
     out.("vllm_bridge demo: a data-parallel MoE forward pass driven from Elixir")
+
+    if nodes == 2,
+      do: out.("starting a second BEAM node on this machine (OTP's :peer over 127.0.0.1)")
+
     out.("starting 2 Python workers as DP ranks 0 and 1 (each imports torch: a few seconds)")
-    ranks = ok!(Ranks.start(Keyword.get(opts, :pool, :vllm_demo), 2, out), "starting the ranks")
+    pool = Keyword.get(opts, :pool, :vllm_demo)
+    ranks = ok!(Ranks.start(pool, 2, out, nodes: nodes), "starting the ranks")
+    if nodes == 2, do: nodes(ranks, out)
 
     try do
       join(ranks, out)
@@ -78,6 +88,13 @@ defmodule VllmBridge.Demo do
     end
   end
 
+  defp nodes(ranks, out) do
+    for {node, rank} <- Enum.with_index(ranks.nodes) do
+      here = if node == node(), do: "this node", else: "the peer node"
+      out.("  rank #{rank} runs on node #{node} (#{here}), pool #{inspect(ranks.pool)}")
+    end
+  end
+
   defp ok!({:ok, value}, _what), do: value
 
   defp ok!({:error, %VllmBridge.Error{} = e}, what),
@@ -86,7 +103,12 @@ defmodule VllmBridge.Demo do
   defp join(ranks, out) do
     {us, infos} = :timer.tc(fn -> Ranks.both(ranks, &join_rank(ranks, &1)) end)
     info = hd(infos)
-    sessions = Enum.map_join(ranks.sessions, ", ", &"rank #{&1.worker} #{&1.id}")
+    # By rank: with a pool per node, every session is on its pool's worker 0.
+    sessions =
+      ranks.sessions
+      |> Enum.with_index()
+      |> Enum.map_join(", ", fn {s, rank} -> "rank #{rank} #{s.id}" end)
+
     out.("sessions: #{sessions}")
 
     out.(

@@ -12,6 +12,7 @@ defmodule VllmBridge.Pool.Options do
   | `:max_refs` | references a worker may hold (`--max-refs`) | the worker's (10 000) |
   | `:poll_us` | µs a worker polls for the next request before it sleeps (`--poll-us`, at most 10 000): lower latency for back-to-back calls on machines where waking an idle CPU is slow (VMs), paid in that much CPU after each call | 0 |
   | `:worker_env` | environment per worker: `[{name, value}]` for all, `fn index -> [{name, value}] end`, or `{module, function, args}` called as `apply(module, function, [index \| args])` (a DP rank per worker; the MFA form can live in `config/*.exs`, which a release cannot hold functions in). `VLLM_BRIDGE_STDERR_FILE` and `VLLM_BRIDGE_STDERR_FD` (start-up stderr), `VLLM_BRIDGE_SHM_DIR` and `VLLM_BRIDGE_SHM_MIN_BYTES` (the slot directory for large tensors) are the launcher's own and are refused | `[]` |
+  | `:dp` | the DP rank each worker is, and where the ranks meet: a `VllmBridge.DP.Rendezvous` (or its fields as a keyword list or map: `master_addr`, `master_port`, `world_size`, `ranks` (one per worker), `backend`, `timeout_s`), checked here; worker `i` gets rank `Enum.at(ranks, i)` and the rendezvous in its `VLLM_DP_*` environment (which `worker_env` then may not set). Ranks of one group may sit in pools on other nodes and hosts | `nil` |
   | `:on_start` | a Python callable each worker runs once before it takes any call, and again after every restart (loading a model, say): `{"module", "function", args}` or `{"module", "function", args, kwargs}` (strings and plain data, so a release's config can hold it). The module must be on the allow-list (`modules:`), and the call goes through the same checks as any call; its result is dropped. Its deadline is `start_timeout`, counted from the worker's handshake. A worker whose `on_start` raises does not start: `start_pool` returns `{:error, %VllmBridge.Error{type: :python_exception}}` with the Python type, message and traceback, naming the pool, the worker and the callable | `nil` |
   | `:max_in_flight` | calls pipelined to one worker at once | 16 |
   | `:max_frame_bytes` | the largest frame body either way (`--max-frame-bytes`): a request over it is `:bad_argument` before it is sent, a reply over it is an error from the worker, a header declaring more ends the stream (the worker restarts); 65 536 to 4 294 967 295 | 1 073 741 824 (1 GiB) |
@@ -25,6 +26,7 @@ defmodule VllmBridge.Pool.Options do
   | `:worker_module` | the Python module run with `-m`; it is always passed `--max-frame-bytes N` (and `--allow`, `--also-allow` (`modules:`), `--max-refs`, `--poll-us` when those are set), so a module of one's own must accept them | `"vllm_bridge.bridge.worker"` |
   """
 
+  alias VllmBridge.DP.Rendezvous
   alias VllmBridge.Error
   alias VllmBridge.Worker.Launcher
 
@@ -36,6 +38,7 @@ defmodule VllmBridge.Pool.Options do
     max_refs: nil,
     poll_us: 0,
     worker_env: [],
+    dp: nil,
     on_start: nil,
     max_in_flight: 16,
     max_frame_bytes: VllmBridge.Worker.Launcher.default_max_frame_bytes(),
@@ -74,6 +77,8 @@ defmodule VllmBridge.Pool.Options do
            opts = Keyword.put(opts, :python, python),
            :ok <- each(opts),
            {:ok, dirs} <- python_path(opts[:python_path]),
+           {:ok, dp} <- Rendezvous.for_pool(opts[:dp], opts[:size]),
+           opts = Keyword.put(opts, :dp, dp),
            {:ok, envs} <- envs(opts, dirs) do
         size = opts[:size]
 
@@ -171,6 +176,7 @@ defmodule VllmBridge.Pool.Options do
       0..(opts[:size] - 1),
       fn i ->
         with {:ok, env} <- worker_env(opts[:worker_env], i),
+             {:ok, env} <- with_dp(env, opts[:dp], i),
              do: {:ok, with_python_path(env, dirs)}
       end,
       "worker_env"
@@ -217,6 +223,16 @@ defmodule VllmBridge.Pool.Options do
     end
   rescue
     e -> {:error, "building worker #{i}'s environment failed: " <> Exception.message(e)}
+  end
+
+  # The DP rendezvous's variables after worker_env's, which may not set them too.
+  defp with_dp(env, nil, _i), do: {:ok, env}
+
+  defp with_dp(env, dp, i) do
+    case for({k, _} <- env, k in Rendezvous.env_names(), do: k) |> Enum.uniq() do
+      [] -> {:ok, env ++ Rendezvous.env(dp, i)}
+      set -> {:error, "worker #{i}'s environment sets #{Enum.join(set, ", ")}, which dp: gives"}
+    end
   end
 
   defp env_pair?({k, v}) when is_binary(k) or is_atom(k),
@@ -297,6 +313,8 @@ defmodule VllmBridge.Pool.Options do
 
   defp check(:worker_env, _), do: {:error, @worker_env_forms}
 
+  # Checked (with the pool's size) by Rendezvous.for_pool/2.
+  defp check(:dp, _), do: :ok
   defp check(:on_start, nil), do: :ok
   defp check(:on_start, {m, f, args}), do: check(:on_start, {m, f, args, %{}})
 

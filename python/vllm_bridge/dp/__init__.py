@@ -112,7 +112,7 @@ class DPGroupInfo:
 @dataclass
 class _State:
     info: DPGroupInfo
-    store: dist.Store
+    store: dist.Store | None  # None once the group is destroyed
     broken: str | None = None
     ubatch_runs: int = 0  # micro-batched runs begun (the same count on every rank)
     ubatch_last_failed: bool = False  # the last micro-batched run ended with a failure
@@ -193,6 +193,12 @@ def destroy_dp_group() -> bool:
     with _lock:
         if _state is None:
             return False
+        # Drop the store through the state too: an exception of a failed collective (which
+        # a worker's session keeps for a while) holds the state in its traceback's frames,
+        # and rank 0's store would go on listening on master_port, so joining again in this
+        # process would fail with EADDRINUSE (or a restarted peer would meet the old store).
+        _state.store = None
+        _state.broken = _state.broken or "the group was destroyed"
         _state = None
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -243,13 +249,20 @@ def _collective(
         state = usable_state(_state, expected_size, expected_rank, DPGroupError)
         info = state.info
         if ubatch is None:
-            work = start()
             timeout = datetime.timedelta(seconds=info.timeout_s)
-            wait_collective(state, what, lambda: work.wait(timeout=timeout), DPTimeoutError)
+            wait_collective(state, what, lambda: start().wait(timeout=timeout), DPTimeoutError)
             return
-        work = ubatch.launch(what, start, describe(what, tensor))
-    ubatch.handover(what)
-    wait_collective(state, what, lambda: ubatch.wait(what, work, info.timeout_s), DPTimeoutError)
+        # The work only in a holder emptied on the way out: the error of a failed wait
+        # keeps this frame (a worker's session keeps recent errors), and a work keeps its
+        # process group, and that group rank 0's store, listening on master_port.
+        held = [ubatch.launch(what, start, describe(what, tensor))]
+    try:
+        ubatch.handover(what)
+        wait_collective(
+            state, what, lambda: ubatch.wait(what, held[0], info.timeout_s), DPTimeoutError
+        )
+    finally:
+        held.clear()
 
 
 def begin_ubatch_run() -> UBatchRunSync | None:

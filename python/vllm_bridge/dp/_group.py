@@ -44,18 +44,35 @@ def wait_collective(
 ) -> None:
     """Run ``wait()``; a collective that failed or timed out marks the group broken and
     raises ``timeout_error``. A micro-batch abort passes through: the micro-batch wrapper
-    recovers the group from it."""
+    recovers the group from it.
+
+    The error is raised without the torch exception chained to it, its text in the
+    message instead: that exception's traceback holds the collective's work, the work its
+    process group, and the group rank 0's rendezvous store, which would go on listening on
+    ``master_port`` for as long as anyone keeps the error (a worker's session keeps recent
+    ones), so this process could not host the group again after ``destroy_dp_group()``.
+    """
     info = state.info
+    failure = _failure_of(wait)
+    if failure is None:
+        return
+    state.broken = failure
+    raise timeout_error(
+        f"DP rank {info.rank} of {info.world_size}: the {what} did not complete "
+        f"within {info.timeout_s} s; a peer is missing or stuck ({state.broken})"
+    )
+
+
+def _failure_of(wait: Callable[[], None]) -> str | None:
+    """The first line of the error ``wait()`` raised (``None``: it completed). Returns
+    rather than raises, so that error and its traceback are gone when this returns."""
     try:
         wait()
     except UBatchAbortedError:
         raise
     except (RuntimeError, TimeoutError) as exc:
-        state.broken = str(exc).splitlines()[0]
-        raise timeout_error(
-            f"DP rank {info.rank} of {info.world_size}: the {what} did not complete "
-            f"within {info.timeout_s} s; a peer is missing or stuck ({state.broken})"
-        ) from exc
+        return str(exc).splitlines()[0]
+    return None
 
 
 def begin_run(state: State | None, lock: threading.Lock) -> UBatchRunSync | None:

@@ -1,5 +1,6 @@
-"""Joining a DP group: rank 0's rendezvous store, the wait for it, and
-``init_process_group``, each bounded by the group's timeout (:func:`rendezvous`).
+"""Joining a DP group: rank 0's rendezvous store, the wait for it, ``init_process_group``
+and a first all_reduce that every rank must answer, each bounded by the group's timeout
+(:func:`rendezvous`).
 
 Part of :mod:`vllm_bridge.dp`, which holds the group's state and the errors, and imports
 this module. This module never imports that one (no import circle): the group's
@@ -14,6 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
@@ -116,4 +118,30 @@ def rendezvous(
             f"DP rank {info.rank} of {info.world_size}: not every rank joined at {where} "
             f"within {info.timeout_s} s ({str(exc).splitlines()[0]})"
         ) from exc
+    missing = _roll_call(info, timeout)
+    if missing is not None:
+        store = None
+        dist.destroy_process_group()
+        raise timeout_error(
+            f"DP rank {info.rank} of {info.world_size}: the group at {where} was set up but "
+            f"not every rank answered its first collective within {info.timeout_s} s: a "
+            f"rank died while joining, or the store was an earlier group's ({missing})"
+        )
     return store
+
+
+def _roll_call(info: DPGroupInfo, timeout: datetime.timedelta) -> str | None:
+    """One all_reduce over the new group: ``None`` when every rank took part, else why not.
+
+    ``init_process_group`` alone can succeed against a dead group: a rank restarted
+    after its peer's collective failed reaches the peer's old store, still listening
+    until that peer leaves its group, and finds the old group's addresses there. Only a
+    collective shows that every rank is really there. Returns instead of raising, so the
+    torch error (whose traceback holds the group) is gone when this returns.
+    """
+    device = torch.device(info.device if info.backend == "nccl" else "cpu")
+    try:
+        dist.all_reduce(torch.zeros(1, device=device), async_op=True).wait(timeout=timeout)
+    except (RuntimeError, TimeoutError) as exc:
+        return str(exc).splitlines()[0]
+    return None

@@ -12,6 +12,7 @@ from vllm_bridge._checks import check_int
 #: Seconds to wait for peers when neither the argument nor ``VLLM_DP_TIMEOUT_S`` says.
 DEFAULT_TIMEOUT_S: float = 60.0
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+WILDCARDS = ("0.0.0.0", "::", "[::]", "*")
 
 
 def _env_int(name: str) -> int | None:
@@ -88,6 +89,13 @@ def resolve_settings(
         raise ValueError(f"master_port must be <= 65535, got {master_port}")
     if not isinstance(master_addr, str):
         raise TypeError(f"master_addr must be a str, got {master_addr!r}")
+    if master_addr.strip() != master_addr or master_addr in WILDCARDS:
+        # The address the other ranks connect to (rank 0's store listens on every
+        # interface anyway): a wildcard reaches rank 0 from no other host.
+        raise ValueError(
+            "master_addr must be the address of rank 0's host as the other ranks reach it, "
+            f"got {master_addr!r}"
+        )
     return (
         rank,
         world_size,

@@ -7,10 +7,13 @@ defmodule Mix.Tasks.Vllm.Demo do
   small MoE transformer together; see `VllmBridge.Demo` for what happens and what is
   printed.
 
-      mix vllm.demo [--steps N] [--seed S] [--no-check]
+      mix vllm.demo [--steps N] [--seed S] [--no-check] [--nodes 2]
 
   `--steps` (default 6) is the number of steps, `--seed` (default 7) seeds the weights
   and the schedule, `--no-check` skips the comparison with one rank running alone.
+  `--nodes 2` runs rank 1's worker on a second BEAM node started on this machine (OTP's
+  `:peer` over 127.0.0.1; this node becomes `vllm_demo_<n>@127.0.0.1`, after
+  `epmd -daemon`), rank 0's here: the same check must pass.
   """
   use Mix.Task
 
@@ -18,15 +21,21 @@ defmodule Mix.Tasks.Vllm.Demo do
   @doc false
   def run(argv) do
     {opts, rest, bad} =
-      OptionParser.parse(argv, strict: [steps: :integer, seed: :integer, check: :boolean])
+      OptionParser.parse(argv,
+        strict: [steps: :integer, seed: :integer, check: :boolean, nodes: :integer]
+      )
 
     if rest != [] or bad != [] do
       Mix.raise(
-        "usage: mix vllm.demo [--steps N] [--seed S] [--no-check]; got #{Enum.join(argv, " ")}"
+        "usage: mix vllm.demo [--steps N] [--seed S] [--no-check] [--nodes 2]; got #{Enum.join(argv, " ")}"
       )
     end
 
     if Keyword.get(opts, :steps, 6) < 1, do: Mix.raise("--steps must be at least 1")
+
+    if Keyword.get(opts, :nodes, 1) not in [1, 2],
+      do: Mix.raise("--nodes must be 1 or 2, got #{opts[:nodes]}")
+
     Mix.Task.run("app.start")
     %{check: check} = VllmBridge.Demo.run(opts)
 

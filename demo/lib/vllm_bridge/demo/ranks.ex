@@ -1,88 +1,178 @@
 defmodule VllmBridge.Demo.Ranks do
   @moduledoc """
-  The demo's data-parallel ranks: a pool of Python workers, worker `i` being DP rank `i`,
-  and one session pinned to each.
+  The demo's data-parallel ranks: Python workers as DP ranks, one session pinned to each.
 
-  Each worker gets its rank through its environment (`worker_env`): `VLLM_DP_RANK`,
-  `VLLM_DP_SIZE`, `VLLM_DP_MASTER_IP`/`VLLM_DP_MASTER_PORT` (a free local port, where rank
-  0 hosts the rendezvous), `VLLM_DP_BACKEND=gloo` (the DP collectives go through the CPU:
-  two NCCL ranks cannot share one GPU, and the step's agreement runs on the CPU anyway),
-  `VLLM_LOG_BATCHSIZE_INTERVAL` (batch-size tracking on) and `OMP_NUM_THREADS=1` (two
-  ranks share the machine's cores; torch's thread pool would otherwise oversubscribe
-  them).
+  On one node (the default) one pool's worker `i` is DP rank `i`. With `nodes: 2`, rank
+  0's pool (one worker) runs on this node and rank 1's on a second BEAM node started on
+  this machine (`VllmBridge.Demo.Nodes`); the two pools join one group because each is
+  given the same rendezvous with its own rank (the pool option `dp:`,
+  `VllmBridge.DP.Rendezvous`): `master_addr` 127.0.0.1, a free local port where rank 0
+  hosts the store, `backend: "gloo"` (the DP collectives go through the CPU: two NCCL
+  ranks cannot share one GPU, and the step's agreement runs on the CPU anyway). Each
+  worker's environment also sets `VLLM_LOG_BATCHSIZE_INTERVAL` (batch-size tracking on)
+  and `OMP_NUM_THREADS=1` (the ranks share the machine's cores; torch's thread pool would
+  otherwise oversubscribe them).
 
   Calls go through the generated bindings (`run!/4` hands them the rank's session and the
-  `:ml_inference` timeout profile). `both/2` runs one function per rank concurrently (one
-  task per rank): the DP collectives need every rank inside the same call at once.
+  `:ml_inference` timeout profile, on the rank's node: `VllmBridge.Demo.Nodes.call/4`).
+  `both/2` runs one function per rank concurrently (one task per rank): the DP
+  collectives need every rank inside the same call at once.
   """
 
   alias VllmBridge.{Error, Session}
+  alias VllmBridge.Demo.Nodes
   alias Vllm.Demo.Rank.Module, as: Runner
 
   @enforce_keys [:pool, :sessions, :size, :master_port]
-  defstruct [:pool, :sessions, :size, :master_port]
+  defstruct [:pool, :sessions, :size, :master_port, nodes: [], peer: nil]
 
-  @typedoc "The pool name, one session per rank (by rank), the DP size and master port."
+  @typedoc """
+  The pool name, one session per rank (by rank), the DP size and master port, the node
+  each rank's pool runs on (by rank) and the peer node started for them (or `nil`).
+  """
   @type t :: %__MODULE__{
           pool: atom(),
           sessions: [Session.t()],
           size: pos_integer(),
-          master_port: :inet.port_number()
+          master_port: :inet.port_number(),
+          nodes: [node()],
+          peer: Nodes.t() | nil
         }
 
   @call_timeout_ms 600_000
 
   @doc """
-  Starts pool `pool` of `size` workers as DP ranks and opens a session on each. While the
-  workers start (importing torch takes seconds), `progress` is called with lines to show:
-  each rank as it is ready, and every 2 s the ranks still starting, from the pool's own
-  `:progress` reports (`VllmBridge.Pool.Options`).
+  Starts the DP ranks and opens a session on each: pool `pool` of `size` workers here,
+  or with `nodes: 2` (`size` must then be 2) rank 0's pool here and rank 1's on a peer
+  node. While the workers start (importing torch takes seconds), `progress` is called
+  here with lines to show: each rank as it is ready, and every 2 s the ranks still
+  starting, from the pools' own `:progress` reports (`VllmBridge.Pool.Options`).
   """
-  @spec start(atom(), pos_integer(), (String.t() -> any())) :: {:ok, t()} | {:error, Error.t()}
-  def start(pool, size, progress) do
+  @spec start(atom(), pos_integer(), (String.t() -> any()), keyword()) ::
+          {:ok, t()} | {:error, Error.t()}
+  def start(pool, size, progress, opts \\ []) do
     port = free_port()
+    dp = [master_addr: "127.0.0.1", master_port: port, world_size: size, backend: "gloo"]
 
-    with {:ok, _} <- VllmBridge.start_pool(pool, pool_opts(size, port, progress)),
-         {:ok, sessions} <- open_sessions(pool, size) do
-      {:ok, %__MODULE__{pool: pool, sessions: sessions, size: size, master_port: port}}
+    case Keyword.get(opts, :nodes, 1) do
+      1 ->
+        start_here(pool, size, port, dp, progress)
+
+      2 when size == 2 ->
+        start_on_two_nodes(pool, port, dp, progress)
+
+      n ->
+        {:error, Error.new(:bad_argument, "nodes: must be 1 or 2 (2 ranks), got #{inspect(n)}")}
     end
   end
 
-  defp pool_opts(size, port, progress) do
-    [
-      size: size,
-      progress: &report(&1, progress),
-      worker_env: fn rank ->
-        [
-          {"VLLM_DP_RANK", rank},
-          {"VLLM_DP_SIZE", size},
-          {"VLLM_DP_MASTER_IP", "127.0.0.1"},
-          {"VLLM_DP_MASTER_PORT", port},
-          {"VLLM_DP_BACKEND", "gloo"},
-          {"VLLM_LOG_BATCHSIZE_INTERVAL", 3600},
-          {"OMP_NUM_THREADS", 1}
-        ]
+  defp start_here(pool, size, port, dp, progress) do
+    opts = pool_opts(Keyword.put(dp, :ranks, 0..(size - 1)), &report(&1, progress, 0))
+
+    with {:ok, _} <- VllmBridge.start_pool(pool, opts),
+         {:ok, sessions} <- open_sessions(pool, size) do
+      {:ok,
+       %__MODULE__{
+         pool: pool,
+         sessions: sessions,
+         size: size,
+         master_port: port,
+         nodes: List.duplicate(node(), size)
+       }}
+    end
+  end
+
+  # Rank 1's pool on a peer node: its progress lines come back here through a relay
+  # (the callback runs there and cannot call a function that exists only here), and
+  # its session is owned by this process (it closes if the demo dies).
+  defp start_on_two_nodes(pool, port, dp, progress) do
+    with {:ok, peer} <- Nodes.start_peer(:"vllm_demo_rank1_#{System.unique_integer([:positive])}") do
+      relay = spawn_link(fn -> relay(progress) end)
+      owner = self()
+
+      result =
+        with {:ok, _} <-
+               VllmBridge.start_pool(
+                 pool,
+                 pool_opts(Keyword.put(dp, :ranks, [0]), &report(&1, progress, 0))
+               ),
+             {:ok, _} <-
+               :erpc.call(peer.node, VllmBridge.Pool, :start, [
+                 pool,
+                 pool_opts(Keyword.put(dp, :ranks, [1]), {__MODULE__, :report_to, [relay, 1]})
+               ]),
+             {:ok, s0} <- Session.open(pool_name: pool, worker: 0),
+             {:ok, s1} <-
+               Nodes.call(peer.node, &Session.open/1, pool_name: pool, worker: 0, owner: owner) do
+          {:ok,
+           %__MODULE__{
+             pool: pool,
+             sessions: [s0, s1],
+             size: 2,
+             master_port: port,
+             nodes: [node(), peer.node],
+             peer: peer
+           }}
+        end
+
+      send(relay, :done)
+
+      with {:error, _} <- result do
+        _ = VllmBridge.stop_pool(pool)
+        Nodes.stop_peer(peer)
+        result
       end
+    end
+  end
+
+  defp relay(progress) do
+    receive do
+      {:line, line} ->
+        progress.(line)
+        relay(progress)
+
+      :done ->
+        :ok
+    end
+  end
+
+  @doc false
+  # The :progress callback of a pool on another node: its lines go to `relay` here.
+  @spec report_to(map(), pid(), non_neg_integer()) :: any()
+  def report_to(info, relay, first_rank),
+    do: report(info, &send(relay, {:line, &1}), first_rank)
+
+  defp pool_opts(dp, progress) do
+    [
+      size: length(Enum.to_list(dp[:ranks])),
+      progress: progress,
+      dp: dp,
+      worker_env: [{"VLLM_LOG_BATCHSIZE_INTERVAL", 3600}, {"OMP_NUM_THREADS", 1}]
     ]
   end
 
   @doc false
   # One worker's start report (called in that worker's process): a line for a rank that
   # is ready, and one per rank every 2 s while it imports or runs its on_start.
-  @spec report(map(), (String.t() -> any())) :: any()
-  def report(%{stage: :ready} = info, progress) do
+  @spec report(map(), (String.t() -> any()), non_neg_integer()) :: any()
+  def report(info, progress, first_rank \\ 0)
+
+  def report(%{stage: :ready} = info, progress, first_rank) do
     progress.(
-      "  [#{secs(info.elapsed_ms)}] rank #{info.index} ready: os pid #{info.os_pid}, " <>
+      "  [#{secs(info.elapsed_ms)}] rank #{first_rank + info.index} ready: os pid #{info.os_pid}, " <>
         "device #{info.device}"
     )
   end
 
-  def report(%{stage: :waiting} = info, progress) do
+  def report(%{stage: :waiting} = info, progress, first_rank) do
     doing = if info.waiting_for == :handshake, do: "importing", else: "running its on_start"
-    progress.("  [#{secs(info.elapsed_ms)}] rank #{info.index} still starting (#{doing})")
+
+    progress.(
+      "  [#{secs(info.elapsed_ms)}] rank #{first_rank + info.index} still starting (#{doing})"
+    )
   end
 
-  def report(_info, _progress), do: :ok
+  def report(_info, _progress, _first_rank), do: :ok
 
   defp secs(ms), do: :io_lib.format("~5.1fs", [ms / 1000]) |> IO.iodata_to_binary()
 
@@ -117,10 +207,10 @@ defmodule VllmBridge.Demo.Ranks do
           (keyword() -> {:ok, term()} | {:error, Error.t()})
         ) ::
           term()
-  def run!(%__MODULE__{sessions: sessions}, rank, what, fun) do
+  def run!(%__MODULE__{sessions: sessions, nodes: nodes}, rank, what, fun) do
     opts = [session_id: Enum.at(sessions, rank).id, timeout_profile: :ml_inference]
 
-    case fun.(opts) do
+    case Nodes.call(Enum.at(nodes, rank), fun, opts) do
       {:ok, value} ->
         value
 
@@ -150,11 +240,22 @@ defmodule VllmBridge.Demo.Ranks do
     |> Task.await_many(@call_timeout_ms)
   end
 
-  @doc "Closes the sessions and stops the pool (every Python process exits)."
+  @doc """
+  Closes the sessions and stops the pools (every Python process exits), and the peer
+  node if one was started.
+  """
   @spec stop(t()) :: :ok
-  def stop(%__MODULE__{pool: pool, sessions: sessions}) do
-    Enum.each(sessions, &Session.close/1)
+  def stop(%__MODULE__{pool: pool, sessions: sessions, nodes: nodes, peer: peer}) do
+    for {s, node} <- Enum.zip(sessions, nodes),
+        do: Nodes.call(node, fn _ -> Session.close(s) end, [])
+
     _ = VllmBridge.stop_pool(pool)
+
+    if peer do
+      _ = Nodes.call(peer.node, fn _ -> VllmBridge.stop_pool(pool) end, [])
+      Nodes.stop_peer(peer)
+    end
+
     :ok
   end
 end
