@@ -9,7 +9,8 @@ defmodule VllmBridge.Demo.Nodes do
   `vllm_demo_<n>@127.0.0.1`, long names, after `epmd -daemon`); a node that already is
   keeps its name, and the peer takes the same kind of name on the same host.
 
-  `call/3` is the one place where a rank's calls reach the node its pool runs on.
+  Only pools are started and stopped through `:erpc` (`stop_pool/2`); a rank's calls go
+  through the bindings from the demo's node, routed to the peer's pool by its session.
   """
 
   alias VllmBridge.Error
@@ -127,26 +128,13 @@ defmodule VllmBridge.Demo.Nodes do
   end
 
   @doc """
-  Runs `fun.(runtime_opts)` for a rank whose pool runs on `node`: here when `node` is this
-  node, else on `node` through `:erpc` (the binding, its session and pool all live
-  there). Returns what `fun` returns; a node that is gone or does not answer within
-  `timeout` ms is `{:error, %VllmBridge.Error{type: :worker_exit}}`.
+  Stops the pool `pool` on `node` (pools are started and stopped where they run); a node
+  that is gone has nothing left to stop.
   """
-  @spec call(node(), (keyword() -> result), keyword(), timeout()) ::
-          result | {:error, Error.t()}
-        when result: term()
-  def call(node, fun, runtime_opts, timeout \\ :infinity)
-
-  def call(node, fun, runtime_opts, _timeout) when node == node(), do: fun.(runtime_opts)
-
-  def call(node, fun, runtime_opts, timeout) do
-    :erpc.call(node, fn -> fun.(runtime_opts) end, timeout)
+  @spec stop_pool(node(), atom()) :: :ok | {:error, term()}
+  def stop_pool(node, pool) do
+    :erpc.call(node, VllmBridge, :stop_pool, [pool], 30_000)
   catch
-    :error, {:erpc, reason} ->
-      {:error, Error.new(:worker_exit, "the call to node #{node} failed: #{inspect(reason)}")}
-
-    # What raised on the other node raises here.
-    :error, {:exception, reason, stack} ->
-      reraise Exception.normalize(:error, reason, stack), stack
+    :error, {:erpc, reason} -> {:error, reason}
   end
 end

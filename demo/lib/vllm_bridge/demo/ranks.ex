@@ -13,8 +13,10 @@ defmodule VllmBridge.Demo.Ranks do
   and `OMP_NUM_THREADS=1` (the ranks share the machine's cores; torch's thread pool would
   otherwise oversubscribe them).
 
-  Calls go through the generated bindings (`run!/4` hands them the rank's session and the
-  `:ml_inference` timeout profile, on the rank's node: `VllmBridge.Demo.Nodes.call/4`).
+  Calls go through the generated bindings from this node (`run!/4` hands them the rank's
+  session and the `:ml_inference` timeout profile): rank 1's session was opened on the
+  peer node (`Session.open(node: peer)`), so its calls run there (`VllmBridge`, "Across
+  nodes") with nothing in the demo that knows it.
   `both/2` runs one function per rank concurrently (one task per rank): the DP
   collectives need every rank inside the same call at once.
   """
@@ -83,12 +85,12 @@ defmodule VllmBridge.Demo.Ranks do
   end
 
   # Rank 1's pool on a peer node: its progress lines come back here through a relay
-  # (the callback runs there and cannot call a function that exists only here), and
-  # its session is owned by this process (it closes if the demo dies).
+  # (the callback runs there and cannot call a function that exists only here). Pools
+  # are started where they run (`:erpc`); its session is opened from here, on the
+  # peer's pool, and owned by this process (it closes there if the demo dies).
   defp start_on_two_nodes(pool, port, dp, progress) do
     with {:ok, peer} <- Nodes.start_peer(:"vllm_demo_rank1_#{System.unique_integer([:positive])}") do
       relay = spawn_link(fn -> relay(progress) end)
-      owner = self()
 
       result =
         with {:ok, _} <-
@@ -103,7 +105,7 @@ defmodule VllmBridge.Demo.Ranks do
                ]),
              {:ok, s0} <- Session.open(pool_name: pool, worker: 0),
              {:ok, s1} <-
-               Nodes.call(peer.node, &Session.open/1, pool_name: pool, worker: 0, owner: owner) do
+               Session.open(pool_name: pool, worker: 0, node: peer.node) do
           {:ok,
            %__MODULE__{
              pool: pool,
@@ -207,10 +209,10 @@ defmodule VllmBridge.Demo.Ranks do
           (keyword() -> {:ok, term()} | {:error, Error.t()})
         ) ::
           term()
-  def run!(%__MODULE__{sessions: sessions, nodes: nodes}, rank, what, fun) do
+  def run!(%__MODULE__{sessions: sessions}, rank, what, fun) do
     opts = [session_id: Enum.at(sessions, rank).id, timeout_profile: :ml_inference]
 
-    case Nodes.call(Enum.at(nodes, rank), fun, opts) do
+    case fun.(opts) do
       {:ok, value} ->
         value
 
@@ -245,14 +247,13 @@ defmodule VllmBridge.Demo.Ranks do
   node if one was started.
   """
   @spec stop(t()) :: :ok
-  def stop(%__MODULE__{pool: pool, sessions: sessions, nodes: nodes, peer: peer}) do
-    for {s, node} <- Enum.zip(sessions, nodes),
-        do: Nodes.call(node, fn _ -> Session.close(s) end, [])
+  def stop(%__MODULE__{pool: pool, sessions: sessions, peer: peer}) do
+    for s <- sessions, do: Session.close(s)
 
     _ = VllmBridge.stop_pool(pool)
 
     if peer do
-      _ = Nodes.call(peer.node, fn _ -> VllmBridge.stop_pool(pool) end, [])
+      _ = Nodes.stop_pool(peer.node, pool)
       Nodes.stop_peer(peer)
     end
 
