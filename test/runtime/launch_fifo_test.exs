@@ -34,7 +34,12 @@ defmodule VllmBridge.Runtime.LaunchFifoTest do
   """
 
   setup do
-    dir = Path.join(System.tmp_dir!(), "vb-launch-#{System.unique_integer([:positive])}")
+    dir =
+      Path.join(
+        System.tmp_dir!(),
+        "vb-launch-#{System.pid()}-#{System.unique_integer([:positive])}"
+      )
+
     File.mkdir_p!(dir)
     on_exit(fn -> File.rm_rf!(dir) end)
     %{dir: dir, out: Path.join(dir, "out"), err: Path.join(dir, "err")}
