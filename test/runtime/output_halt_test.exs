@@ -1,18 +1,26 @@
 defmodule VllmBridge.Runtime.OutputHaltTest do
   @moduledoc """
   A BEAM that halts while its workers start leaves nothing of their output behind: no
-  FIFO in the temporary folder, no reader (`cat`, or the shell that runs it) blocked for
-  ever. The BEAM is a child OS process (`elixir` on this project's compiled code) that
-  starts a pool and halts from its `:progress` callback when a worker has launched (its
-  FIFOs made, its readers started, its hello not yet come). Only the child's own FIFO
-  names and the processes that hold or name them are looked at: other BEAMs may run here.
+  FIFO (nor a regular file at a FIFO's name) in the temporary folder, no reader (`cat`,
+  or the shell that runs it) and no launch script blocked for ever. The BEAM is a child
+  OS process (`elixir` on this project's compiled code) that starts a pool of two and
+  halts from its `:progress` callback when a worker has launched (its FIFOs made, its
+  readers started, its launch script running, its hello not yet come), after a delay
+  that differs per round: the callback runs in a process of its own, so the halt falls
+  at a different moment of each worker's start (the other worker may not have made its
+  FIFOs yet), and the launch scripts' opens race their readers' watchers.
+  (test/runtime/launch_fifo_test.exs drives the launch script through each order.) Only
+  the child's own names and the processes that hold or name them are looked at: other
+  BEAMs may run here.
   """
   use ExUnit.Case, async: false
 
-  import VllmBridge.RuntimeHelpers
-
-  @tag timeout: 180_000
+  @tag timeout: 600_000
   test "a BEAM halted during the start leaves no FIFO and no reader" do
+    for delay_ms <- [0, 0, 5, 50, 200], do: halt_during_start(delay_ms)
+  end
+
+  defp halt_during_start(delay_ms) do
     elixir = System.find_executable("elixir") || flunk("no elixir executable on PATH")
     ebin = Path.join(Mix.Project.build_path(), "lib/vllm_bridge/ebin")
     python = Application.fetch_env!(:vllm_bridge, :python)
@@ -26,8 +34,12 @@ defmodule VllmBridge.Runtime.OutputHaltTest do
       size: 2,
       start_timeout: 120_000,
       progress: fn
-        %{stage: :launch} -> :erlang.halt(0)
-        _ -> :ok
+        %{stage: :launch} ->
+          Process.sleep(#{delay_ms})
+          :erlang.halt(0)
+
+        _ ->
+          :ok
       end
     )
 
@@ -59,25 +71,51 @@ defmodule VllmBridge.Runtime.OutputHaltTest do
     refute out =~ "cat:"
     prefix = "vllm_bridge-out-#{child}-"
 
-    wait_until(
-      fn -> fifos(prefix) == [] and holders(prefix) == [] end,
-      60_000,
-      "the child's FIFOs and the processes holding them to be gone " <>
-        "(left: #{inspect(fifos(prefix))}, #{inspect(holders(prefix))})"
-    )
+    # What remained is reported as it is at the end of the wait, not as it was before.
+    left = await_gone(prefix, System.monotonic_time(:millisecond) + 60_000)
+
+    assert left == {[], []},
+           "halted #{delay_ms} ms after a launch: still there 60 s later (names with " <>
+             "their types, then the processes holding or naming them): #{inspect(left)}"
+  end
+
+  defp await_gone(prefix, deadline) do
+    left = {fifos(prefix), holders(prefix)}
+
+    if left == {[], []} or System.monotonic_time(:millisecond) > deadline do
+      {for(name <- elem(left, 0), do: {name, type(name)}),
+       for(pid <- elem(left, 1), do: {pid, comm(pid), cmdline(pid)})}
+    else
+      Process.sleep(50)
+      await_gone(prefix, deadline)
+    end
+  end
+
+  defp type(name) do
+    case File.lstat(Path.join(System.tmp_dir!(), name)) do
+      {:ok, %File.Stat{type: :other}} -> :fifo
+      {:ok, %File.Stat{type: type}} -> type
+      {:error, reason} -> reason
+    end
+  end
+
+  defp cmdline(dir) do
+    case File.read("/proc/#{dir}/cmdline") do
+      {:ok, cmd} -> String.replace(cmd, <<0>>, " ")
+      _ -> nil
+    end
   end
 
   defp fifos(prefix),
     do: System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefix))
 
-  # Readers: processes whose command line names one of the FIFOs (a reader's shell, one
-  # blocked in its open), and `cat`s or shells that have one open. (The Python process,
-  # which has them open as its fds 1 and 2, goes when it finds its port closed: not the
-  # readers' business.)
+  # Processes whose command line names one of the FIFOs (a reader's shell, a launch
+  # script, either of them blocked in an open), and any that has one open: `cat`, and the
+  # Python process (its fds 1 and 2), which goes when it finds its port closed.
   defp holders(prefix) do
     for dir <- File.ls!("/proc"),
         dir =~ ~r/^\d+$/,
-        named?(dir, prefix) or (comm(dir) in ["cat", "sh"] and holds?(dir, prefix)),
+        named?(dir, prefix) or holds?(dir, prefix),
         do: dir
   end
 

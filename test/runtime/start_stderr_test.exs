@@ -186,10 +186,11 @@ defmodule VllmBridge.Runtime.StartStderrTest do
   test "a BEAM whose stdout and stderr are closed (a daemon's): the launch script runs the worker",
        %{dir: dir} do
     # The launch script itself, run the way the port runs it, but with fds 1 and 2 closed
-    # first; regular files stand for the two FIFOs (the script only opens their paths).
+    # first; a `cat` into a file reads each FIFO (the script refuses anything else).
     file = Path.join(dir, "start-stderr")
     out = Path.join(dir, "out")
     err = Path.join(dir, "err")
+    {_, 0} = System.cmd("mkfifo", ["-m", "600", out, err])
     python = Application.fetch_env!(:vllm_bridge, :python)
 
     probe =
@@ -199,12 +200,16 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     {exe, args, env} = Launcher.output_command({out, err}, file, python, ["-c", probe], [])
     env = for {k, v} <- env, do: {to_string(k), to_string(v)}
 
+    # The readers end when the worker does (its FIFOs' only writer).
+    readers = ~S'cat "$1" >"$1.read" & a=$!; cat "$2" >"$2.read" & b=$!; shift 2; '
+    run = ~S'("$@" >&- 2>&-); s=$?; wait $a $b; exit $s'
+
     {_, status} =
-      System.cmd("/bin/sh", ["-c", ~S'exec "$@" >&- 2>&-', "closed", exe | args], env: env)
+      System.cmd("/bin/sh", ["-c", readers <> run, "closed", out, err, exe | args], env: env)
 
     # It ran, with the stderr FIFO kept on fd 5 and its start-up stderr in the file.
     assert status == 0
-    assert File.read!(out) == err <> "\n"
+    assert File.read!(out <> ".read") == err <> "\n"
     assert File.read!(file) == "start-up words\n"
   end
 

@@ -106,8 +106,31 @@ defmodule VllmBridge.Worker.Launcher do
   # (`stderr_tail/1`) and the file is deleted. Nothing the worker writes reaches the
   # BEAM's own stdout or stderr.
   @stderr_fd 5
-  @capture_script ~S'o=$1 e=$2 && shift 2 && exec 1>"$o" 5>"$e" && u=$(umask) && umask 077 && set -C && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
-  @output_script ~S'o=$1 e=$2 && shift 2 && exec 1>"$o" 2>"$e" && exec "$@"'
+  #
+  # The FIFOs are opened so that no moment of a BEAM's death can wedge the script or leave
+  # a file behind (the readers delete the names and go when the BEAM dies, whenever that
+  # is; VllmBridge.Worker.Output). A plain `1>"$o"` would create a regular file at a name
+  # already deleted, and would wait for ever in open() on a FIFO whose reader is gone. So
+  # each path must be a FIFO (`-p`), and is opened read-write first (fds 6 and 7): on
+  # Linux that never waits, whether a reader is there or not. It may still have created
+  # a regular file, if the name went between the test and the open: the fd says so, and
+  # the script deletes what it made and exits. Then fds 1 and 5 (or 2) are the same FIFOs
+  # opened again write-only through /proc/self/fd (no wait: fds 6 and 7 are readers) and
+  # fds 6 and 7 are closed: the Python process must not be a reader of its own output,
+  # or with its reader gone a full pipe would block its writes for ever instead of
+  # failing (EPIPE), and it could never notice that its port closed.
+  @open_fifos ~S"""
+  o=$1 e=$2 && shift 2 || exit 1
+  [ -p "$o" ] && [ -p "$e" ] || exit 1
+  exec 6<>"$o"
+  [ -p /proc/self/fd/6 ] || { rm -f -- "$o"; exit 1; }
+  exec 7<>"$e"
+  [ -p /proc/self/fd/7 ] || { rm -f -- "$e"; exit 1; }
+  """
+  @capture_script @open_fifos <>
+                    ~S'exec 1>/proc/self/fd/6 5>/proc/self/fd/7 6<&- 7<&- && u=$(umask) && umask 077 && set -C && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
+  @output_script @open_fifos <>
+                   ~S'exec 1>/proc/self/fd/6 2>/proc/self/fd/7 6<&- 7<&- && exec "$@"'
   @own_env ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"] ++ VllmBridge.Shm.own_env()
 
   @doc "The environment variables the launcher sets itself (a pool's `worker_env` may not)."
