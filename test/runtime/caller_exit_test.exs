@@ -125,8 +125,9 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     assert {:ok, 5} = diag("add", [2, 3])
   end
 
-  # The worker monitors a caller once, not once per call (VllmBridge.Worker.Calls): the
-  # monitor holds every live call of its caller, and goes at the sweep after its last.
+  # The worker monitors a caller once while it calls (VllmBridge.Worker.Calls): the
+  # monitor holds every live call of its caller; it goes when a caller's first call ends,
+  # and at the sweep after its last for a caller that called again.
   defp monitored?(w, pid), do: Map.has_key?(:sys.get_state(w).calls.callers, pid)
 
   test "a caller with two calls in flight that dies has both cancelled", %{w: w, meta: meta} do
@@ -160,19 +161,40 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     assert {:ok, 3} = diag("add", [1, 2])
   end
 
-  test "an idle caller's monitor goes at a sweep; its next call is monitored again",
+  test "a caller that calls again keeps its monitor until a sweep; then monitored anew",
        %{w: w, meta: meta, instance: instance} do
     me = self()
 
     caller =
       spawn(fn ->
-        {:ok, 2} = diag("add", [1, 1])
-        send(me, :first_done)
-        receive do: (:go -> diag("sleep", [60], timeout: :infinity))
+        Stream.repeatedly(fn ->
+          receive do
+            {:add, i} -> send(me, {:added, diag("add", [i, 1])})
+            :go -> diag("sleep", [60], timeout: :infinity)
+          end
+        end)
+        |> Stream.run()
       end)
 
-    assert_receive :first_done, 30_000
-    # Idle (no call in flight): let go at a sweep, however many calls it made before.
+    add = fn i ->
+      send(caller, {:add, i})
+      assert_receive {:added, {:ok, sum}}, 30_000
+      assert sum == i + 1
+    end
+
+    # Its first call's monitor goes when that call ends (the worker answered it before
+    # it reads this :sys.get_state).
+    add.(1)
+    refute monitored?(w, caller)
+
+    # A caller that calls again keeps its monitor while idle. Seen after some call but
+    # the first: a sweep between its last two calls (once a second) forgets it once.
+    assert Enum.any?(2..6, fn i ->
+             add.(i)
+             monitored?(w, caller)
+           end)
+
+    # Let go at a sweep, however many calls it made before.
     wait_until(fn -> not monitored?(w, caller) end, @prompt, "the idle caller let go")
 
     send(caller, :go)
@@ -183,6 +205,56 @@ defmodule VllmBridge.Runtime.CallerExitTest do
     # Long before the sleep's 60 s: the call was cancelled by the new monitor.
     wait_until(fn -> worker_idle?(w, meta) end, @prompt, "the call cancelled")
     assert [%{instance: ^instance}] = workers!(@pool)
+  end
+
+  test "callers of one call each are let go as their call ends: no :DOWN reaches the worker",
+       %{w: w, meta: meta} do
+    # The worker's mailbox, traced: every :DOWN it receives comes here.
+    :erlang.trace(w, true, [:receive, {:tracer, self()}])
+
+    tasks =
+      for i <- 1..20 do
+        task = Task.async(fn -> diag("add", [i, 1]) end)
+        assert {:ok, i + 1} == Task.await(task, 30_000)
+        # Answered, so no longer monitored (the worker let it go before it could read
+        # this :sys.get_state), though the task may not have exited yet.
+        refute monitored?(w, task.pid)
+        task.pid
+      end
+
+    # Every task gone (Task.await saw its reply; wait for its exit), then the worker
+    # synchronised with: a :DOWN for any of them would have been received by now.
+    for pid <- tasks do
+      ref = Process.monitor(pid)
+      assert_receive {:DOWN, ^ref, :process, ^pid, _}, 30_000
+    end
+
+    _ = :sys.get_state(w)
+    :erlang.trace(w, false, [:receive])
+    received = traced(w, [])
+    assert Enum.any?(received, &match?({:system, _, _}, &1)), "the trace saw the worker"
+
+    for pid <- tasks do
+      refute Enum.any?(received, &match?({:DOWN, _, :process, ^pid, _}, &1))
+    end
+
+    assert worker_idle?(w, meta)
+
+    # A caller of one call that dies while its call runs still has it cancelled.
+    caller = spawn(fn -> diag("sleep", [60], timeout: :infinity) end)
+    wait_until(fn -> running?(w) end)
+    assert monitored?(w, caller)
+    Process.exit(caller, :kill)
+    wait_until(fn -> worker_idle?(w, meta) end, @prompt, "the dead task's call cancelled")
+  end
+
+  # The messages the worker received while traced, as far as they came here.
+  defp traced(w, acc) do
+    receive do
+      {:trace, ^w, :receive, message} -> traced(w, [message | acc])
+    after
+      0 -> acc
+    end
   end
 
   test "callers that die between calls leave nothing to cancel", %{w: w, meta: meta} do

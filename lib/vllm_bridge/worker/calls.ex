@@ -10,12 +10,16 @@ defmodule VllmBridge.Worker.Calls do
   #
   # An entry is a `VllmBridge.Worker.Calls.Entry`.
   #
-  # Callers whose death must cancel their calls are monitored once per caller, not once
-  # per call (`callers`: pid => {monitor, live calls}): a caller that calls again and
-  # again (the common case) costs no monitor and no demonitor per call, only two small
-  # map updates. A caller's monitor stays while it has no call in flight and goes at the
-  # next sweep (`sweep/3`), so the table holds at most the callers of the last second;
-  # its death meanwhile finds nothing to cancel.
+  # Callers whose death must cancel their calls are monitored once per caller while they
+  # call (`callers`: pid => {monitor, live calls}). Which callers keep their monitor between
+  # calls is chosen by what each costs the worker process (bench/README.md, "The
+  # worker process and the Python worker, measured"): a caller's first call ends with a
+  # demonitor, as a caller of one call (a process per request, a `Task` per call) would
+  # otherwise send a :DOWN to this process when it dies; a caller seen calling again
+  # within the sweep's second (`recent`) keeps its monitor while it has no call in flight,
+  # so one that calls again and again costs no monitor and no demonitor per call, and is
+  # let go at the next sweep (`sweep/3`) once idle; its death meanwhile finds nothing to
+  # cancel.
 
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Wire}
@@ -42,11 +46,15 @@ defmodule VllmBridge.Worker.Calls do
           }
   end
 
-  defstruct map: %{}, callers: %{}, arrivals: 0, slot: nil, seen: nil
+  # How many callers of one call `recent` holds at most (`unhold/2`).
+  @recent_max 256
+
+  defstruct map: %{}, callers: %{}, recent: %{}, arrivals: 0, slot: nil, seen: nil
 
   @typedoc """
   `map` the calls by id; `callers` the monitored callers, pid => {monitor, how many of
-  its calls are live}; `arrivals` how many were added since the last sweep; `slot`
+  its calls are live}; `recent` the callers whose monitor went when their call ended,
+  since the last sweep; `arrivals` how many were added since the last sweep; `slot`
   the pool's meta and this worker's index (nil for a worker outside a pool); `seen` the
   slot count the last sweep found above what the table holds, with the table empty and
   nothing arriving (see `sweep/3`).
@@ -54,6 +62,7 @@ defmodule VllmBridge.Worker.Calls do
   @type t :: %__MODULE__{
           map: %{optional(non_neg_integer()) => Entry.t()},
           callers: %{optional(pid()) => {reference(), non_neg_integer()}},
+          recent: %{optional(pid()) => true},
           arrivals: non_neg_integer(),
           slot: {VllmBridge.Pool.Meta.t(), non_neg_integer()} | nil,
           seen: integer() | nil
@@ -124,14 +133,30 @@ defmodule VllmBridge.Worker.Calls do
     end
   end
 
-  # One live call of `caller` fewer (it ended, or was cancelled): its monitor stays until
-  # the sweep.
-  defp unhold(callers, nil), do: callers
+  # One live call of `caller` fewer (it ended, or was cancelled). Its last one: the
+  # monitor stays when the caller called before since the last sweep (it is likely to call
+  # again); otherwise it goes now and the caller is remembered in `recent` (no :flush, a
+  # scan of this mailbox: a :DOWN already on its way finds no monitor, `abandoned/3`).
+  # `recent` is emptied at each sweep and when it reaches 256 callers (callers of one call
+  # each would otherwise fill it): a caller forgotten early only pays one more monitor.
+  defp unhold(t, nil), do: t
 
-  defp unhold(callers, caller) do
-    case callers do
-      %{^caller => {mon, n}} when n > 0 -> %{callers | caller => {mon, n - 1}}
-      _ -> callers
+  defp unhold(t, caller) do
+    case t.callers do
+      %{^caller => {mon, 1}} ->
+        if Map.has_key?(t.recent, caller) do
+          %{t | callers: %{t.callers | caller => {mon, 0}}}
+        else
+          Process.demonitor(mon)
+          recent = if map_size(t.recent) >= @recent_max, do: %{}, else: t.recent
+          %{t | callers: Map.delete(t.callers, caller), recent: Map.put(recent, caller, true)}
+        end
+
+      %{^caller => {mon, n}} when n > 1 ->
+        %{t | callers: %{t.callers | caller => {mon, n - 1}}}
+
+      _ ->
+        t
     end
   end
 
@@ -164,7 +189,7 @@ defmodule VllmBridge.Worker.Calls do
 
         if e.status == :live do
           Messages.send_finish(e.alias, tag, bin)
-          %{t | map: map, callers: unhold(t.callers, e.caller)}
+          unhold(%{t | map: map}, e.caller)
         else
           drop(bin)
           %{t | map: map}
@@ -208,7 +233,7 @@ defmodule VllmBridge.Worker.Calls do
     case t.map do
       %{^id => %Entry{status: :live} = e} ->
         entry = %{e | status: {:cancelled, now}}
-        {:cancelled, %{t | map: Map.put(t.map, id, entry), callers: unhold(t.callers, e.caller)}}
+        {:cancelled, unhold(%{t | map: Map.put(t.map, id, entry)}, e.caller)}
 
       _ ->
         :not_live
@@ -261,7 +286,7 @@ defmodule VllmBridge.Worker.Calls do
           is_integer(deadline) and deadline + slack < now,
           do: id
 
-    {overdue, %{t | seen: correct(t), arrivals: 0, callers: let_go(t.callers)}}
+    {overdue, %{t | seen: correct(t), arrivals: 0, callers: let_go(t.callers), recent: %{}}}
   end
 
   # Callers without a live call are no longer monitored. No :flush (a scan of this
@@ -325,7 +350,7 @@ defmodule VllmBridge.Worker.Calls do
     end
 
     for {_pid, {mon, _n}} <- t.callers, do: Process.demonitor(mon)
-    %{t | map: %{}, callers: %{}}
+    %{t | map: %{}, callers: %{}, recent: %{}}
   end
 
   @doc false
