@@ -82,6 +82,10 @@ defmodule VllmBridge.Stream do
       {:remote, rt, node, lost} ->
         Remote.Stream.open(node, rt, {target, args, kwargs}, opts, lost)
 
+      # The route's error (resolve/4), or the checkout's.
+      {:error, _rt, %Error{} = e} ->
+        raise e
+
       {:error, %Error{} = e} ->
         raise e
     end
