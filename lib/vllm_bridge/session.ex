@@ -200,13 +200,35 @@ defmodule VllmBridge.Session do
 
   def close(id, timeout) when is_binary(id) do
     case lookup(id) do
-      {:ok, %__MODULE__{node: n}} when n != nil and n != node() -> close_on(n, id, timeout)
-      _ -> close_here(id, timeout)
+      {:ok, %__MODULE__{node: n}} when n != nil and n != node() ->
+        # Lost with its node's connection: closed there already.
+        if Manager.lost_on(id), do: forget_lost(id), else: close_on(n, id, timeout)
+
+      _ ->
+        close_here(id, timeout)
     end
   end
 
   def close(other, _timeout),
     do: {:error, Error.new(:bad_argument, "not a session: #{inspect(other, limit: 5)}")}
+
+  defp forget_lost(id) do
+    _ = Manager.forget(id)
+    :ok
+  end
+
+  @doc false
+  # The error of a session of `node` (or a request naming it there) that was closed
+  # there when the connection between the two nodes dropped.
+  @spec lost_with_node(String.t(), node(), node()) :: Error.t()
+  def lost_with_node(id, node, other) do
+    Error.new(
+      :session_lost,
+      "session #{inspect(id)} lived on node #{inspect(node)}, whose connection with node " <>
+        "#{inspect(other)} dropped (a node went down, or a netsplit); it was closed there " <>
+        "and its state is gone"
+    )
+  end
 
   # Forgotten here, closed there; a node that is gone took the session with it.
   defp close_on(node, id, timeout) do

@@ -30,20 +30,31 @@ defmodule VllmBridge.PeerHelpers do
 
   @doc """
   Starts a peer node named `name`@127.0.0.1 (not linked to the caller: a test may kill
-  it) with the :vllm_bridge application running: `{peer, node}`.
+  it) with the :vllm_bridge application running: `{peer, node}`. `connection:
+  :standard_io` controls it over its standard input and output (it then survives
+  `Node.disconnect/1`; `:peer.call/4` reaches it while disconnected).
   """
-  def start_peer!(name) do
+  def start_peer!(name, opts \\ []) do
     :ok = ensure_distributed()
     paths = Enum.flat_map(:code.get_path(), &[~c"-pa", &1])
     cookie = Atom.to_charlist(Node.get_cookie())
 
+    # With connection: :standard_io the peer is controlled over its standard input and
+    # output, so it outlives a dropped distribution connection (the default control
+    # connection is the distribution one: the peer halts when it drops).
+    control = if opts[:connection], do: %{connection: opts[:connection]}, else: %{}
+
     {:ok, peer, node} =
-      :peer.start(%{
-        name: :"#{name}#{System.unique_integer([:positive])}",
-        host: ~c"127.0.0.1",
-        longnames: true,
-        args: [~c"-setcookie", cookie | paths]
-      })
+      :peer.start(
+        Map.merge(control, %{
+          name: :"#{name}#{System.unique_integer([:positive])}",
+          host: ~c"127.0.0.1",
+          longnames: true,
+          args: [~c"-setcookie", cookie | paths]
+        })
+      )
+
+    true = Node.connect(node)
 
     # What config/*.exs gave this node (the python interpreter, ...).
     for {k, v} <- Application.get_all_env(:vllm_bridge),

@@ -50,8 +50,13 @@ defmodule VllmBridge.Call.Route do
           {:ok, t()} | {:remote, node(), :session_lost | :worker_exit} | {:error, Error.t()}
   def resolve(%Runtime{node: pinned}, _kind, %Ref{node: n} = ref, _payload)
       when n != nil and n != node() do
-    with :ok <- Remote.same_node(pinned, n, "reference #{ref.id} (#{ref.type})"),
-         do: {:remote, n, :session_lost}
+    with :ok <- Remote.same_node(pinned, n, "reference #{ref.id} (#{ref.type})") do
+      # Its session closed there when the connection to its node dropped.
+      case ref.session && Session.Manager.lost_on(ref.session) do
+        ^n -> {:error, Session.lost_with_node(ref.session, n, node())}
+        _ -> {:remote, n, :session_lost}
+      end
+    end
   end
 
   def resolve(%Runtime{node: pinned}, _kind, %Ref{} = ref, _payload)
@@ -121,10 +126,18 @@ defmodule VllmBridge.Call.Route do
 
     cond do
       n != node() ->
-        with :ok <- Remote.same_node(pinned, n, what), do: {:remote, n, :session_lost}
+        with :ok <- Remote.same_node(pinned, n, what), do: remote_session(s, n)
 
       true ->
         with :ok <- Remote.same_node(pinned, n, what), do: :local
+    end
+  end
+
+  # Closed there when the connection to its node dropped, even if it came back.
+  defp remote_session(s, n) do
+    case Session.Manager.lost_on(s.id) do
+      nil -> {:remote, n, :session_lost}
+      ^n -> {:error, Session.lost_with_node(s.id, n, node())}
     end
   end
 

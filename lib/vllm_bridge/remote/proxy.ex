@@ -156,7 +156,17 @@ defmodule VllmBridge.Remote.Proxy do
     LooseRefs.act_for(caller)
     now = System.monotonic_time(:millisecond)
     rt = %{rt | deadline: Runtime.deadline(now, left), node: node()}
-    result = rt |> Run.run(kind, parts, opts) |> stamp()
+    refs = List.wrap(opts[:bound]) ++ List.wrap(opts[:payload])
+
+    # (A reference's request runs in its own session unless one was named.)
+    named = if opts[:bound] && rt.session_current?, do: nil, else: rt.session_id
+
+    result =
+      case lost(caller, named, refs) do
+        nil -> rt |> Run.run(kind, parts, opts) |> stamp()
+        e -> {:error, e}
+      end
+
     send(reply, {reply, :result, result})
   end
 
@@ -164,6 +174,19 @@ defmodule VllmBridge.Remote.Proxy do
     LooseRefs.act_for(caller)
     send(reply, {reply, :watcher, watcher})
 
+    named =
+      case opts[:session_id] do
+        %Session{id: id} -> id
+        id -> id
+      end
+
+    case lost(caller, named || current, Ref.collect({target, args, kwargs})) do
+      nil -> stream(reply, watcher, {target, args, kwargs, opts, current})
+      e -> send(reply, {reply, :error, e})
+    end
+  end
+
+  defp stream(reply, watcher, {target, args, kwargs, opts, current}) do
     in_session(current, fn ->
       case VllmBridge.Stream.new(target, args, kwargs, opts) do
         {:ok, stream} ->
@@ -175,6 +198,34 @@ defmodule VllmBridge.Remote.Proxy do
           send(reply, {reply, :error, e})
       end
     end)
+  end
+
+  # A request from another node naming a session this node does not know, or on a
+  # reference released here, lost it when the connection between the two nodes dropped
+  # (its owner, on the caller's node, was seen to go): :session_lost naming both nodes.
+  # (That node knows the session as this node's: it sends no other.)
+  defp lost(caller, session_id, refs) do
+    cond do
+      is_binary(session_id) and match?({:error, _}, Session.lookup(session_id)) ->
+        Error.new(
+          :session_lost,
+          "session #{inspect(session_id)} is not open on node #{inspect(node())}, its " <>
+            "node: it was closed there (when its connection with node " <>
+            "#{inspect(node(caller))} dropped, the session's owner being seen to go, or " <>
+            "by a process there) and its state is gone"
+        )
+
+      ref = Enum.find(refs, &LooseRefs.lost_with/1) ->
+        Error.new(
+          :session_lost,
+          "reference #{ref.id} (#{ref.type}) was released on node #{inspect(node())} when " <>
+            "its connection with node #{inspect(LooseRefs.lost_with(ref))} (its owner's) " <>
+            "dropped (a node went down, or a netsplit)"
+        )
+
+      true ->
+        nil
+    end
   end
 
   # The caller's current session (VllmBridge.Session.current/0) is this process's while
