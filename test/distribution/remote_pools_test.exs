@@ -175,6 +175,39 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
                diag("echo", [remote_ref], pool_name: @both, node: node())
     end
 
+    test "a session named for a request on a reference must be open and on its node",
+         %{b: b} do
+      {:ok, remote_ref} = diag("opaque", [1], pool_name: @remote)
+      {:ok, local_ref} = diag("opaque", [1], pool_name: @both, node: node())
+      {:ok, here} = Session.open(pool_name: @both, node: node())
+      {:ok, there} = Session.open(pool_name: @remote)
+
+      for {ref, s, ref_node, s_node} <- [
+            {remote_ref, here, b, node()},
+            {local_ref, there, node(), b}
+          ] do
+        assert {:error, %Error{type: :bad_argument, message: m}} =
+                 VllmBridge.get({ref, "value"}, session_id: s.id)
+
+        assert m =~ "session #{inspect(s.id)} lives on node #{inspect(s_node)}" and
+                 m =~ "on node #{inspect(ref_node)}",
+               m
+      end
+
+      # A session id nobody opened is refused here, on either node, before a worker
+      # could make a session of it.
+      for ref <- [remote_ref, local_ref] do
+        assert {:error, %Error{type: :bad_argument, message: m}} =
+                 VllmBridge.get({ref, "value"}, session_id: "never-opened")
+
+        assert m =~ ~s(unknown session_id "never-opened"), m
+      end
+
+      assert {:ok, 1} = VllmBridge.get({remote_ref, "value"})
+      :ok = Session.close(here)
+      :ok = Session.close(there)
+    end
+
     test "references made for a process that exits are released on the peer", %{b: b} do
       {pid, ref} =
         Task.async(fn ->

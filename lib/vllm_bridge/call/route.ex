@@ -48,9 +48,10 @@ defmodule VllmBridge.Call.Route do
   """
   @spec resolve(Runtime.t(), String.t(), Ref.t() | nil, term()) ::
           {:ok, t()} | {:remote, node(), :session_lost | :worker_exit} | {:error, Error.t()}
-  def resolve(%Runtime{node: pinned}, _kind, %Ref{node: n} = ref, _payload)
+  def resolve(%Runtime{node: pinned} = rt, _kind, %Ref{node: n} = ref, _payload)
       when n != nil and n != node() do
-    with :ok <- Remote.same_node(pinned, n, "reference #{ref.id} (#{ref.type})") do
+    with :ok <- Remote.same_node(pinned, n, "reference #{ref.id} (#{ref.type})"),
+         :ok <- named_session(rt, ref, n) do
       # Its session closed there when the connection to its node dropped.
       case ref.session && Session.Manager.lost_on(ref.session) do
         ^n -> {:error, Session.lost_with_node(ref.session, n, node())}
@@ -67,7 +68,8 @@ defmodule VllmBridge.Call.Route do
     case Directory.instance(ref.instance) do
       {pool, index, _pid} ->
         with {:ok, meta} <- pool_meta(pool, lost_ref(ref)),
-             :ok <- session_open(ref) do
+             :ok <- session_open(ref),
+             :ok <- named_session(rt, ref, node()) do
           constraint =
             if rt.affinity == :strict_fail_fast, do: {:fail_fast, index}, else: {:only, index}
 
@@ -116,6 +118,31 @@ defmodule VllmBridge.Call.Route do
 
       _elsewhere ->
         with {:remote, n} <- Remote.pool_route(rt), do: {:remote, n, :worker_exit}
+    end
+  end
+
+  # A session named for a request on a reference (it runs in that session rather than
+  # the reference's) must be open, and on the reference's node `n`: the worker would
+  # otherwise make a session of that id, left there.
+  defp named_session(%Runtime{session_current?: true}, _ref, _n), do: :ok
+  defp named_session(%Runtime{session_id: nil}, _ref, _n), do: :ok
+  defp named_session(%Runtime{session_id: id}, %Ref{session: id}, _n), do: :ok
+
+  defp named_session(%Runtime{session_id: id}, ref, n) do
+    with {:ok, s} <- Session.lookup(id) do
+      case Session.node_of(s) do
+        ^n ->
+          :ok
+
+        other ->
+          {:error,
+           Error.new(
+             :bad_argument,
+             "session #{inspect(id)} lives on node #{inspect(other)}, but reference " <>
+               "#{ref.id} (#{ref.type}) on node #{inspect(n)}: a request on a reference " <>
+               "runs on its node, in a session of that node"
+           )}
+      end
     end
   end
 
