@@ -156,7 +156,7 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
     test "a reference is refused on another node, with both nodes named", %{b: b} do
       {:ok, remote_ref} = diag("opaque", [1], pool_name: @remote)
       {:ok, local_ref} = diag("opaque", [1], pool_name: @both, node: node())
-      assert local_ref.node == nil
+      assert local_ref.node == node()
 
       assert {:error, %Error{type: :bad_argument, message: m}} =
                VllmBridge.get({remote_ref, "value"}, node: node())
@@ -206,6 +206,21 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       assert {:ok, 1} = VllmBridge.get({remote_ref, "value"})
       :ok = Session.close(here)
       :ok = Session.close(there)
+    end
+
+    test "a reference that leaves its node other than through a request names it", %{b: b} do
+      # Brought back by :erpc (not by the proxy): decoded on the peer, it names the peer.
+      # (In a session this process owns: the :erpc process's own references go with it.)
+      {:ok, s} = Session.open(pool_name: @remote)
+
+      {:ok, ref} =
+        :erpc.call(b, VllmBridge, :call, [{@diag, "opaque"}, [4], %{}, [session_id: s.id]])
+
+      assert ref.node == b
+      # So it is routed there, not to this node's worker of the same pool name.
+      assert {:ok, 4} = VllmBridge.get({ref, "value"}, pool_name: @both)
+      assert {:ok, 4} = :erpc.call(b, VllmBridge, :get, [{ref, "value"}])
+      :ok = Session.close(s)
     end
 
     test "references made for a process that exits are released on the peer", %{b: b} do

@@ -49,7 +49,7 @@ defmodule VllmBridge.Call.Route do
   @spec resolve(Runtime.t(), String.t(), Ref.t() | nil, term()) ::
           {:ok, t()} | {:remote, node(), :session_lost | :worker_exit} | {:error, Error.t()}
   def resolve(%Runtime{node: pinned} = rt, _kind, %Ref{node: n} = ref, _payload)
-      when n != nil and n != node() do
+      when n not in [nil, :nonode@nohost] and n != node() do
     with :ok <- Remote.same_node(pinned, n, "reference #{ref.id} (#{ref.type})"),
          :ok <- named_session(rt, ref, n) do
       # Its session closed there when the connection to its node dropped.

@@ -7,7 +7,7 @@ defmodule VllmBridge.Remote.Proxy do
   #
   #   * the runner (start/3, the process the caller spawned and monitors) makes the
   #     request (VllmBridge.Call.Run, VllmBridge.Stream) and sends what comes back to the
-  #     caller's alias, with this node set on its references (VllmBridge.Remote.stamp/2).
+  #     caller's alias (its references name this node: they are decoded here).
   #     The caller monitors the runner itself, not a go-between: a process's signals to
   #     another keep their order, so its DOWN never overtakes its last answer (which a
   #     large answer, sent in fragments, otherwise could). References it gets outside a
@@ -35,7 +35,7 @@ defmodule VllmBridge.Remote.Proxy do
   # or `:now`); when it halts before the watcher's pid came, it kills the runner instead
   # (it has read nothing).
 
-  alias VllmBridge.{Error, Ref, Remote, Session}
+  alias VllmBridge.{Error, Ref, Session}
   alias VllmBridge.Call.{Run, Runtime}
   alias VllmBridge.Session.LooseRefs
 
@@ -163,7 +163,7 @@ defmodule VllmBridge.Remote.Proxy do
 
     result =
       case lost(caller, named, refs) do
-        nil -> rt |> Run.run(kind, parts, opts) |> stamp()
+        nil -> Run.run(rt, kind, parts, opts)
         e -> {:error, e}
       end
 
@@ -253,7 +253,7 @@ defmodule VllmBridge.Remote.Proxy do
   defp step({reply, watcher} = to, next, ahead, window, i) do
     case next.() do
       {:suspended, chunk, cont} ->
-        send(reply, {reply, :chunk, stamp(chunk)})
+        send(reply, {reply, :chunk, chunk})
 
         # The watcher keeps the references of what the caller has not read yet.
         case Ref.collect(chunk) do
@@ -294,8 +294,4 @@ defmodule VllmBridge.Remote.Proxy do
         end
     end
   end
-
-  defp stamp({:ok, value}), do: {:ok, Remote.stamp(value, node())}
-  defp stamp({:error, _} = error), do: error
-  defp stamp(value), do: Remote.stamp(value, node())
 end
