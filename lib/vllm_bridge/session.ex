@@ -196,6 +196,16 @@ defmodule VllmBridge.Session do
   """
   @spec close(t() | String.t(), timeout()) :: :ok | {:error, Error.t()}
   def close(session, timeout \\ 5_000)
+  # A session of another node that this node does not know (the struct came in a
+  # message, say) is closed on its node.
+  def close(%__MODULE__{id: id, node: n}, timeout)
+      when n not in [nil, :nonode@nohost] and n != node() do
+    case lookup(id) do
+      {:ok, _} -> close(id, timeout)
+      {:error, _} -> close_on(n, id, timeout)
+    end
+  end
+
   def close(%__MODULE__{id: id}, timeout), do: close(id, timeout)
 
   def close(id, timeout) when is_binary(id) do

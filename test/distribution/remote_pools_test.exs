@@ -261,6 +261,28 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       assert m =~ "unknown session_id"
     end
 
+    test "a session struct of another node that this node never registered is routed there",
+         %{b: b} do
+      # Opened on the peer by a call there (this node does not know it): as a struct
+      # received in a message would be.
+      {:ok, s} = :erpc.call(b, Session, :open, [[pool_name: @remote, owner: self()]])
+      assert s.node == b
+      assert {:error, _} = Session.lookup(s.id)
+
+      assert {:ok, _} = diag("set_var", ["by-struct"], session_id: s)
+      assert {:ok, "by-struct"} = diag("get_var", [], session_id: s)
+      # By id alone it is unknown here.
+      assert {:error, %Error{type: :bad_argument}} = diag("get_var", [], session_id: s.id)
+
+      assert :ok = Session.close(s)
+      assert {:error, _} = :erpc.call(b, Session, :lookup, [s.id])
+
+      assert {:error, %Error{type: :session_lost, message: m}} =
+               diag("get_var", [], session_id: s)
+
+      assert m =~ "is not open on node #{inspect(b)}", m
+    end
+
     test "with_session on a remote pool, and the owner's exit closes it there", %{b: b} do
       assert {:ok, "x"} =
                VllmBridge.with_session(

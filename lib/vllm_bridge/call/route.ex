@@ -88,7 +88,7 @@ defmodule VllmBridge.Call.Route do
   end
 
   def resolve(%Runtime{session_id: id} = rt, kind, nil, payload) when is_binary(id) do
-    with {:ok, s} <- Session.lookup(id),
+    with {:ok, s} <- lookup_session(rt),
          :ok <- same_pool(rt, s),
          :local <- session_node(rt, s),
          {:ok, meta} <- pool_meta(s.pool, Session.lost(s)),
@@ -143,6 +143,25 @@ defmodule VllmBridge.Call.Route do
                "runs on its node, in a session of that node"
            )}
       end
+    end
+  end
+
+  # A session this node does not know, given as a struct of another node, is routed
+  # there (which answers :session_lost if it does not know it either).
+  defp lookup_session(%Runtime{session_id: id, session_node: n, node: pinned}) do
+    case Session.lookup(id) do
+      {:error, _} = error when n in [nil, :nonode@nohost] ->
+        error
+
+      {:error, _} = error when n == node() ->
+        error
+
+      {:error, _} ->
+        with :ok <- Remote.same_node(pinned, n, "session #{inspect(id)}"),
+             do: {:remote, n, :session_lost}
+
+      found ->
+        found
     end
   end
 
