@@ -150,7 +150,11 @@ defmodule VllmBridge.Session do
   # Opened on `node` (its manager watches the owner from there), and known here too, so
   # that requests naming it by id are routed there and the owner's exit forgets it here.
   defp open_on(node, opts) do
-    with {:ok, %__MODULE__{} = s} <- remote(node, :open, [opts], @remote_ms, "open") do
+    # The id is chosen here, so that an open that times out can be undone there.
+    {:ok, id} = if opts[:id], do: {:ok, opts[:id]}, else: new_id(nil)
+    opts = Keyword.put(opts, :id, id)
+
+    with {:ok, %__MODULE__{} = s} <- open_there(node, opts, id) do
       case Manager.register(s) do
         {:ok, s} ->
           {:ok, s}
@@ -162,6 +166,38 @@ defmodule VllmBridge.Session do
     end
   end
 
+  # An open with no answer in time may still open the session there: it is closed there
+  # once it is open (close_stray/2), rather than left to its owner's exit.
+  defp open_there(node, opts, id) do
+    case remote(node, :open, [opts], @remote_ms, "open") do
+      {:error, %Error{type: :timeout}} = error ->
+        :erpc.cast(node, __MODULE__, :close_stray, [id, @remote_ms * 2])
+        error
+
+      other ->
+        other
+    end
+  end
+
+  @doc false
+  # Closes session `id` of this node once it is open, waiting up to `within` ms for it
+  # (an open from another node that timed out there may still be on its way).
+  @spec close_stray(String.t(), non_neg_integer()) :: :ok
+  def close_stray(id, within) do
+    case lookup(id) do
+      {:ok, _} ->
+        _ = close(id)
+        :ok
+
+      {:error, _} when within > 0 ->
+        Process.sleep(100)
+        close_stray(id, within - 100)
+
+      {:error, _} ->
+        :ok
+    end
+  end
+
   defp remote(node, fun, args, timeout, what) do
     :erpc.call(node, __MODULE__, fun, args, timeout)
   catch
@@ -169,18 +205,22 @@ defmodule VllmBridge.Session do
       {:error,
        Error.new(
          :worker_exit,
-         "session #{what} on node #{inspect(node)}: the node is not reachable"
+         "session #{what} on node #{inspect(node)}: the node is not reachable",
+         details: %{noconnection: true}
        )}
 
     :error, {:erpc, :timeout} ->
       {:error,
        Error.new(:timeout, "session #{what} on node #{inspect(node)}: no answer in #{timeout} ms")}
 
+    # Not the node gone: a failure there (an undef from a node running another version
+    # of vllm_bridge, say), which a close must not take for done.
     class, reason ->
       {:error,
        Error.new(
-         :worker_exit,
-         "session #{what} on node #{inspect(node)} failed: #{inspect({class, reason}, limit: 8)}"
+         :protocol,
+         "session #{what} on node #{inspect(node)} failed there (are both nodes running " <>
+           "the same vllm_bridge?): #{inspect({class, reason}, limit: 8)}"
        )}
   end
 
@@ -246,7 +286,8 @@ defmodule VllmBridge.Session do
     budget = if timeout == :infinity, do: :infinity, else: timeout + @remote_ms
 
     case remote(node, :close, [id, timeout], budget, "close") do
-      {:error, %Error{type: :worker_exit}} -> :ok
+      # Only a node that is gone took the session with it.
+      {:error, %Error{details: %{noconnection: true}}} -> :ok
       other -> other
     end
   end
