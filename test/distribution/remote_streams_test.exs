@@ -18,25 +18,24 @@ defmodule VllmBridge.Distribution.RemoteStreamsTest do
   @pool :dist_streams
   @support "rt_stream_support"
 
+  # Checked at compile time without starting anything; distribution starts in
+  # start_peer!/2.
+  if why = VllmBridge.PeerHelpers.unavailable(),
+    do: @moduletag(skip: "distributed Erlang cannot start here: #{why}")
+
   setup_all do
-    case ensure_distributed() do
-      :ok ->
-        {peer, b} = start_peer!(:dist_s)
-        on_exit(fn -> stop_peer(peer) end)
+    {peer, b} = start_peer!(:dist_s)
+    on_exit(fn -> stop_peer(peer) end)
 
-        start_pool_on!(b, @pool,
-          size: 1,
-          max_in_flight: 2,
-          allow: ["vllm_bridge.bridge.diag", @support],
-          worker_env: [python_path([support_dir()])]
-        )
+    start_pool_on!(b, @pool,
+      size: 1,
+      max_in_flight: 2,
+      allow: ["vllm_bridge.bridge.diag", @support],
+      worker_env: [python_path([support_dir()])]
+    )
 
-        {:ok, [%{pid: w}]} = :erpc.call(b, Pool, :workers, [@pool])
-        %{b: b, w: w}
-
-      {:error, why} ->
-        {:ok, skip: "distributed Erlang cannot start here: #{inspect(why)}"}
-    end
+    {:ok, [%{pid: w}]} = :erpc.call(b, Pool, :workers, [@pool])
+    %{b: b, w: w}
   end
 
   setup %{b: b} do
