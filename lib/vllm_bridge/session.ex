@@ -91,8 +91,7 @@ defmodule VllmBridge.Session do
     with :ok <- check_keys(opts),
          {:ok, pool} <- pool_name(opts),
          {:ok, pinned} <- node_opt(opts),
-         :local <- where(pool, pinned, opts),
-         {:ok, meta} <- VllmBridge.Pool.meta(pool),
+         {:local, meta} <- where(pool, pinned, opts),
          {:ok, index} <- pick(meta, Keyword.get(opts, :worker)),
          {:ok, instance} <- instance(pool, index),
          {:ok, id} <- new_id(Keyword.get(opts, :id)),
@@ -120,7 +119,11 @@ defmodule VllmBridge.Session do
 
   defp node_opt(opts) do
     case Keyword.get(opts, :node) do
-      n when n == nil or (is_atom(n) and n not in [true, false]) ->
+      # The common case costs nothing more than before nodes existed.
+      nil ->
+        {:ok, nil}
+
+      n when is_atom(n) and n not in [true, false] ->
         with {:ok, rt} <- Runtime.resolve(node: n), do: {:ok, rt.node}
 
       other ->
@@ -132,8 +135,8 @@ defmodule VllmBridge.Session do
   # with the options that open it there.
   defp where(pool, pinned, opts) do
     case VllmBridge.Pool.meta(pool) do
-      {:ok, _meta} when pinned == nil or pinned == node() ->
-        :local
+      {:ok, meta} when pinned == nil or pinned == node() ->
+        {:local, meta}
 
       _elsewhere ->
         case VllmBridge.Remote.pool_route(%Runtime{pool_name: pool, node: pinned}) do

@@ -168,14 +168,11 @@ defmodule VllmBridge.Call.Route do
   # A session of another node runs there; `node:` may only name the session's node.
   defp session_node(%Runtime{node: pinned}, %Session{} = s) do
     n = Session.node_of(s)
-    what = "session #{inspect(s.id)}"
 
     cond do
-      n != node() ->
-        with :ok <- Remote.same_node(pinned, n, what), do: remote_session(s, n)
-
-      true ->
-        with :ok <- Remote.same_node(pinned, n, what), do: :local
+      pinned != nil and pinned != n -> Remote.same_node(pinned, n, "session #{inspect(s.id)}")
+      n == node() -> :local
+      true -> remote_session(s, n)
     end
   end
 

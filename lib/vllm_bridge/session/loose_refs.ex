@@ -64,9 +64,15 @@ defmodule VllmBridge.Session.LooseRefs do
   @spec forget([Ref.t()]) :: :ok
   def forget([]), do: :ok
 
-  def forget(refs) do
-    for {node, refs} <- Enum.group_by(refs, &Ref.node_of/1) do
+  def forget([first | _] = refs) do
+    node = Ref.node_of(first)
+
+    # Grouped by node only when they are of several (release/2 gives one group).
+    if Enum.all?(refs, &(Ref.node_of(&1) == node)) do
       GenServer.cast({__MODULE__, node}, {:forget, refs})
+    else
+      for {node, refs} <- Enum.group_by(refs, &Ref.node_of/1),
+          do: GenServer.cast({__MODULE__, node}, {:forget, refs})
     end
 
     :ok
