@@ -50,7 +50,7 @@ defmodule VllmBridge.Session do
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Session.Manager
+  alias VllmBridge.Session.{Manager, Remote}
 
   @enforce_keys [:id, :pool, :worker, :instance, :owner]
   defstruct [:id, :pool, :worker, :instance, :owner, node: nil]
@@ -66,10 +66,6 @@ defmodule VllmBridge.Session do
         }
 
   @open_keys [:pool_name, :worker, :owner, :id, :node]
-
-  # How long opening or closing a session on another node may wait for that node, at
-  # least (a close waits its own timeout, and this more).
-  @remote_ms 5_000
 
   # The process-dictionary key of the current session (current/0, with_current/2).
   @current {__MODULE__, :current}
@@ -91,7 +87,7 @@ defmodule VllmBridge.Session do
     with :ok <- check_keys(opts),
          {:ok, pool} <- pool_name(opts),
          {:ok, pinned} <- node_opt(opts),
-         {:local, meta} <- where(pool, pinned, opts),
+         {:local, meta} <- Remote.where(pool, pinned, opts),
          {:ok, index} <- pick(meta, Keyword.get(opts, :worker)),
          {:ok, instance} <- instance(pool, index),
          {:ok, id} <- new_id(Keyword.get(opts, :id)),
@@ -107,8 +103,13 @@ defmodule VllmBridge.Session do
 
       Manager.register(session)
     else
-      {:remote, node, opts} -> open_on(node, opts)
-      {:error, e} -> {:error, e}
+      # The id is chosen here, so that an open that times out can be undone there.
+      {:remote, node, opts} ->
+        with {:ok, id} <- new_id(Keyword.get(opts, :id)),
+             do: Remote.open_on(node, Keyword.put(opts, :id, id))
+
+      {:error, e} ->
+        {:error, e}
     end
   end
 
@@ -131,102 +132,6 @@ defmodule VllmBridge.Session do
     end
   end
 
-  # This node's pool, or the node to open the session on (as a request would pick it),
-  # with the options that open it there.
-  defp where(pool, pinned, opts) do
-    case VllmBridge.Pool.meta(pool) do
-      {:ok, meta} when pinned == nil or pinned == node() ->
-        {:local, meta}
-
-      _elsewhere ->
-        case VllmBridge.Remote.pool_route(%Runtime{pool_name: pool, node: pinned}) do
-          {:remote, n} ->
-            opts = opts |> Keyword.put(:node, n) |> Keyword.put_new(:owner, self())
-            {:remote, n, Keyword.put_new(opts, :pool_name, pool)}
-
-          {:error, e} ->
-            {:error, e}
-        end
-    end
-  end
-
-  # Opened on `node` (its manager watches the owner from there), and known here too, so
-  # that requests naming it by id are routed there and the owner's exit forgets it here.
-  defp open_on(node, opts) do
-    # The id is chosen here, so that an open that times out can be undone there.
-    {:ok, id} = if opts[:id], do: {:ok, opts[:id]}, else: new_id(nil)
-    opts = Keyword.put(opts, :id, id)
-
-    with {:ok, %__MODULE__{} = s} <- open_there(node, opts, id) do
-      case Manager.register(s) do
-        {:ok, s} ->
-          {:ok, s}
-
-        {:error, e} ->
-          _ = remote(node, :close, [s.id, @remote_ms], @remote_ms * 2, "close")
-          {:error, e}
-      end
-    end
-  end
-
-  # An open with no answer in time may still open the session there: it is closed there
-  # once it is open (close_stray/2), rather than left to its owner's exit.
-  defp open_there(node, opts, id) do
-    case remote(node, :open, [opts], @remote_ms, "open") do
-      {:error, %Error{type: :timeout}} = error ->
-        :erpc.cast(node, __MODULE__, :close_stray, [id, @remote_ms * 2])
-        error
-
-      other ->
-        other
-    end
-  end
-
-  @doc false
-  # Closes session `id` of this node once it is open, waiting up to `within` ms for it
-  # (an open from another node that timed out there may still be on its way).
-  @spec close_stray(String.t(), non_neg_integer()) :: :ok
-  def close_stray(id, within) do
-    case lookup(id) do
-      {:ok, _} ->
-        _ = close(id)
-        :ok
-
-      {:error, _} when within > 0 ->
-        Process.sleep(100)
-        close_stray(id, within - 100)
-
-      {:error, _} ->
-        :ok
-    end
-  end
-
-  defp remote(node, fun, args, timeout, what) do
-    :erpc.call(node, __MODULE__, fun, args, timeout)
-  catch
-    :error, {:erpc, :noconnection} ->
-      {:error,
-       Error.new(
-         :worker_exit,
-         "session #{what} on node #{inspect(node)}: the node is not reachable",
-         details: %{noconnection: true}
-       )}
-
-    :error, {:erpc, :timeout} ->
-      {:error,
-       Error.new(:timeout, "session #{what} on node #{inspect(node)}: no answer in #{timeout} ms")}
-
-    # Not the node gone: a failure there (an undef from a node running another version
-    # of vllm_bridge, say), which a close must not take for done.
-    class, reason ->
-      {:error,
-       Error.new(
-         :protocol,
-         "session #{what} on node #{inspect(node)} failed there (are both nodes running " <>
-           "the same vllm_bridge?): #{inspect({class, reason}, limit: 8)}"
-       )}
-  end
-
   @doc """
   Closes a session (a struct or its id): forgets it, sends `close` to its worker (and to
   the other workers its `:hint` calls ran on) and waits up to `timeout` ms for them.
@@ -245,7 +150,7 @@ defmodule VllmBridge.Session do
       when n not in [nil, :nonode@nohost] and n != node() do
     case lookup(id) do
       {:ok, _} -> close(id, timeout)
-      {:error, _} -> close_on(n, id, timeout)
+      {:error, _} -> Remote.close_on(n, id, timeout)
     end
   end
 
@@ -255,7 +160,7 @@ defmodule VllmBridge.Session do
     case lookup(id) do
       {:ok, %__MODULE__{node: n}} when n != nil and n != node() ->
         # Lost with its node's connection: closed there already.
-        if Manager.lost_on(id), do: forget_lost(id), else: close_on(n, id, timeout)
+        if Manager.lost_on(id), do: Remote.forget_lost(id), else: Remote.close_on(n, id, timeout)
 
       _ ->
         close_here(id, timeout)
@@ -264,36 +169,6 @@ defmodule VllmBridge.Session do
 
   def close(other, _timeout),
     do: {:error, Error.new(:bad_argument, "not a session: #{inspect(other, limit: 5)}")}
-
-  defp forget_lost(id) do
-    _ = Manager.forget(id)
-    :ok
-  end
-
-  @doc false
-  # The error of a session of `node` (or a request naming it there) that was closed
-  # there when the connection between the two nodes dropped.
-  @spec lost_with_node(String.t(), node(), node()) :: Error.t()
-  def lost_with_node(id, node, other) do
-    Error.new(
-      :session_lost,
-      "session #{inspect(id)} lived on node #{inspect(node)}, whose connection with node " <>
-        "#{inspect(other)} dropped (a node went down, or a netsplit); it was closed there " <>
-        "and its state is gone"
-    )
-  end
-
-  # Forgotten here, closed there; a node that is gone took the session with it.
-  defp close_on(node, id, timeout) do
-    _ = Manager.forget(id)
-    budget = if timeout == :infinity, do: :infinity, else: timeout + @remote_ms
-
-    case remote(node, :close, [id, timeout], budget, "close") do
-      # Only a node that is gone took the session with it.
-      {:error, %Error{details: %{noconnection: true}}} -> :ok
-      other -> other
-    end
-  end
 
   defp close_here(id, timeout) do
     case Directory.started?() and Manager.forget(id) do

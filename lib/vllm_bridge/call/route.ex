@@ -54,7 +54,7 @@ defmodule VllmBridge.Call.Route do
          :ok <- named_session(rt, ref, n) do
       # Its session closed there when the connection to its node dropped.
       case ref.session && Session.Manager.lost_on(ref.session) do
-        ^n -> {:error, Session.lost_with_node(ref.session, n, node())}
+        ^n -> {:error, Session.Remote.lost_with_node(ref.session, n, node())}
         _ -> {:remote, n, :session_lost}
       end
     end
@@ -180,7 +180,7 @@ defmodule VllmBridge.Call.Route do
   defp remote_session(s, n) do
     case Session.Manager.lost_on(s.id) do
       nil -> {:remote, n, :session_lost}
-      ^n -> {:error, Session.lost_with_node(s.id, n, node())}
+      ^n -> {:error, Session.Remote.lost_with_node(s.id, n, node())}
     end
   end
 
