@@ -101,4 +101,21 @@ defmodule VllmBridge.Distribution.NodeDownTest do
     # Its Python worker saw its BEAM go (EOF) and exited.
     wait_until(fn -> not os_alive?(python) end, 30_000, "the worker's Python process exited")
   end
+
+  test "a request on a reference of a node that died is :session_lost naming it" do
+    {peer, c} = start_peer!(:dist_r)
+    on_exit(fn -> stop_peer(peer) end)
+    start_pool_on!(c, @pool, size: 1)
+    {:ok, ref} = VllmBridge.call({@diag, "opaque"}, [3], %{}, pool_name: @pool)
+    assert ref.node == c
+    assert {:ok, 3} = VllmBridge.get({ref, "value"})
+
+    System.cmd("kill", ["-9", "#{beam_os_pid(c)}"])
+    wait_until(fn -> c not in Node.list() end)
+
+    for result <- [VllmBridge.get({ref, "value"}), VllmBridge.release(ref)] do
+      assert {:error, %Error{type: :session_lost, message: m}} = result
+      assert m =~ "node #{inspect(c)}", m
+    end
+  end
 end

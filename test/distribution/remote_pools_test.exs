@@ -150,7 +150,10 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
 
       assert {:ok, 1} = VllmBridge.release(ref)
       wait_until(fn -> :erpc.call(b, LooseRefs, :count, [self()]) == 0 end)
-      assert {:error, %Error{}} = VllmBridge.get({ref, "value"})
+
+      assert {:error, %Error{type: :bad_argument, message: m}} = VllmBridge.get({ref, "value"})
+
+      assert m =~ "reference #{ref.id}" and m =~ "released or never existed", m
     end
 
     test "a reference is refused on another node, with both nodes named", %{b: b} do
@@ -232,7 +235,10 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
         |> Task.await(30_000)
 
       wait_until(fn -> :erpc.call(b, LooseRefs, :count, [pid]) == 0 end)
-      assert {:error, %Error{}} = VllmBridge.get({ref, "value"})
+
+      assert {:error, %Error{type: :bad_argument, message: m}} = VllmBridge.get({ref, "value"})
+
+      assert m =~ "reference #{ref.id}" and m =~ "released or never existed", m
     end
   end
 
@@ -397,6 +403,60 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       )
     end
 
+    test "halting while the proxy waits for a slow chunk cancels the generator there",
+         %{b: b} do
+      {:ok, _} = diag("exit_log", [true], pool_name: @remote)
+      name = "slow-#{System.unique_integer([:positive])}"
+      # A chunk every 3 s: the halt comes while the proxy waits for the second, so the
+      # watcher kills it a second later and the worker cancels the generator.
+      {:ok, s} = VllmBridge.stream({@diag, "count"}, [5, 3.0, name], %{}, pool_name: @remote)
+      assert Enum.take(s, 1) == [0]
+
+      wait_until(fn ->
+        {:ok, log} = diag("exit_log", [], pool_name: @remote)
+        Enum.any?(log, &(&1["name"] == name and &1["type"] in @cancelled))
+      end)
+
+      wait_until(fn -> remote_load(b, @remote) == 0 end)
+    end
+
+    # Fails today: a remote request spawns its proxy with :erlang.spawn_opt/5, which waits
+    # for the peer's spawn reply, so the caller blocks until the stopped node runs again
+    # (8 s here; up to net_ticktime if it never does) instead of answering :timeout at
+    # its deadline + 2 s. The fix is an asynchronous :erlang.spawn_request/5 (the
+    # monitor's id as the request's, abandon and kill on timeout): left for the next
+    # branch, see its report.
+    @tag skip: "known bug: a remote request's spawn waits for a stopped node (spawn_opt)"
+    test "a node that stops answering: :timeout after the deadline and the margin, then it serves again",
+         %{b: b} do
+      os_pid = beam_os_pid(b)
+      {_, 0} = System.cmd("kill", ["-STOP", "#{os_pid}"])
+      # Let go after 8 s whatever happens here (the call below must not wait for it).
+      {:ok, cont} =
+        Task.start(fn ->
+          Process.sleep(8_000)
+          System.cmd("kill", ["-CONT", "#{os_pid}"])
+        end)
+
+      t0 = System.monotonic_time(:millisecond)
+      result = diag("add", [1, 2], pool_name: @remote, timeout: 500)
+      waited = System.monotonic_time(:millisecond) - t0
+      # Answered while the peer was still stopped (8 s is far past 500 ms + 2 s).
+      assert Process.alive?(cont), "answered after #{waited} ms, once the peer ran again"
+      assert {"T", 0} = process_state(os_pid)
+      send(cont, :noop)
+      System.cmd("kill", ["-CONT", "#{os_pid}"])
+
+      assert {:error, %Error{type: :timeout, message: m}} = result
+      assert m =~ "on node #{inspect(b)}" and m =~ "no answer within its timeout", m
+      assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
+      # Whatever the peer sent after the timeout (its late answer, its runner's DOWN)
+      # did not reach this process: the alias and the monitor were dropped.
+      assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
+      Process.sleep(200)
+      assert {:messages, []} = Process.info(self(), :messages)
+    end
+
     test "a caller that is shut down cancels its remote call", %{b: b} do
       wait_until(fn -> remote_load(b, @remote) == 0 end, 30_000, "the peer's worker idle")
       task = Task.async(fn -> diag("sleep", [60.0], pool_name: @remote, timeout: 120_000) end)
@@ -411,5 +471,10 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       wait_until(fn -> remote_load(b, @remote) == 0 end)
       assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
     end
+  end
+
+  defp process_state(os_pid) do
+    {out, rc} = System.cmd("ps", ["-o", "state=", "-p", "#{os_pid}"])
+    {String.trim(out), rc}
   end
 end
