@@ -75,6 +75,13 @@ defmodule VllmBridge do
       drops no connection is seen only when distribution's tick gives up on it
       (`net_ticktime`, 60 s by default); until then a request waits at most its deadline
       plus those 2 s;
+    * a netsplit that heals (the connection drops, both nodes live on, and it is made
+      again): each node saw the other's processes go, so the sessions that processes of
+      one node opened on the other, and the references they held there outside a session,
+      were closed and released there. They stay lost: a request in such a session or on
+      such a reference answers `:session_lost` naming the node (also once connected
+      again), and `VllmBridge.Session.close/2` of such a session answers `:ok`. Open a new
+      session; the pools of that node are back in the routing as soon as it reconnects;
     * streams keep their flow control: the generator runs at most two windows ahead of
       the reader (one in its worker, one on the way), see `VllmBridge.Stream`;
     * `call_all/5`, `VllmBridge.Pool.names/0`, `workers/1` and `status/2` are about this

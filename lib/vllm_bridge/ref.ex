@@ -8,9 +8,11 @@ defmodule VllmBridge.Ref do
     * `id` - the reference's number, unique within that process
     * `session` - the owning session, `nil` for the worker's default session
     * `type` - the object's qualified Python class name (informational)
-    * `node` - the BEAM node whose worker holds the object: `nil` for one of this
-      node's workers; a reference that a call on another node brought back carries that
-      node. A request bound to it (`{ref, path}`, `exit/3`, `release/2`) runs on that
+    * `node` - the BEAM node whose worker holds the object, set when the reference is
+      decoded (on that node: `node()` there), so that it names its node wherever it goes
+      (a message, a GenServer reply, an `:erpc` result). `nil` (a struct built by hand)
+      and `:nonode@nohost` (decoded before this node was made distributed) are read as
+      this node. A request bound to it (`{ref, path}`, `exit/3`, `release/2`) runs on that
       node; one that pins another node (`node:`), or a call to another node that carries
       it as an argument, is refused with `:bad_argument` naming both nodes
   """
@@ -26,9 +28,9 @@ defmodule VllmBridge.Ref do
           node: node() | nil
         }
 
-  @doc "The node the reference's object lives on (`nil` read as this node)."
+  @doc "The node the reference's object lives on (`nil` and `:nonode@nohost` read as this node)."
   @spec node_of(t()) :: node()
-  def node_of(%__MODULE__{node: nil}), do: node()
+  def node_of(%__MODULE__{node: n}) when n in [nil, :nonode@nohost], do: node()
   def node_of(%__MODULE__{node: n}), do: n
 
   @doc """

@@ -32,8 +32,8 @@ defmodule VllmBridge.Remote do
   #     request in a session or on a reference) naming the node. The watcher's monitor of
   #     this process fires the same way on the other side, so the request is cancelled
   #     there too if that node lives on;
-  #   * references: results come back with `node` set on each `%VllmBridge.Ref{}` (the
-  #     proxy sets it), so requests on them are routed back; those made outside a session
+  #   * references: each `%VllmBridge.Ref{}` names the node it was decoded on (the
+  #     pool's: VllmBridge.Codec.Ext), so requests on them are routed back; those made outside a session
   #     belong to this process on the remote node (its LooseRefs monitors this process),
   #     so they are released when this process exits or this node goes.
 
@@ -248,33 +248,4 @@ defmodule VllmBridge.Remote do
         "(#{inspect(reason, limit: 8)}) before it answered"
     )
   end
-
-  @doc """
-  `term` with this node set on every `%VllmBridge.Ref{}` that has none (a result leaving
-  this node for another).
-  """
-  @spec stamp(term(), node()) :: term()
-  def stamp(%Ref{node: nil} = ref, node), do: %{ref | node: node}
-  def stamp(%Ref{} = ref, _node), do: ref
-  def stamp(%VllmBridge.Tensor{} = t, _node), do: t
-  def stamp(%VllmBridge.Bytes{} = b, _node), do: b
-  def stamp(%Error{} = e, _node), do: e
-
-  def stamp(%_{} = struct, node),
-    do: Map.merge(struct, struct |> Map.from_struct() |> stamp(node))
-
-  def stamp(list, node) when is_list(list), do: stamp_list(list, node)
-
-  def stamp(map, node) when is_map(map),
-    do: Map.new(map, fn {k, v} -> {stamp(k, node), stamp(v, node)} end)
-
-  def stamp(tuple, node) when is_tuple(tuple),
-    do: tuple |> Tuple.to_list() |> stamp(node) |> List.to_tuple()
-
-  def stamp(other, _node), do: other
-
-  # (Improper lists too: a value decoded from msgpack has none, but a term may.)
-  defp stamp_list([h | t], node), do: [stamp(h, node) | stamp_list(t, node)]
-  defp stamp_list([], _node), do: []
-  defp stamp_list(tail, node), do: stamp(tail, node)
 end

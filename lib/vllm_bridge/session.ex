@@ -50,7 +50,7 @@ defmodule VllmBridge.Session do
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Session.Manager
+  alias VllmBridge.Session.{Manager, Remote}
 
   @enforce_keys [:id, :pool, :worker, :instance, :owner]
   defstruct [:id, :pool, :worker, :instance, :owner, node: nil]
@@ -66,10 +66,6 @@ defmodule VllmBridge.Session do
         }
 
   @open_keys [:pool_name, :worker, :owner, :id, :node]
-
-  # How long opening or closing a session on another node may wait for that node, at
-  # least (a close waits its own timeout, and this more).
-  @remote_ms 5_000
 
   # The process-dictionary key of the current session (current/0, with_current/2).
   @current {__MODULE__, :current}
@@ -91,8 +87,7 @@ defmodule VllmBridge.Session do
     with :ok <- check_keys(opts),
          {:ok, pool} <- pool_name(opts),
          {:ok, pinned} <- node_opt(opts),
-         :local <- where(pool, pinned, opts),
-         {:ok, meta} <- VllmBridge.Pool.meta(pool),
+         {:local, meta} <- Remote.where(pool, pinned, opts),
          {:ok, index} <- pick(meta, Keyword.get(opts, :worker)),
          {:ok, instance} <- instance(pool, index),
          {:ok, id} <- new_id(Keyword.get(opts, :id)),
@@ -108,8 +103,13 @@ defmodule VllmBridge.Session do
 
       Manager.register(session)
     else
-      {:remote, node, opts} -> open_on(node, opts)
-      {:error, e} -> {:error, e}
+      # The id is chosen here, so that an open that times out can be undone there.
+      {:remote, node, opts} ->
+        with {:ok, id} <- new_id(Keyword.get(opts, :id)),
+             do: Remote.open_on(node, Keyword.put(opts, :id, id))
+
+      {:error, e} ->
+        {:error, e}
     end
   end
 
@@ -120,68 +120,16 @@ defmodule VllmBridge.Session do
 
   defp node_opt(opts) do
     case Keyword.get(opts, :node) do
-      n when n == nil or (is_atom(n) and n not in [true, false]) ->
+      # The common case costs nothing more than before nodes existed.
+      nil ->
+        {:ok, nil}
+
+      n when is_atom(n) and n not in [true, false] ->
         with {:ok, rt} <- Runtime.resolve(node: n), do: {:ok, rt.node}
 
       other ->
         Runtime.resolve(node: other)
     end
-  end
-
-  # This node's pool, or the node to open the session on (as a request would pick it),
-  # with the options that open it there.
-  defp where(pool, pinned, opts) do
-    case VllmBridge.Pool.meta(pool) do
-      {:ok, _meta} when pinned == nil or pinned == node() ->
-        :local
-
-      _elsewhere ->
-        case VllmBridge.Remote.pool_route(%Runtime{pool_name: pool, node: pinned}) do
-          {:remote, n} ->
-            opts = opts |> Keyword.put(:node, n) |> Keyword.put_new(:owner, self())
-            {:remote, n, Keyword.put_new(opts, :pool_name, pool)}
-
-          {:error, e} ->
-            {:error, e}
-        end
-    end
-  end
-
-  # Opened on `node` (its manager watches the owner from there), and known here too, so
-  # that requests naming it by id are routed there and the owner's exit forgets it here.
-  defp open_on(node, opts) do
-    with {:ok, %__MODULE__{} = s} <- remote(node, :open, [opts], @remote_ms, "open") do
-      case Manager.register(s) do
-        {:ok, s} ->
-          {:ok, s}
-
-        {:error, e} ->
-          _ = remote(node, :close, [s.id, @remote_ms], @remote_ms * 2, "close")
-          {:error, e}
-      end
-    end
-  end
-
-  defp remote(node, fun, args, timeout, what) do
-    :erpc.call(node, __MODULE__, fun, args, timeout)
-  catch
-    :error, {:erpc, :noconnection} ->
-      {:error,
-       Error.new(
-         :worker_exit,
-         "session #{what} on node #{inspect(node)}: the node is not reachable"
-       )}
-
-    :error, {:erpc, :timeout} ->
-      {:error,
-       Error.new(:timeout, "session #{what} on node #{inspect(node)}: no answer in #{timeout} ms")}
-
-    class, reason ->
-      {:error,
-       Error.new(
-         :worker_exit,
-         "session #{what} on node #{inspect(node)} failed: #{inspect({class, reason}, limit: 8)}"
-       )}
   end
 
   @doc """
@@ -196,28 +144,31 @@ defmodule VllmBridge.Session do
   """
   @spec close(t() | String.t(), timeout()) :: :ok | {:error, Error.t()}
   def close(session, timeout \\ 5_000)
+  # A session of another node that this node does not know (the struct came in a
+  # message, say) is closed on its node.
+  def close(%__MODULE__{id: id, node: n}, timeout)
+      when n not in [nil, :nonode@nohost] and n != node() do
+    case lookup(id) do
+      {:ok, _} -> close(id, timeout)
+      {:error, _} -> Remote.close_on(n, id, timeout)
+    end
+  end
+
   def close(%__MODULE__{id: id}, timeout), do: close(id, timeout)
 
   def close(id, timeout) when is_binary(id) do
     case lookup(id) do
-      {:ok, %__MODULE__{node: n}} when n != nil and n != node() -> close_on(n, id, timeout)
-      _ -> close_here(id, timeout)
+      {:ok, %__MODULE__{node: n}} when n != nil and n != node() ->
+        # Lost with its node's connection: closed there already.
+        if Manager.lost_on(id), do: Remote.forget_lost(id), else: Remote.close_on(n, id, timeout)
+
+      _ ->
+        close_here(id, timeout)
     end
   end
 
   def close(other, _timeout),
     do: {:error, Error.new(:bad_argument, "not a session: #{inspect(other, limit: 5)}")}
-
-  # Forgotten here, closed there; a node that is gone took the session with it.
-  defp close_on(node, id, timeout) do
-    _ = Manager.forget(id)
-    budget = if timeout == :infinity, do: :infinity, else: timeout + @remote_ms
-
-    case remote(node, :close, [id, timeout], budget, "close") do
-      {:error, %Error{type: :worker_exit}} -> :ok
-      other -> other
-    end
-  end
 
   defp close_here(id, timeout) do
     case Directory.started?() and Manager.forget(id) do

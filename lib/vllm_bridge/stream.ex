@@ -26,11 +26,12 @@ defmodule VllmBridge.Stream do
   process spawned there reads the stream as above and sends the chunks on, at most a
   window ahead of what the enumerating process has read (which gives room back the same
   way): the generator runs at most two windows ahead of the reader. The deadlines and
-  errors are the same; halting early cancels the generator there (between two chunks, or
-  at once by ending the process that reads it there when no chunk comes within a second)
-  and releases the references of the chunks that reached the reader unread (those still
-  on their way belong to the reader, on that node, or to their session); if that node
-  goes down, enumeration raises
+  errors are the same; halting early goes on at once, waiting on nothing of that node: it
+  cancels the generator there (between two chunks, or by ending the process that reads
+  it there when no chunk comes within a second) and the references of the chunks sent
+  past those the reader read are released there, in their session, as here (a node that
+  does not answer releases them when it answers again); if that node goes down,
+  enumeration raises
   `:worker_exit` (`:session_lost` in a session) naming it.
   """
 
@@ -80,6 +81,10 @@ defmodule VllmBridge.Stream do
     else
       {:remote, rt, node, lost} ->
         Remote.Stream.open(node, rt, {target, args, kwargs}, opts, lost)
+
+      # The route's error (resolve/4), or the checkout's.
+      {:error, _rt, %Error{} = e} ->
+        raise e
 
       {:error, %Error{} = e} ->
         raise e

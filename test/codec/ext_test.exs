@@ -112,6 +112,8 @@ defmodule VllmBridge.Codec.ExtTest do
             %Ref{instance: "0123456789abcdef", id: 1, session: nil, type: "builtins.object"},
             %Ref{instance: "0123456789abcdef", id: 99_999, session: "s", type: "x.Y"}
           ] do
+        # Decoded, a reference names this node (it is not on the wire).
+        r = %{r | node: node()}
         assert roundtrip(r) == {:ok, r}
         assert roundtrip({r, [r]}) == {:ok, {r, [r]}}
       end

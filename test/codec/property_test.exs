@@ -181,7 +181,9 @@ defmodule VllmBridge.Codec.PropertyTest do
           instance: hex(16),
           id: :rand.uniform(1000),
           session: Enum.random([nil, "s"]),
-          type: "m.T"
+          type: "m.T",
+          # Decoded, a reference names this node (not on the wire).
+          node: node()
         }
 
       10 ->

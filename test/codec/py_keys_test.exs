@@ -177,8 +177,8 @@ defmodule VllmBridge.Codec.PyKeysTest do
         {1, "a"} => :tuple,
         {2, :b} => :tuple2,
         <<0xFF>> => :bytes,
-        %Ref{instance: "i", id: 1, session: nil, type: "t"} => :ref1,
-        %Ref{instance: "i", id: 2, session: nil, type: "t"} => :ref2,
+        %Ref{instance: "i", id: 1, session: nil, type: "t", node: node()} => :ref1,
+        %Ref{instance: "i", id: 2, session: nil, type: "t", node: node()} => :ref2,
         Tensor.from_list([1], :int64) => :tensor,
         %BatchDescriptor{num_tokens: 8} => :bd8,
         %BatchDescriptor{num_tokens: 16} => :bd16

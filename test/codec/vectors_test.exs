@@ -99,7 +99,9 @@ defmodule VllmBridge.Codec.VectorsTest do
            instance: "00112233aabbccdd",
            id: 42,
            session: "s1",
-           type: "torch.nn.modules.linear.Linear"
+           type: "torch.nn.modules.linear.Linear",
+           # Decoded, a reference names this node (not on the wire).
+           node: node()
          }, :both},
       "msg_call" =>
         {["call", 7, "s1", 5000, ["m", "vllm_bridge.bridge.diag", "add"], [40, 2], %{}], :both},

@@ -14,10 +14,10 @@ defmodule VllmBridge.Distribution.NodeDownTest do
 
   alias VllmBridge.{Error, Pool, Session}
 
-  case VllmBridge.PeerHelpers.ensure_distributed() do
-    :ok -> :ok
-    {:error, why} -> @moduletag skip: "distributed Erlang cannot start here: #{inspect(why)}"
-  end
+  # Checked at compile time without starting anything; distribution starts in the
+  # first start_peer!/2.
+  if why = VllmBridge.PeerHelpers.unavailable(),
+    do: @moduletag(skip: "distributed Erlang cannot start here: #{why}")
 
   @diag "vllm_bridge.bridge.diag"
   @pool :dist_down
@@ -64,12 +64,21 @@ defmodule VllmBridge.Distribution.NodeDownTest do
     # All three are in the worker (running or queued behind the sleep).
     wait_until(fn -> load(c) == 3 end)
 
-    System.cmd("kill", ["-9", "#{beam_os_pid(c)}"])
+    os_pid = beam_os_pid(c)
+    t0 = System.monotonic_time(:millisecond)
+    System.cmd("kill", ["-9", "#{os_pid}"])
+    # The issue's bound: all three answer within a second of the node's going. As an
+    # order: a one-second sleep started at the kill is still running once they have.
+    second = Task.async(fn -> Process.sleep(1_000) end)
 
-    # Answered while every one of them had most of its timeout left.
     assert {:error, %Error{type: :worker_exit, message: m1}} = Task.await(call, 15_000)
     assert {:error, %Error{type: :session_lost, message: m2}} = Task.await(in_session, 15_000)
     assert %Error{type: :worker_exit, message: m3} = Task.await(streaming, 15_000)
+    answered_ms = System.monotonic_time(:millisecond) - t0
+    assert Task.yield(second, 0) == nil, "answered #{answered_ms} ms after the kill"
+
+    if System.get_env("VB_SHOW_NODE_DOWN_MS"),
+      do: IO.puts("node down answered in #{answered_ms} ms")
 
     for m <- [m1, m2, m3] do
       assert m =~ "node #{inspect(c)}" and m =~ "noconnection", m
@@ -91,5 +100,22 @@ defmodule VllmBridge.Distribution.NodeDownTest do
 
     # Its Python worker saw its BEAM go (EOF) and exited.
     wait_until(fn -> not os_alive?(python) end, 30_000, "the worker's Python process exited")
+  end
+
+  test "a request on a reference of a node that died is :session_lost naming it" do
+    {peer, c} = start_peer!(:dist_r)
+    on_exit(fn -> stop_peer(peer) end)
+    start_pool_on!(c, @pool, size: 1)
+    {:ok, ref} = VllmBridge.call({@diag, "opaque"}, [3], %{}, pool_name: @pool)
+    assert ref.node == c
+    assert {:ok, 3} = VllmBridge.get({ref, "value"})
+
+    System.cmd("kill", ["-9", "#{beam_os_pid(c)}"])
+    wait_until(fn -> c not in Node.list() end)
+
+    for result <- [VllmBridge.get({ref, "value"}), VllmBridge.release(ref)] do
+      assert {:error, %Error{type: :session_lost, message: m}} = result
+      assert m =~ "node #{inspect(c)}", m
+    end
   end
 end

@@ -16,10 +16,10 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
   alias VllmBridge.{Error, Pool, Ref, Session}
   alias VllmBridge.Session.LooseRefs
 
-  case VllmBridge.PeerHelpers.ensure_distributed() do
-    :ok -> :ok
-    {:error, why} -> @moduletag skip: "distributed Erlang cannot start here: #{inspect(why)}"
-  end
+  # Checked at compile time without starting anything; distribution starts in the
+  # first start_peer!/2.
+  if why = VllmBridge.PeerHelpers.unavailable(),
+    do: @moduletag(skip: "distributed Erlang cannot start here: #{why}")
 
   @diag "vllm_bridge.bridge.diag"
   # Only on the peer.
@@ -150,13 +150,16 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
 
       assert {:ok, 1} = VllmBridge.release(ref)
       wait_until(fn -> :erpc.call(b, LooseRefs, :count, [self()]) == 0 end)
-      assert {:error, %Error{}} = VllmBridge.get({ref, "value"})
+
+      assert {:error, %Error{type: :bad_argument, message: m}} = VllmBridge.get({ref, "value"})
+
+      assert m =~ "reference #{ref.id}" and m =~ "released or never existed", m
     end
 
     test "a reference is refused on another node, with both nodes named", %{b: b} do
       {:ok, remote_ref} = diag("opaque", [1], pool_name: @remote)
       {:ok, local_ref} = diag("opaque", [1], pool_name: @both, node: node())
-      assert local_ref.node == nil
+      assert local_ref.node == node()
 
       assert {:error, %Error{type: :bad_argument, message: m}} =
                VllmBridge.get({remote_ref, "value"}, node: node())
@@ -175,6 +178,54 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
                diag("echo", [remote_ref], pool_name: @both, node: node())
     end
 
+    test "a session named for a request on a reference must be open and on its node",
+         %{b: b} do
+      {:ok, remote_ref} = diag("opaque", [1], pool_name: @remote)
+      {:ok, local_ref} = diag("opaque", [1], pool_name: @both, node: node())
+      {:ok, here} = Session.open(pool_name: @both, node: node())
+      {:ok, there} = Session.open(pool_name: @remote)
+
+      for {ref, s, ref_node, s_node} <- [
+            {remote_ref, here, b, node()},
+            {local_ref, there, node(), b}
+          ] do
+        assert {:error, %Error{type: :bad_argument, message: m}} =
+                 VllmBridge.get({ref, "value"}, session_id: s.id)
+
+        assert m =~ "session #{inspect(s.id)} lives on node #{inspect(s_node)}" and
+                 m =~ "on node #{inspect(ref_node)}",
+               m
+      end
+
+      # A session id nobody opened is refused here, on either node, before a worker
+      # could make a session of it.
+      for ref <- [remote_ref, local_ref] do
+        assert {:error, %Error{type: :bad_argument, message: m}} =
+                 VllmBridge.get({ref, "value"}, session_id: "never-opened")
+
+        assert m =~ ~s(unknown session_id "never-opened"), m
+      end
+
+      assert {:ok, 1} = VllmBridge.get({remote_ref, "value"})
+      :ok = Session.close(here)
+      :ok = Session.close(there)
+    end
+
+    test "a reference that leaves its node other than through a request names it", %{b: b} do
+      # Brought back by :erpc (not by the proxy): decoded on the peer, it names the peer.
+      # (In a session this process owns: the :erpc process's own references go with it.)
+      {:ok, s} = Session.open(pool_name: @remote)
+
+      {:ok, ref} =
+        :erpc.call(b, VllmBridge, :call, [{@diag, "opaque"}, [4], %{}, [session_id: s.id]])
+
+      assert ref.node == b
+      # So it is routed there, not to this node's worker of the same pool name.
+      assert {:ok, 4} = VllmBridge.get({ref, "value"}, pool_name: @both)
+      assert {:ok, 4} = :erpc.call(b, VllmBridge, :get, [{ref, "value"}])
+      :ok = Session.close(s)
+    end
+
     test "references made for a process that exits are released on the peer", %{b: b} do
       {pid, ref} =
         Task.async(fn ->
@@ -184,7 +235,10 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
         |> Task.await(30_000)
 
       wait_until(fn -> :erpc.call(b, LooseRefs, :count, [pid]) == 0 end)
-      assert {:error, %Error{}} = VllmBridge.get({ref, "value"})
+
+      assert {:error, %Error{type: :bad_argument, message: m}} = VllmBridge.get({ref, "value"})
+
+      assert m =~ "reference #{ref.id}" and m =~ "released or never existed", m
     end
   end
 
@@ -211,6 +265,28 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
                diag("get_var", [], session_id: s.id)
 
       assert m =~ "unknown session_id"
+    end
+
+    test "a session struct of another node that this node never registered is routed there",
+         %{b: b} do
+      # Opened on the peer by a call there (this node does not know it): as a struct
+      # received in a message would be.
+      {:ok, s} = :erpc.call(b, Session, :open, [[pool_name: @remote, owner: self()]])
+      assert s.node == b
+      assert {:error, _} = Session.lookup(s.id)
+
+      assert {:ok, _} = diag("set_var", ["by-struct"], session_id: s)
+      assert {:ok, "by-struct"} = diag("get_var", [], session_id: s)
+      # By id alone it is unknown here.
+      assert {:error, %Error{type: :bad_argument}} = diag("get_var", [], session_id: s.id)
+
+      assert :ok = Session.close(s)
+      assert {:error, _} = :erpc.call(b, Session, :lookup, [s.id])
+
+      assert {:error, %Error{type: :session_lost, message: m}} =
+               diag("get_var", [], session_id: s)
+
+      assert m =~ "is not open on node #{inspect(b)}", m
     end
 
     test "with_session on a remote pool, and the owner's exit closes it there", %{b: b} do
@@ -327,6 +403,60 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       )
     end
 
+    test "halting while the proxy waits for a slow chunk cancels the generator there",
+         %{b: b} do
+      {:ok, _} = diag("exit_log", [true], pool_name: @remote)
+      name = "slow-#{System.unique_integer([:positive])}"
+      # A chunk every 3 s: the halt comes while the proxy waits for the second, so the
+      # watcher kills it a second later and the worker cancels the generator.
+      {:ok, s} = VllmBridge.stream({@diag, "count"}, [5, 3.0, name], %{}, pool_name: @remote)
+      assert Enum.take(s, 1) == [0]
+
+      wait_until(fn ->
+        {:ok, log} = diag("exit_log", [], pool_name: @remote)
+        Enum.any?(log, &(&1["name"] == name and &1["type"] in @cancelled))
+      end)
+
+      wait_until(fn -> remote_load(b, @remote) == 0 end)
+    end
+
+    # Fails today: a remote request spawns its proxy with :erlang.spawn_opt/5, which waits
+    # for the peer's spawn reply, so the caller blocks until the stopped node runs again
+    # (8 s here; up to net_ticktime if it never does) instead of answering :timeout at
+    # its deadline + 2 s. The fix is an asynchronous :erlang.spawn_request/5 (the
+    # monitor's id as the request's, abandon and kill on timeout): left for the next
+    # branch, see its report.
+    @tag skip: "known bug: a remote request's spawn waits for a stopped node (spawn_opt)"
+    test "a node that stops answering: :timeout after the deadline and the margin, then it serves again",
+         %{b: b} do
+      os_pid = beam_os_pid(b)
+      {_, 0} = System.cmd("kill", ["-STOP", "#{os_pid}"])
+      # Let go after 8 s whatever happens here (the call below must not wait for it).
+      {:ok, cont} =
+        Task.start(fn ->
+          Process.sleep(8_000)
+          System.cmd("kill", ["-CONT", "#{os_pid}"])
+        end)
+
+      t0 = System.monotonic_time(:millisecond)
+      result = diag("add", [1, 2], pool_name: @remote, timeout: 500)
+      waited = System.monotonic_time(:millisecond) - t0
+      # Answered while the peer was still stopped (8 s is far past 500 ms + 2 s).
+      assert Process.alive?(cont), "answered after #{waited} ms, once the peer ran again"
+      assert {"T", 0} = process_state(os_pid)
+      send(cont, :noop)
+      System.cmd("kill", ["-CONT", "#{os_pid}"])
+
+      assert {:error, %Error{type: :timeout, message: m}} = result
+      assert m =~ "on node #{inspect(b)}" and m =~ "no answer within its timeout", m
+      assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
+      # Whatever the peer sent after the timeout (its late answer, its runner's DOWN)
+      # did not reach this process: the alias and the monitor were dropped.
+      assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
+      Process.sleep(200)
+      assert {:messages, []} = Process.info(self(), :messages)
+    end
+
     test "a caller that is shut down cancels its remote call", %{b: b} do
       wait_until(fn -> remote_load(b, @remote) == 0 end, 30_000, "the peer's worker idle")
       task = Task.async(fn -> diag("sleep", [60.0], pool_name: @remote, timeout: 120_000) end)
@@ -341,5 +471,10 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       wait_until(fn -> remote_load(b, @remote) == 0 end)
       assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
     end
+  end
+
+  defp process_state(os_pid) do
+    {out, rc} = System.cmd("ps", ["-o", "state=", "-p", "#{os_pid}"])
+    {String.trim(out), rc}
   end
 end

@@ -7,43 +7,81 @@ defmodule VllmBridge.PeerHelpers do
   # VLLM_BRIDGE_PYTHON when set, is inherited by the peer).
 
   @doc """
-  Makes this node distributed (`test@127.0.0.1`, long names) if it is not: starts epmd
-  first (`epmd -daemon` returns at once when one runs). `{:error, why}` when distribution
-  cannot start here.
+  Why distributed Erlang cannot run here (no `epmd` executable), or nil: for a test
+  module's `@moduletag skip:`, checked when it compiles, without starting anything.
   """
+  @spec unavailable() :: String.t() | nil
+  def unavailable do
+    if System.find_executable("epmd"), do: nil, else: "no epmd executable on PATH"
+  end
+
+  @doc """
+  Makes this node distributed (`vbtest…@127.0.0.1`, long names) if it is not, its
+  distribution listener bound to 127.0.0.1 only: starts epmd first, listening on
+  127.0.0.1 only (`ERL_EPMD_ADDRESS`; `epmd -daemon` returns at once when one runs, and
+  may return before a new one listens: the start is tried a few times). The node's
+  cookie is the default one (`~/.erlang.cookie`), which the peers read too.
+  """
+  @spec ensure_distributed() :: :ok | {:error, term()}
   def ensure_distributed do
     if Node.alive?() do
       :ok
     else
-      _ = System.cmd("epmd", ["-daemon"], stderr_to_stdout: true)
-      name = :"vbtest#{System.unique_integer([:positive])}@127.0.0.1"
+      _ =
+        System.cmd("epmd", ["-daemon"],
+          env: [{"ERL_EPMD_ADDRESS", "127.0.0.1"}],
+          stderr_to_stdout: true
+        )
 
-      case Node.start(name, :longnames) do
-        {:ok, _} -> :ok
-        # Another test file's compilation (they compile side by side) started it first.
-        {:error, _} = error -> if Node.alive?(), do: :ok, else: error
-      end
+      Application.put_env(:kernel, :inet_dist_use_interface, {127, 0, 0, 1})
+      start_node(:"vbtest#{System.unique_integer([:positive])}@127.0.0.1", 10)
     end
   rescue
     e -> {:error, Exception.message(e)}
   end
 
+  defp start_node(name, tries) do
+    case Node.start(name, :longnames) do
+      {:ok, _} ->
+        :ok
+
+      {:error, _} = error ->
+        cond do
+          Node.alive?() -> :ok
+          tries > 1 -> retry_start(name, tries - 1)
+          true -> error
+        end
+    end
+  end
+
   @doc """
   Starts a peer node named `name`@127.0.0.1 (not linked to the caller: a test may kill
-  it) with the :vllm_bridge application running: `{peer, node}`.
+  it) with the :vllm_bridge application running: `{peer, node}`. `connection:
+  :standard_io` controls it over its standard input and output (it then survives
+  `Node.disconnect/1`; `:peer.call/4` reaches it while disconnected).
   """
-  def start_peer!(name) do
+  @spec start_peer!(atom(), keyword()) :: {pid(), node()}
+  def start_peer!(name, opts \\ []) do
     :ok = ensure_distributed()
     paths = Enum.flat_map(:code.get_path(), &[~c"-pa", &1])
-    cookie = Atom.to_charlist(Node.get_cookie())
+
+    # With connection: :standard_io the peer is controlled over its standard input and
+    # output, so it outlives a dropped distribution connection (the default control
+    # connection is the distribution one: the peer halts when it drops).
+    control = if opts[:connection], do: %{connection: opts[:connection]}, else: %{}
 
     {:ok, peer, node} =
-      :peer.start(%{
-        name: :"#{name}#{System.unique_integer([:positive])}",
-        host: ~c"127.0.0.1",
-        longnames: true,
-        args: [~c"-setcookie", cookie | paths]
-      })
+      :peer.start(
+        Map.merge(control, %{
+          name: :"#{name}#{System.unique_integer([:positive])}",
+          host: ~c"127.0.0.1",
+          longnames: true,
+          args:
+            cookie_args() ++ [~c"-kernel", ~c"inet_dist_use_interface", ~c"{127,0,0,1}"] ++ paths
+        })
+      )
+
+    true = Node.connect(node)
 
     # What config/*.exs gave this node (the python interpreter, ...).
     for {k, v} <- Application.get_all_env(:vllm_bridge),
@@ -56,7 +94,29 @@ defmodule VllmBridge.PeerHelpers do
     {peer, node}
   end
 
+  defp retry_start(name, tries) do
+    Process.sleep(200)
+    start_node(name, tries)
+  end
+
+  # The peer reads ~/.erlang.cookie as this node did: no cookie on its command line
+  # (where `ps` shows it), unless this node was given another one (then it must be).
+  defp cookie_args do
+    file = Path.join(System.user_home!(), ".erlang.cookie")
+
+    case File.read(file) do
+      {:ok, c} when c != "" ->
+        if String.trim(c) == Atom.to_string(Node.get_cookie()),
+          do: [],
+          else: [~c"-setcookie", Atom.to_charlist(Node.get_cookie())]
+
+      _ ->
+        [~c"-setcookie", Atom.to_charlist(Node.get_cookie())]
+    end
+  end
+
   @doc "Stops a peer if it still runs."
+  @spec stop_peer(pid()) :: :ok
   def stop_peer(peer) do
     :peer.stop(peer)
   catch
@@ -64,17 +124,20 @@ defmodule VllmBridge.PeerHelpers do
   end
 
   @doc "Starts pool `name` on `node` (options as `VllmBridge.start_pool/2`)."
+  @spec start_pool_on!(node(), atom(), keyword()) :: :ok
   def start_pool_on!(node, name, opts) do
     {:ok, _} = :erpc.call(node, VllmBridge, :start_pool, [name, opts], 120_000)
     :ok
   end
 
   @doc "The OS pids of the workers of pool `name` on `node`."
+  @spec os_pids_on(node(), atom()) :: [pos_integer()]
   def os_pids_on(node, name) do
     {:ok, ws} = :erpc.call(node, VllmBridge.Pool, :workers, [name])
     for %{os_pid: p} <- ws, do: p
   end
 
   @doc "The OS pid of `node`'s BEAM."
+  @spec beam_os_pid(node()) :: pos_integer()
   def beam_os_pid(node), do: :erpc.call(node, :os, :getpid, []) |> List.to_integer()
 end

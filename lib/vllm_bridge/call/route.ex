@@ -48,10 +48,16 @@ defmodule VllmBridge.Call.Route do
   """
   @spec resolve(Runtime.t(), String.t(), Ref.t() | nil, term()) ::
           {:ok, t()} | {:remote, node(), :session_lost | :worker_exit} | {:error, Error.t()}
-  def resolve(%Runtime{node: pinned}, _kind, %Ref{node: n} = ref, _payload)
-      when n != nil and n != node() do
+  def resolve(%Runtime{node: pinned} = rt, _kind, %Ref{node: n} = ref, _payload)
+      when n not in [nil, :nonode@nohost] and n != node() do
     with :ok <- Remote.same_node(pinned, n, "reference #{ref.id} (#{ref.type})"),
-         do: {:remote, n, :session_lost}
+         :ok <- named_session(rt, ref, n) do
+      # Its session closed there when the connection to its node dropped.
+      case ref.session && Session.Manager.lost_on(ref.session) do
+        ^n -> {:error, Session.Remote.lost_with_node(ref.session, n, node())}
+        _ -> {:remote, n, :session_lost}
+      end
+    end
   end
 
   def resolve(%Runtime{node: pinned}, _kind, %Ref{} = ref, _payload)
@@ -62,7 +68,8 @@ defmodule VllmBridge.Call.Route do
     case Directory.instance(ref.instance) do
       {pool, index, _pid} ->
         with {:ok, meta} <- pool_meta(pool, lost_ref(ref)),
-             :ok <- session_open(ref) do
+             :ok <- session_open(ref),
+             :ok <- named_session(rt, ref, node()) do
           constraint =
             if rt.affinity == :strict_fail_fast, do: {:fail_fast, index}, else: {:only, index}
 
@@ -81,7 +88,7 @@ defmodule VllmBridge.Call.Route do
   end
 
   def resolve(%Runtime{session_id: id} = rt, kind, nil, payload) when is_binary(id) do
-    with {:ok, s} <- Session.lookup(id),
+    with {:ok, s} <- lookup_session(rt),
          :ok <- same_pool(rt, s),
          :local <- session_node(rt, s),
          {:ok, meta} <- pool_meta(s.pool, Session.lost(s)),
@@ -114,17 +121,66 @@ defmodule VllmBridge.Call.Route do
     end
   end
 
+  # A session named for a request on a reference (it runs in that session rather than
+  # the reference's) must be open, and on the reference's node `n`: the worker would
+  # otherwise make a session of that id, left there.
+  defp named_session(%Runtime{session_current?: true}, _ref, _n), do: :ok
+  defp named_session(%Runtime{session_id: nil}, _ref, _n), do: :ok
+  defp named_session(%Runtime{session_id: id}, %Ref{session: id}, _n), do: :ok
+
+  defp named_session(%Runtime{session_id: id}, ref, n) do
+    with {:ok, s} <- Session.lookup(id) do
+      case Session.node_of(s) do
+        ^n ->
+          :ok
+
+        other ->
+          {:error,
+           Error.new(
+             :bad_argument,
+             "session #{inspect(id)} lives on node #{inspect(other)}, but reference " <>
+               "#{ref.id} (#{ref.type}) on node #{inspect(n)}: a request on a reference " <>
+               "runs on its node, in a session of that node"
+           )}
+      end
+    end
+  end
+
+  # A session this node does not know, given as a struct of another node, is routed
+  # there (which answers :session_lost if it does not know it either).
+  defp lookup_session(%Runtime{session_id: id, session_node: n, node: pinned}) do
+    case Session.lookup(id) do
+      {:error, _} = error when n in [nil, :nonode@nohost] ->
+        error
+
+      {:error, _} = error when n == node() ->
+        error
+
+      {:error, _} ->
+        with :ok <- Remote.same_node(pinned, n, "session #{inspect(id)}"),
+             do: {:remote, n, :session_lost}
+
+      found ->
+        found
+    end
+  end
+
   # A session of another node runs there; `node:` may only name the session's node.
   defp session_node(%Runtime{node: pinned}, %Session{} = s) do
     n = Session.node_of(s)
-    what = "session #{inspect(s.id)}"
 
     cond do
-      n != node() ->
-        with :ok <- Remote.same_node(pinned, n, what), do: {:remote, n, :session_lost}
+      pinned != nil and pinned != n -> Remote.same_node(pinned, n, "session #{inspect(s.id)}")
+      n == node() -> :local
+      true -> remote_session(s, n)
+    end
+  end
 
-      true ->
-        with :ok <- Remote.same_node(pinned, n, what), do: :local
+  # Closed there when the connection to its node dropped, even if it came back.
+  defp remote_session(s, n) do
+    case Session.Manager.lost_on(s.id) do
+      nil -> {:remote, n, :session_lost}
+      ^n -> {:error, Session.Remote.lost_with_node(s.id, n, node())}
     end
   end
 

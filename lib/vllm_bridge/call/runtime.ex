@@ -21,7 +21,8 @@ defmodule VllmBridge.Call.Runtime do
             pool_given?: false,
             session_current?: false,
             affinity: :strict_queue,
-            node: nil
+            node: nil,
+            session_node: nil
 
   @type ms :: VllmBridge.Runtime.ms()
 
@@ -36,7 +37,8 @@ defmodule VllmBridge.Call.Runtime do
           pool_given?: boolean(),
           session_current?: boolean(),
           affinity: :hint | :strict_queue | :strict_fail_fast,
-          node: node() | nil
+          node: node() | nil,
+          session_node: node() | nil
         }
 
   @type opts :: VllmBridge.Runtime.opts()
@@ -101,8 +103,9 @@ defmodule VllmBridge.Call.Runtime do
   defp quick_put(:session_id, nil, rt), do: {:ok, rt}
   defp quick_put(:session_id, id, rt) when is_binary(id), do: {:ok, %{rt | session_id: id}}
 
-  defp quick_put(:session_id, %{__struct__: VllmBridge.Session, id: id}, rt) when is_binary(id),
-    do: {:ok, %{rt | session_id: id}}
+  defp quick_put(:session_id, %{__struct__: VllmBridge.Session, id: id} = s, rt)
+       when is_binary(id),
+       do: {:ok, %{rt | session_id: id, session_node: s.node}}
 
   defp quick_put(key, ms, rt)
        when key in [:timeout, :stream_timeout] and
@@ -164,8 +167,8 @@ defmodule VllmBridge.Call.Runtime do
          {:ok, {p_timeout, p_stream}} <- profile(profile),
          {:ok, timeout} <- timeout(:timeout, opts, defaults, p_timeout),
          {:ok, stream_timeout} <- timeout(:stream_timeout, opts, defaults, p_stream),
-         {:ok, session_id} <- pick(:session_id, opts, defaults, nil),
-         {:ok, session_id} <- session_id(session_id),
+         {:ok, session} <- pick(:session_id, opts, defaults, nil),
+         {:ok, session_id} <- session_id(session),
          {:ok, pool} <- pick(:pool_name, opts, defaults, :default),
          {:ok, affinity} <- pick(:affinity, opts, defaults, :strict_queue),
          :ok <- affinity(affinity),
@@ -177,6 +180,9 @@ defmodule VllmBridge.Call.Runtime do
          stream_timeout: stream_timeout,
          profile: profile,
          session_id: session_id,
+         # A session struct names its node: one this node does not know (it came in a
+         # message, say) is routed there (VllmBridge.Call.Route).
+         session_node: session_node(session),
          pool_name: pool,
          pool_given?: Keyword.has_key?(opts, :pool_name),
          affinity: affinity,
@@ -229,6 +235,9 @@ defmodule VllmBridge.Call.Runtime do
   defp session_id(other),
     do:
       bad("session_id must be a string or a VllmBridge.Session, got #{inspect(other, limit: 5)}")
+
+  defp session_node(%{__struct__: VllmBridge.Session, node: n}), do: n
+  defp session_node(_id), do: nil
 
   defp affinity(a) when a in @affinities, do: :ok
 

@@ -115,7 +115,7 @@ defmodule VllmBridge.Codec.Ext do
     case Decoder.decode_exact(payload, __MODULE__, depth) do
       [i, id, s, type]
       when is_binary(i) and is_integer(id) and (is_binary(s) or is_nil(s)) and is_binary(type) ->
-        %Ref{instance: i, id: id, session: s, type: type}
+        %Ref{instance: i, id: id, session: s, type: type, node: node()}
 
       other ->
         Decoder.fail!(

@@ -14,16 +14,20 @@ defmodule VllmBridge.Remote.Stream do
   #     enumeration began) and the same `timeout` per chunk, and raises there what a
   #     local stream raises here; this process waits `VllmBridge.Remote.settle_margin/0`
   #     more before it gives up on the node itself, kills the proxy and raises :timeout;
-  #   * halting early: this process sends `:halt` and goes on at once; the proxy halts its
-  #     local stream between two chunks (which cancels the generator and releases the
-  #     references of the chunks it had not sent), or, when no chunk comes within a
-  #     second, kills the process that reads it (the worker cancels the generator); the
-  #     references of the chunks that had reached this process unread are released in
-  #     their worker (VllmBridge.release/2, routed to the node);
+  #   * halting early: this process sends `{:halt, read}` (the chunks it read) to the
+  #     proxy's watcher and goes on at once, waiting on nothing of the other node; the
+  #     proxy halts its local stream between two chunks (which cancels the generator and
+  #     releases the references of the chunks it had not sent), or, when no chunk comes
+  #     within a second, kills the process that reads it (the worker cancels the
+  #     generator); the watcher, which kept the references of the chunks sent past what
+  #     this process credited, releases those of the chunks past `read` there, in their
+  #     session (the chunks themselves, unread here, are dropped). So the contract is the
+  #     local one: the reader keeps exactly the references of the chunks it read;
   #   * the node going down: the proxy's DOWN (`:noconnection`) raises `:worker_exit`
   #     (`:session_lost` in a session) naming the node.
 
-  alias VllmBridge.{Error, Ref, Remote}
+  alias VllmBridge.{Error, Remote}
+  alias VllmBridge.Remote.Proxy
   alias VllmBridge.Call.Runtime
 
   @doc false
@@ -65,7 +69,7 @@ defmodule VllmBridge.Remote.Stream do
 
   @doc false
   @spec next(map()) :: {[term()], map()} | {:halt, map()}
-  def next(%{remote: %{reply: reply, mref: mref, pid: pid, node: node} = r} = st) do
+  def next(%{remote: %{reply: reply, mref: mref, node: node} = r} = st) do
     receive do
       {^reply, :chunk, value} ->
         {[value], credit(st)}
@@ -77,6 +81,8 @@ defmodule VllmBridge.Remote.Stream do
         {:halt, %{st | done: true}}
 
       {^reply, :error, %Error{} = e} ->
+        # The stream raised there after its last chunk: all were read.
+        if r.watcher, do: send(r.watcher, :done)
         ended(st)
         raise e
 
@@ -85,7 +91,8 @@ defmodule VllmBridge.Remote.Stream do
         raise Remote.down(node, reason, r.lost, "stream")
     after
       wait(st) ->
-        Process.exit(pid, :kill)
+        # Stopped at once there (not between two chunks: none is coming).
+        abandon(r, st.read, :now)
         ended(st)
 
         raise Error.new(
@@ -96,10 +103,12 @@ defmodule VllmBridge.Remote.Stream do
     end
   end
 
-  defp credit(%{read: read, remote: %{pid: pid}} = st) do
+  # Credit goes to the watcher (known: its pid is the proxy's first message), which keeps
+  # the references of the chunks not credited yet and passes the credit to the runner.
+  defp credit(%{read: read, remote: %{watcher: watcher}} = st) do
     read = read + 1
     half = div(VllmBridge.Stream.window(), 2)
-    if rem(read, half) == 0, do: send(pid, {:credit, half})
+    if rem(read, half) == 0, do: send(watcher, {:credit, half})
     %{st | read: read}
   end
 
@@ -119,51 +128,40 @@ defmodule VllmBridge.Remote.Stream do
 
   @doc false
   @spec stop(map()) :: :ok
-  def stop(%{done: true} = st), do: finish(st)
+  def stop(%{done: true, remote: r} = st) do
+    # Read to its end: the watcher has nothing left to release.
+    if r.watcher, do: send(r.watcher, :done)
+    finish(st)
+  end
 
   def stop(%{remote: %{mref: mref} = r} = st) do
     if Process.delete({__MODULE__, :ended, mref}), do: :ok, else: halt(r, st)
   end
 
-  # Halted before its end: the proxy halts its stream there (between two chunks, or by
-  # killing the process that reads it: either cancels the generator). Nothing here waits
-  # for that. The references of chunks that had reached this process unread are
-  # released; those of chunks still on their way belong to this process on that node
-  # (released when it exits) or to their session.
-  defp halt(%{reply: reply} = r, st) do
-    case watcher(r) do
-      nil -> :ok
-      watcher -> send(watcher, :halt)
-    end
-
-    refs = drain(reply, [])
+  # Halted before its end. Nothing here waits for the other node: the watcher there is
+  # told how many chunks this process read, halts the stream (between two chunks, or by
+  # killing the process that reads it: either cancels the generator) and releases, in
+  # their session, the references of the chunks sent past those (on their way, or unread
+  # here: dropped by finish/1).
+  defp halt(r, st) do
+    abandon(r, st.read, Proxy.halt_grace())
     finish(st)
-
-    if refs != [] do
-      # In their own session each (release/2 groups them), on their node.
-      _ = VllmBridge.release(refs, timeout: 60_000, session_id: nil)
-    end
-
     :ok
   end
 
-  # The proxy's watcher, which takes the :halt: its pid is the proxy's first message
-  # (nil when the proxy is gone before it came: nothing left to halt).
-  defp watcher(%{watcher: nil, reply: reply, mref: mref}) do
-    receive do
-      {^reply, :watcher, watcher} -> watcher
-      {:DOWN, ^mref, :process, _, _} -> nil
-    end
-  end
+  # The watcher's pid is the proxy's first message; while it has not come, no chunk has
+  # either, and killing the runner is the halt (its watcher then releases what it sent).
+  defp abandon(%{reply: reply, pid: pid} = r, read, grace) do
+    watcher =
+      r.watcher ||
+        receive do
+          {^reply, :watcher, watcher} -> watcher
+        after
+          0 -> nil
+        end
 
-  defp watcher(%{watcher: watcher}), do: watcher
-
-  defp drain(reply, refs) do
-    receive do
-      {^reply, :chunk, value} -> drain(reply, Ref.collect(value) ++ refs)
-    after
-      0 -> refs
-    end
+    if watcher, do: send(watcher, {:halt, read, grace}), else: Process.exit(pid, :kill)
+    :ok
   end
 
   defp finish(%{remote: %{mref: mref, reply: reply}}), do: Remote.done(mref, reply)

@@ -64,9 +64,15 @@ defmodule VllmBridge.Session.LooseRefs do
   @spec forget([Ref.t()]) :: :ok
   def forget([]), do: :ok
 
-  def forget(refs) do
-    for {node, refs} <- Enum.group_by(refs, &Ref.node_of/1) do
+  def forget([first | _] = refs) do
+    node = Ref.node_of(first)
+
+    # Grouped by node only when they are of several (release/2 gives one group).
+    if Enum.all?(refs, &(Ref.node_of(&1) == node)) do
       GenServer.cast({__MODULE__, node}, {:forget, refs})
+    else
+      for {node, refs} <- Enum.group_by(refs, &Ref.node_of/1),
+          do: GenServer.cast({__MODULE__, node}, {:forget, refs})
     end
 
     :ok
@@ -76,10 +82,35 @@ defmodule VllmBridge.Session.LooseRefs do
   @spec count(pid()) :: non_neg_integer()
   def count(owner), do: GenServer.call(__MODULE__, {:count, owner})
 
+  # References released because the connection to their owner's node dropped (that
+  # node may come back, and its process use them): {key, owner's node}, so that a
+  # request on one answers :session_lost naming the nodes rather than the worker's
+  # "released or never existed". At most @lost_cap are remembered (a few MB); past
+  # that, such a request gets the worker's answer.
+  @lost __MODULE__.Lost
+  @lost_cap 100_000
+
   # State: owners %{pid => {monitor, %{key => ref}}}, where %{key => pid} points back;
   # a key is {instance, id}.
   @impl true
-  def init(nil), do: {:ok, %{owners: %{}, where: %{}}}
+  def init(nil) do
+    :ets.new(@lost, [:named_table, :set, :protected, read_concurrency: true])
+    {:ok, %{owners: %{}, where: %{}}}
+  end
+
+  @doc """
+  The node of the owner whose connection dropped, for a reference released then
+  (see above); nil for any other.
+  """
+  @spec lost_with(Ref.t()) :: node() | nil
+  def lost_with(%Ref{} = ref) do
+    case :ets.lookup(@lost, key(ref)) do
+      [{_, node}] -> node
+      [] -> nil
+    end
+  rescue
+    ArgumentError -> nil
+  end
 
   @impl true
   def handle_cast({:track, owner, refs}, state) do
@@ -110,10 +141,14 @@ defmodule VllmBridge.Session.LooseRefs do
   end
 
   @impl true
-  def handle_info({:DOWN, _mon, :process, owner, _reason}, state) do
+  def handle_info({:DOWN, _mon, :process, owner, reason}, state) do
     case Map.pop(state.owners, owner) do
       {{_mon, held}, owners} ->
         refs = Map.values(held)
+
+        if reason == :noconnection and :ets.info(@lost, :size) < @lost_cap,
+          do: :ets.insert(@lost, for(k <- Map.keys(held), do: {k, node(owner)}))
+
         Task.start(fn -> release(refs) end)
         {:noreply, %{state | owners: owners, where: Map.drop(state.where, Map.keys(held))}}
 

@@ -3,6 +3,12 @@ defmodule VllmBridge.Session.Manager do
   # Keeps the table of open sessions (rows of `VllmBridge.Pool.Directory`) and watches
   # their owners: when an owner process dies, each of its sessions is forgotten and a
   # `close` is sent to every worker the session ran on, so its state there is released.
+  #
+  # It also watches the nodes of the sessions of other nodes known here: when the
+  # connection to one drops, that node's manager sees their owners (processes of this
+  # node) go and closes them there, even if the connection comes back. So they are
+  # marked lost here (a row `{{:lost, id}, node}`): their requests answer :session_lost
+  # naming the node (VllmBridge.Call.Route), and closing them only forgets them.
   use GenServer
 
   @spec child_spec(term()) :: Supervisor.child_spec()
@@ -25,7 +31,17 @@ defmodule VllmBridge.Session.Manager do
   def forget(id), do: GenServer.call(__MODULE__, {:forget, id})
 
   @impl true
-  def init(nil), do: {:ok, %{by_ref: %{}, by_id: %{}}}
+  def init(nil), do: {:ok, %{by_ref: %{}, by_id: %{}, nodes: %{}}}
+
+  @doc false
+  # The node a session of another node lived on, once the connection to it dropped.
+  @spec lost_on(String.t()) :: node() | nil
+  def lost_on(id) do
+    case :ets.lookup(Directory.table(), {:lost, id}) do
+      [{_, node}] -> node
+      [] -> nil
+    end
+  end
 
   @impl true
   def handle_call({:register, %Session{id: id} = s}, _from, state) do
@@ -35,6 +51,7 @@ defmodule VllmBridge.Session.Manager do
     else
       mref = Process.monitor(s.owner)
       :ets.insert(Directory.table(), {{:session, id}, s})
+      state = watch_node(state, s)
 
       {:reply, {:ok, s},
        %{state | by_ref: Map.put(state.by_ref, mref, id), by_id: Map.put(state.by_id, id, mref)}}
@@ -48,7 +65,8 @@ defmodule VllmBridge.Session.Manager do
 
       {mref, by_id} ->
         Process.demonitor(mref, [:flush])
-        targets = drop(id)
+        {session, targets} = drop(id)
+        state = unwatch_node(state, session)
         {:reply, {:ok, targets}, %{state | by_id: by_id, by_ref: Map.delete(state.by_ref, mref)}}
     end
   end
@@ -60,16 +78,56 @@ defmodule VllmBridge.Session.Manager do
         {:noreply, state}
 
       {id, by_ref} ->
-        for {pid, _index} <- drop(id), do: Request.cast(pid, Session.close_request(id), :infinity)
+        {session, targets} = drop(id)
+        for {pid, _index} <- targets, do: Request.cast(pid, Session.close_request(id), :infinity)
+        state = unwatch_node(state, session)
         {:noreply, %{state | by_ref: by_ref, by_id: Map.delete(state.by_id, id)}}
     end
   end
 
+  # Every session of that node is lost (one message per monitor: the later ones find
+  # none left).
+  def handle_info({:nodedown, node}, state) do
+    {ids, nodes} = Map.pop(state.nodes, node, MapSet.new())
+    for id <- ids, do: :ets.insert(Directory.table(), {{:lost, id}, node})
+    {:noreply, %{state | nodes: nodes}}
+  end
+
   def handle_info(_other, state), do: {:noreply, state}
 
-  # Removes the session's rows; returns the workers (still the same processes) it ran on.
+  # A session of another node: that node is monitored while a session of it is known.
+  defp watch_node(state, %Session{node: n, id: id}) when n != nil and n != node() do
+    true = :erlang.monitor_node(n, true)
+    %{state | nodes: Map.update(state.nodes, n, MapSet.new([id]), &MapSet.put(&1, id))}
+  end
+
+  defp watch_node(state, _s), do: state
+
+  defp unwatch_node(state, %Session{node: n, id: id}) when n != nil and n != node() do
+    case state.nodes do
+      %{^n => ids} ->
+        :erlang.monitor_node(n, false)
+        ids = MapSet.delete(ids, id)
+
+        nodes =
+          if MapSet.size(ids) == 0,
+            do: Map.delete(state.nodes, n),
+            else: Map.put(state.nodes, n, ids)
+
+        %{state | nodes: nodes}
+
+      _ ->
+        state
+    end
+  end
+
+  defp unwatch_node(state, _s), do: state
+
+  # Removes the session's rows; returns it (nil if its row was gone) and the workers
+  # (still the same processes) it ran on.
   defp drop(id) do
     table = Directory.table()
+    :ets.delete(table, {:lost, id})
 
     session =
       case :ets.take(table, {:session, id}) do
@@ -82,10 +140,13 @@ defmodule VllmBridge.Session.Manager do
 
     homes = if session, do: [{session.worker, session.instance}], else: []
 
-    for {index, instance} <- homes ++ for({{:touch, _, i}, inst} <- touched, do: {i, inst}),
-        pool = session && session.pool,
-        {pid, ^instance} <- [Directory.worker(pool, index)],
-        uniq: true,
-        do: {pid, index}
+    targets =
+      for {index, instance} <- homes ++ for({{:touch, _, i}, inst} <- touched, do: {i, inst}),
+          pool = session && session.pool,
+          {pid, ^instance} <- [Directory.worker(pool, index)],
+          uniq: true,
+          do: {pid, index}
+
+    {session, targets}
   end
 end
