@@ -165,22 +165,74 @@ defmodule VllmBridge.Remote do
       # (VllmBridge.Call.Route.has_ref?/1); the arguments themselves are in `parts`.
       opts = if payload, do: Keyword.put(opts, :payload, Ref.collect(payload)), else: opts
       job = {:run, %{rt | deadline: nil}, Runtime.remaining(rt.deadline), kind, parts, opts}
-      {pid, mref, reply} = spawn_proxy(node, job)
-      await(pid, mref, reply, node, rt, kind, lost)
+
+      case spawn_proxy(node, job, rt.deadline) do
+        {:ok, {pid, mref, reply}} -> await(pid, mref, reply, node, rt, kind, lost)
+        {:error, reason} -> {:error, spawn_failed(node, reason, rt, kind, lost)}
+      end
     end
   end
 
   @doc """
-  Spawns the proxy of `job` on `node`, monitored: `{proxy, monitor, reply}`, where
+  Spawns the proxy of `job` on `node`, monitored: `{:ok, {proxy, monitor, reply}}`, where
   `reply` is the alias its answers come on (deactivated by `done/2`, so that answers
-  after this process gave up are dropped by the runtime).
+  after this process gave up are dropped by the runtime); `{:error, reason}` when the
+  node could not spawn it, or `{:error, :timeout}` when it did not say so before
+  `deadline` and the margin.
+
+  The spawn is asynchronous (`:erlang.spawn_request/5`): `:erlang.spawn_opt/5` on another
+  node waits for that node's reply with no limit, so a node that is up but does not
+  answer (a stopped VM, a partition that closed no connection) held the caller past its
+  deadline. A request abandoned at its deadline may still start there later, once the
+  node runs again: it then runs under the milliseconds it was given, and its answer goes
+  to an alias that is gone.
   """
-  @spec spawn_proxy(node(), tuple()) :: {pid(), reference(), reference()}
-  def spawn_proxy(node, job) do
+  @spec spawn_proxy(node(), tuple(), integer() | :infinity) ::
+          {:ok, {pid(), reference(), reference()}} | {:error, term()}
+  def spawn_proxy(node, job, deadline) do
     reply = :erlang.alias([:explicit_unalias])
-    {pid, mref} = :erlang.spawn_opt(node, Proxy, :start, [self(), reply, job], [:monitor])
-    {pid, mref, reply}
+    # With :monitor the request's id is also the monitor's: the DOWN carries it.
+    req = :erlang.spawn_request(node, Proxy, :start, [self(), reply, job], [:monitor])
+
+    receive do
+      {:spawn_reply, ^req, :ok, pid} ->
+        {:ok, {pid, req, reply}}
+
+      {:spawn_reply, ^req, :error, reason} ->
+        :erlang.unalias(reply)
+        {:error, reason}
+    after
+      wait_ms(deadline) ->
+        if :erlang.spawn_request_abandon(req) do
+          :erlang.unalias(reply)
+          {:error, :timeout}
+        else
+          # Its reply came between the timeout and the abandon: the proxy runs; stop it.
+          receive do
+            {:spawn_reply, ^req, :ok, pid} ->
+              Process.exit(pid, :kill)
+              done(req, reply)
+              {:error, :timeout}
+
+            {:spawn_reply, ^req, :error, reason} ->
+              :erlang.unalias(reply)
+              {:error, reason}
+          end
+        end
+    end
   end
+
+  @doc "The error of a request whose proxy could not be spawned on `node` (`reason`)."
+  @spec spawn_failed(node(), term(), Runtime.t(), String.t(), atom()) :: Error.t()
+  def spawn_failed(node, :timeout, rt, kind, _lost) do
+    Error.new(
+      :timeout,
+      "#{kind} on node #{inspect(node)}: the node did not start the request within its " <>
+        "timeout (#{rt.timeout} ms) and #{@settle_margin} ms more"
+    )
+  end
+
+  def spawn_failed(node, reason, _rt, kind, lost), do: down(node, reason, lost, "#{kind}")
 
   @doc "Stops listening to a proxy: its monitor and alias go, and what they brought."
   @spec done(reference(), reference()) :: :ok

@@ -51,7 +51,14 @@ defmodule VllmBridge.Remote.Stream do
           )
 
         {pid, mref, reply} =
-          Remote.spawn_proxy(node, {:stream, target, args, kwargs, opts, current})
+          case Remote.spawn_proxy(
+                 node,
+                 {:stream, target, args, kwargs, opts, current},
+                 rt.deadline
+               ) do
+            {:ok, proxy} -> proxy
+            {:error, reason} -> raise Remote.spawn_failed(node, reason, rt, "stream", lost)
+          end
 
         %{
           remote: %{node: node, pid: pid, mref: mref, reply: reply, lost: lost, watcher: nil},
