@@ -36,7 +36,7 @@ defmodule VllmBridge.Demo.Nodes do
         name: name,
         host: String.to_charlist(host),
         longnames: String.contains?(host, "."),
-        args: [~c"-setcookie", Atom.to_charlist(Node.get_cookie())]
+        args: cookie_args() ++ loopback_args(host)
       }
 
       case :peer.start(peer_opts) do
@@ -84,13 +84,19 @@ defmodule VllmBridge.Demo.Nodes do
       # epmd (port 4369) must run for a named node (Node.start/2 does not start it, as
       # `erl -name` does); -daemon is a no-op when it runs.
       case epmd() do
-        nil -> :ok
-        epmd -> System.cmd(epmd, ["-daemon"], stderr_to_stdout: true)
+        nil ->
+          :ok
+
+        epmd ->
+          System.cmd(epmd, ["-daemon"], env: [{"ERL_EPMD_ADDRESS", @host}], stderr_to_stdout: true)
       end
 
       name = :"vllm_demo_#{System.unique_integer([:positive])}@#{@host}"
+      # The listener on loopback only, as epmd above: nothing of the demo is reachable
+      # from another host.
+      Application.put_env(:kernel, :inet_dist_use_interface, {127, 0, 0, 1})
 
-      case Node.start(name, :longnames) do
+      case start_node(name, 10) do
         {:ok, _} ->
           {:ok, true}
 
@@ -103,6 +109,34 @@ defmodule VllmBridge.Demo.Nodes do
       end
     end
   end
+
+  # A new epmd may not listen yet when `epmd -daemon` returns: a few tries.
+  defp start_node(name, tries) do
+    case Node.start(name, :longnames) do
+      {:error, _} when tries > 1 ->
+        Process.sleep(200)
+        start_node(name, tries - 1)
+
+      other ->
+        other
+    end
+  end
+
+  # The cookie stays off the peer's command line (where `ps` shows it) when the peer
+  # reads the same one from ~/.erlang.cookie, as a node does by default.
+  defp cookie_args do
+    cookie = Atom.to_string(Node.get_cookie())
+
+    case File.read(Path.join(System.user_home!(), ".erlang.cookie")) do
+      {:ok, c} when c != "" -> if String.trim(c) == cookie, do: [], else: setcookie(cookie)
+      _ -> setcookie(cookie)
+    end
+  end
+
+  defp setcookie(cookie), do: [~c"-setcookie", String.to_charlist(cookie)]
+
+  defp loopback_args("127.0.0.1"), do: [~c"-kernel", ~c"inet_dist_use_interface", ~c"{127,0,0,1}"]
+  defp loopback_args(_host), do: []
 
   # On PATH, else in the running ERTS's bin folder (where OTP installs it).
   defp epmd do
