@@ -18,7 +18,7 @@ defmodule VllmBridge.Shm do
   # next transfer is a memcpy each way (bench/README.md, "Shared memory for large tensors").
   #
   # Lifetimes: an argument slot is lent to the calling process (monitored) while its
-  # call runs (`scope/1`). When the call ends, a slot the worker did not hand back (it
+  # call runs (`scope/2`, when the call's route is a pool of this node). When the call ends, a slot the worker did not hand back (it
   # never read it: the call was refused, timed out, or its worker died) is deleted, never
   # reused, so a late reader finds it gone rather than someone else's data; the same
   # when the caller dies. Free slots unused for @idle_ms are deleted. Result slots of a
@@ -35,6 +35,7 @@ defmodule VllmBridge.Shm do
   @sweep_ms 500
   @key {__MODULE__, :dir}
   @lent {__MODULE__, :lent}
+  @gate {__MODULE__, :gate}
 
   @typedoc "The node's slot directory, or :disabled."
   @type dir :: %{path: String.t(), uid: non_neg_integer(), min_bytes: pos_integer()}
@@ -63,30 +64,63 @@ defmodule VllmBridge.Shm do
   def own_env, do: ["VLLM_BRIDGE_SHM_DIR", "VLLM_BRIDGE_SHM_MIN_BYTES"]
 
   @doc """
-  Runs `fun` with argument slots allowed: a tensor of at least the threshold that is
-  encoded meanwhile in this process goes into a slot (ext 8). When `fun` returns (or
-  raises), every slot it lent is given back: kept for reuse when the worker handed it
-  back, deleted otherwise. Nested scopes share the outermost one.
+  Runs `fun` with argument slots allowed where `gate` allows them: a tensor of at least
+  the threshold that is encoded meanwhile in this process goes into a slot (ext 8) when
+  `gate.()` (asked once per scope, at its first such tensor) is true: the request goes to
+  a worker of this node that reads this directory (`VllmBridge.Call.Run.slots?/4`). When
+  `fun` returns (or raises), every slot it lent is given back: kept for reuse when the
+  worker handed it back, deleted otherwise. A nested scope has its own gate and shares
+  the outermost one's slots.
   """
-  @spec scope((() -> result)) :: result when result: term()
-  def scope(fun) do
+  @spec scope((() -> boolean()), (() -> result)) :: result when result: term()
+  def scope(gate, fun) do
     cond do
-      dir() == :disabled -> fun.()
-      Process.get(@lent) != nil -> fun.()
-      true -> scoped(fun)
+      dir() == :disabled ->
+        fun.()
+
+      Process.get(@lent) != nil ->
+        previous = Process.put(@gate, gate)
+
+        try do
+          fun.()
+        after
+          Process.put(@gate, previous)
+        end
+
+      true ->
+        scoped(gate, fun)
     end
   end
 
-  defp scoped(fun) do
+  defp scoped(gate, fun) do
     Process.put(@lent, [])
+    Process.put(@gate, gate)
 
     try do
       fun.()
     after
+      Process.delete(@gate)
+
       case Process.delete(@lent) do
         [] -> :ok
         names -> GenServer.cast(__MODULE__, {:done, self(), names})
       end
+    end
+  end
+
+  # The scope's gate, asked once (its answer kept for the rest of the scope).
+  defp allowed? do
+    case Process.get(@gate) do
+      answer when is_boolean(answer) ->
+        answer
+
+      gate when is_function(gate, 0) ->
+        answer = gate.() == true
+        Process.put(@gate, answer)
+        answer
+
+      _ ->
+        false
     end
   end
 
@@ -106,7 +140,7 @@ defmodule VllmBridge.Shm do
   end
 
   @doc """
-  Writes `data` into an argument slot when this process is inside `scope/1`, the node
+  Writes `data` into an argument slot when this process is inside `scope/2` and its gate allows it, the node
   has a directory, `data` is at least the threshold and a slot can be had: `{:ok,
   name}`; else `:pipe` (the caller sends the bytes inline).
   """
@@ -114,6 +148,7 @@ defmodule VllmBridge.Shm do
   def put(data) do
     with lent when is_list(lent) <- Process.get(@lent),
          %{path: path, min_bytes: min} when byte_size(data) >= min <- dir(),
+         true <- allowed?(),
          {:ok, name, new?} <- GenServer.call(__MODULE__, {:take, self(), byte_size(data)}) do
       Process.put(@lent, [name | lent])
 

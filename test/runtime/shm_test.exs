@@ -81,19 +81,35 @@ defmodule VllmBridge.Runtime.ShmTest do
     assert {:ok, ^small} = echo(small)
     assert slots(dir) == names
     # (What the caller sends: the small tensor inline, the large one as a slot's name.)
-    sent = fn t ->
-      Shm.scope(fn ->
-        {:ok, parts} = VllmBridge.Call.Wire.encode_invoke({@diag, "echo"}, [t], %{})
+    # The scope's gate (is the route a worker that reads this directory?) is asked once,
+    # at the first large tensor, never for small ones.
+    me = self()
+
+    sent = fn t, answer ->
+      gate = fn ->
+        send(me, :gate_asked)
+        answer
+      end
+
+      Shm.scope(gate, fn ->
+        {:ok, parts} = VllmBridge.Call.Wire.encode_invoke({@diag, "echo"}, [t, t], %{})
         IO.iodata_length(parts)
       end)
     end
 
-    assert sent.(small) > byte_size(small.data)
-    assert sent.(big) < 200
-    # Outside a scope (a stream, say), and with slots off, a large one goes inline too.
+    assert sent.(small, true) > 2 * byte_size(small.data)
+    refute_received :gate_asked
+    assert sent.(big, true) < 400
+    assert_received :gate_asked
+    refute_received :gate_asked
+    # A gate that says no (another node's pool, say), outside a scope (a stream), and with
+    # slots off: a large one goes inline.
+    assert sent.(big, false) > 2 * byte_size(big.data)
     assert {:ok, parts} = VllmBridge.Call.Wire.encode_invoke({@diag, "echo"}, [big], %{})
     assert IO.iodata_length(parts) > byte_size(big.data)
-    assert Shm.scope(fn -> Shm.without(fn -> sent.(big) end) end) > byte_size(big.data)
+
+    assert Shm.scope(fn -> true end, fn -> Shm.without(fn -> sent.(big, true) end) end) >
+             2 * byte_size(big.data)
 
     # Nested in containers, several at once, each its own slot.
     assert {:ok, [^big, {^other, %{"x" => ^small}}]} =
