@@ -38,7 +38,12 @@ defmodule VllmBridge.Shm do
   @gate {__MODULE__, :gate}
 
   @typedoc "The node's slot directory, or :disabled."
-  @type dir :: %{path: String.t(), uid: non_neg_integer(), min_bytes: pos_integer()}
+  @type dir :: %{
+          path: String.t(),
+          ino: non_neg_integer(),
+          uid: non_neg_integer(),
+          min_bytes: pos_integer()
+        }
 
   @doc false
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts, name: __MODULE__)
@@ -62,6 +67,60 @@ defmodule VllmBridge.Shm do
   @doc "The environment variables `worker_env/0` sets (a pool's `worker_env` may not)."
   @spec own_env() :: [String.t()]
   def own_env, do: ["VLLM_BRIDGE_SHM_DIR", "VLLM_BRIDGE_SHM_MIN_BYTES"]
+
+  @doc """
+  Whether a worker's hello says it opened this node's slot directory: its `"shm"` names
+  the directory's path and inode. A worker started without the directory (a `python:`
+  wrapper that drops `VLLM_BRIDGE_SHM_DIR`, another uid, a directory that failed its
+  checks, a worker module of one's own) is sent no slot names.
+  """
+  @spec reads?(map()) :: boolean()
+  def reads?(hello) do
+    case {dir(), hello} do
+      {%{path: path, ino: ino}, %{"shm" => %{"path" => path, "ino" => ino}}} -> true
+      _ -> false
+    end
+  end
+
+  @doc """
+  The hello's slot directory when it is not this node's (`{:other, what}`), else `:ok`: a
+  worker that writes its results into another directory would send names this node
+  cannot read (its start fails, naming both).
+  """
+  @spec check_hello(map()) :: :ok | {:other, String.t()}
+  def check_hello(%{"shm" => %{} = theirs} = hello) do
+    cond do
+      reads?(hello) ->
+        :ok
+
+      dir() == :disabled ->
+        {:other, "#{inspect(theirs)}, but this node has none"}
+
+      true ->
+        {:other,
+         "#{inspect(theirs)}, but this node's is #{inspect(Map.take(dir(), [:path, :ino]))}"}
+    end
+  end
+
+  def check_hello(_hello), do: :ok
+
+  @doc """
+  Records whether the worker at `index` of the pool of `meta` reads the slot directory
+  (`reads?/1` of its hello; false while it starts).
+  """
+  @spec mark(VllmBridge.Pool.Meta.t(), non_neg_integer(), boolean()) :: :ok
+  def mark(%{shm: nil}, _index, _reads), do: :ok
+
+  def mark(%{shm: flags}, index, reads),
+    do: :atomics.put(flags, index + 1, if(reads, do: 1, else: 0))
+
+  @doc "Whether every worker of the pool of `meta` reads the slot directory (`mark/3`)."
+  @spec pool_reads?(VllmBridge.Pool.Meta.t()) :: boolean()
+  def pool_reads?(%{shm: nil}), do: false
+  def pool_reads?(%{shm: flags, size: size}), do: all_set?(flags, size)
+
+  defp all_set?(_flags, 0), do: true
+  defp all_set?(flags, i), do: :atomics.get(flags, i) == 1 and all_set?(flags, i - 1)
 
   @doc """
   Runs `fun` with argument slots allowed where `gate` allows them: a tensor of at least
@@ -203,14 +262,14 @@ defmodule VllmBridge.Shm do
         @default_min_bytes
 
     case make_dir(root) do
-      {:ok, path, uid} ->
+      {:ok, path, uid, ino} ->
         keeper =
           Port.open({:spawn_executable, "/bin/sh"}, [
             {:args, ["-c", ~S(cat >/dev/null; rm -rf -- "$0"), path]},
             :binary
           ])
 
-        :persistent_term.put(@key, %{path: path, uid: uid, min_bytes: min})
+        :persistent_term.put(@key, %{path: path, ino: ino, uid: uid, min_bytes: min})
         Process.send_after(self(), :sweep, @sweep_ms)
         {:ok, %{path: path, keeper: keeper, slots: %{}, owners: %{}, next: 0}}
 
@@ -222,9 +281,10 @@ defmodule VllmBridge.Shm do
   end
 
   @doc false
-  # Makes `<root>/vllm_bridge-<os pid>-<random>`, mode 0700: `{:ok, path, uid}` or
+  # Makes `<root>/vllm_bridge-<os pid>-<random>`, mode 0700: `{:ok, path, uid, inode}` or
   # `{:error, why}` (no root, not a writable directory).
-  @spec make_dir(term()) :: {:ok, String.t(), non_neg_integer()} | {:error, String.t()}
+  @spec make_dir(term()) ::
+          {:ok, String.t(), non_neg_integer(), non_neg_integer()} | {:error, String.t()}
   def make_dir(root) when root in [nil, false], do: {:error, "shm_dir is off"}
   # (As `-vllm_bridge shm_dir "..."` on erl's command line gives it.)
   def make_dir([c | _] = root) when is_integer(c), do: make_dir(List.to_string(root))
@@ -235,8 +295,8 @@ defmodule VllmBridge.Shm do
 
     with :ok <- :file.make_dir(path) |> why("cannot make #{path}"),
          :ok <- :file.change_mode(path, 0o700) |> why("cannot chmod #{path}"),
-         {:ok, %File.Stat{uid: uid}} <- File.lstat(path) |> why("cannot stat #{path}") do
-      {:ok, path, uid}
+         {:ok, %File.Stat{uid: uid, inode: ino}} <- File.lstat(path) |> why("cannot stat #{path}") do
+      {:ok, path, uid, ino}
     end
   end
 

@@ -249,6 +249,49 @@ defmodule VllmBridge.Runtime.ShmTest do
     end
   end
 
+  # A python: wrapper that runs the interpreter after `line` (a shell line).
+  defp wrapper(tmp, line) do
+    path = Path.join(tmp, "python-#{System.unique_integer([:positive])}.sh")
+    python = Application.fetch_env!(:vllm_bridge, :python)
+    File.write!(path, "#!/bin/sh\n#{line}\nexec #{python} \"$@\"\n")
+    File.chmod!(path, 0o755)
+    path
+  end
+
+  # A worker that did not open this node's directory says so in its hello: its pool is
+  # sent no slot names, and large tensors take the pipe without an error.
+  test "a pool whose python wrapper drops the variable gets large tensors through the pipe",
+       %{tmp: tmp} do
+    pool = :"rt_shm_wrapped_#{System.unique_integer([:positive])}"
+    start_pool!(pool, size: 2, python: wrapper(tmp, "unset VLLM_BRIDGE_SHM_DIR"))
+
+    try do
+      for seed <- 1..4 do
+        big = tensor(2, seed)
+
+        assert {:ok, [^big, ^big]} =
+                 VllmBridge.call({@diag, "echo"}, [[big, big]], %{}, pool_name: pool)
+      end
+    after
+      VllmBridge.stop_pool(pool)
+    end
+  end
+
+  # One that opened another directory would name result slots this node cannot read.
+  test "a worker that opened another slot directory is refused at its start, naming it",
+       %{tmp: tmp} do
+    other = Path.join(tmp, "other")
+    File.mkdir_p!(other)
+    File.chmod!(other, 0o700)
+    python = wrapper(tmp, ~s(export VLLM_BRIDGE_SHM_DIR="#{other}"))
+    pool = :"rt_shm_other_#{System.unique_integer([:positive])}"
+
+    assert {:error, %Error{type: :bad_argument, message: m}} =
+             VllmBridge.start_pool(pool, size: 1, python: python)
+
+    assert m =~ other and m =~ Shm.dir().path, m
+  end
+
   test "a root that cannot hold a directory gives none (tensors take the pipe)" do
     assert {:error, _} = Shm.make_dir("/proc")
     assert {:error, _} = Shm.make_dir("/etc/hostname")

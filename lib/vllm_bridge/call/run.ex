@@ -39,14 +39,15 @@ defmodule VllmBridge.Call.Run do
   @doc """
   Whether a request of `kind` (`bound` and `payload` as in `t:opts/0`) may carry its large
   tensors in argument slots (`VllmBridge.Shm.scope/2`'s gate): its route is a pool of this
-  node. The route is decided as `run/4` decides it: another node's pool, session or
-  reference (whose workers cannot read this node's files) or a route refused: false, and
-  the tensors take the pipe.
+  node whose every worker said in its hello that it reads this node's slot directory.
+  The route is decided as `run/4` decides it: another node's pool, session or reference
+  (whose workers cannot read this node's files), a route refused, or a pool with a
+  worker that reads no directory (or is starting): false, and the tensors take the pipe.
   """
   @spec slots?(Runtime.t(), String.t(), Ref.t() | nil, term()) :: boolean()
   def slots?(%Runtime{} = rt, kind, bound, payload) do
     case Route.resolve(rt, kind, bound, payload) do
-      {:ok, %Route{}} -> true
+      {:ok, %Route{meta: meta}} -> VllmBridge.Shm.pool_reads?(meta)
       _ -> false
     end
   end

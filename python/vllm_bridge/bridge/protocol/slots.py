@@ -27,6 +27,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -235,6 +236,11 @@ class SlotDir:
             except OSError:
                 pass
         self._slots.remove(slot)
+
+    def identity(self) -> dict[str, Any]:
+        """The directory this worker opened, for its hello: its path and inode (the Elixir
+        side sends slot names only to a worker that opened its own directory)."""
+        return {"path": self.path, "ino": os.fstat(self.fd).st_ino}
 
     def close(self) -> None:
         """Deletes this worker's result slots (it is exiting)."""
