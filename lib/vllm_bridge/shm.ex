@@ -3,12 +3,11 @@ defmodule VllmBridge.Shm do
   # Shared memory for large tensors (docs/PROTOCOL.md, "Tensors in slots (ext 8)"): the
   # node's slot directory and the slots that carry arguments to the workers.
   #
-  # One directory per BEAM, `<root>/vllm_bridge-<os pid>-<random>` (mode 0700; root:
-  # `config :vllm_bridge, shm_dir:`, default "/dev/shm", false: none), made when the
-  # application starts. A keeper, `/bin/sh -c 'cat >/dev/null; rm -rf -- "$0"' DIR`, runs
-  # as a port of this process: when the BEAM dies by any means (kill -9 included) its
-  # stdin reaches EOF and it removes the directory. Without a directory (no root, or one
-  # that is not writable) every tensor takes the pipe, and nothing else changes.
+  # One directory per BEAM, kept by VllmBridge.Shm.Keeper (which makes it when the
+  # application starts and removes it when the BEAM dies by any means), so that this
+  # process, the bookkeeping, may crash and restart without the directory changing under
+  # the workers that read it. Without a directory (no root, or one that is not writable)
+  # every tensor takes the pipe, and nothing else changes.
   #
   # Slots are plain files in that directory, named by their writer: `e-<n>` the
   # argument slots (written by callers, named and lent by this process), `r-<os pid>-<n>`
@@ -28,7 +27,6 @@ defmodule VllmBridge.Shm do
 
   require Logger
 
-  @default_min_bytes 1024 * 1024
   # Argument slots at most (lent and free): past it a tensor takes the pipe.
   @max_slots 8
   @idle_ms 2_000
@@ -44,6 +42,24 @@ defmodule VllmBridge.Shm do
           uid: non_neg_integer(),
           min_bytes: pos_integer()
         }
+
+  @doc false
+  # The directory's keeper, then this process (the bookkeeping): rest_for_one, so that a
+  # crash here leaves the directory (and the workers that read it) as they are.
+  def child_spec(opts) do
+    children = [
+      {VllmBridge.Shm.Keeper, opts},
+      %{id: __MODULE__, start: {__MODULE__, :start_link, [opts]}}
+    ]
+
+    %{
+      id: __MODULE__,
+      type: :supervisor,
+      start:
+        {Supervisor, :start_link,
+         [children, [strategy: :rest_for_one, name: VllmBridge.Shm.Supervisor]]}
+    }
+  end
 
   @doc false
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts, name: __MODULE__)
@@ -253,58 +269,40 @@ defmodule VllmBridge.Shm do
   # -- the process ------------------------------------------------------------------------
 
   @impl true
-  def init(opts) do
+  def init(_opts) do
     Process.flag(:trap_exit, true)
-    root = Keyword.get(opts, :root, Application.get_env(:vllm_bridge, :shm_dir, "/dev/shm"))
 
-    min =
-      Keyword.get(opts, :min_bytes, Application.get_env(:vllm_bridge, :shm_min_bytes)) ||
-        @default_min_bytes
-
-    case make_dir(root) do
-      {:ok, path, uid, ino} ->
-        keeper =
-          Port.open({:spawn_executable, "/bin/sh"}, [
-            {:args, ["-c", ~S(cat >/dev/null; rm -rf -- "$0"), path]},
-            :binary
-          ])
-
-        :persistent_term.put(@key, %{path: path, ino: ino, uid: uid, min_bytes: min})
+    case dir() do
+      %{path: path} ->
         Process.send_after(self(), :sweep, @sweep_ms)
-        {:ok, %{path: path, keeper: keeper, slots: %{}, owners: %{}, next: 0}}
+        {:ok, %{path: path, slots: %{}, owners: %{}, next: next_free(path)}}
 
-      {:error, why} ->
-        Logger.debug("vllm_bridge: no shared memory for tensors (#{why}); they take the pipe")
-        :persistent_term.put(@key, :disabled)
-        {:ok, %{path: nil, keeper: nil, slots: %{}, owners: %{}, next: 0}}
+      :disabled ->
+        {:ok, %{path: nil, slots: %{}, owners: %{}, next: 0}}
+    end
+  end
+
+  # After a restart of this process the directory is the one it had (VllmBridge.Shm.Keeper
+  # keeps it), and may hold the argument slots of the process before: new names come
+  # after theirs (an untracked slot handed back is deleted by the sweep).
+  defp next_free(path) do
+    case :file.list_dir(path) do
+      {:ok, names} ->
+        names
+        |> Enum.flat_map(
+          &(Regex.run(~r/\Ae-([0-9]{1,20})/, "#{&1}", capture: :all_but_first) || [])
+        )
+        |> Enum.map(&(String.to_integer(&1) + 1))
+        |> Enum.max(fn -> 0 end)
+
+      {:error, _} ->
+        0
     end
   end
 
   @doc false
-  # Makes `<root>/vllm_bridge-<os pid>-<random>`, mode 0700: `{:ok, path, uid, inode}` or
-  # `{:error, why}` (no root, not a writable directory).
-  @spec make_dir(term()) ::
-          {:ok, String.t(), non_neg_integer(), non_neg_integer()} | {:error, String.t()}
-  def make_dir(root) when root in [nil, false], do: {:error, "shm_dir is off"}
-  # (As `-vllm_bridge shm_dir "..."` on erl's command line gives it.)
-  def make_dir([c | _] = root) when is_integer(c), do: make_dir(List.to_string(root))
-
-  def make_dir(root) when is_binary(root) do
-    name = "vllm_bridge-#{System.pid()}-#{Base.encode16(:rand.bytes(6), case: :lower)}"
-    path = Path.join(root, name)
-
-    with :ok <- :file.make_dir(path) |> why("cannot make #{path}"),
-         :ok <- :file.change_mode(path, 0o700) |> why("cannot chmod #{path}"),
-         {:ok, %File.Stat{uid: uid, inode: ino}} <- File.lstat(path) |> why("cannot stat #{path}") do
-      {:ok, path, uid, ino}
-    end
-  end
-
-  def make_dir(root), do: {:error, "shm_dir must be a path or false, got #{inspect(root)}"}
-
-  defp why(:ok, _), do: :ok
-  defp why({:ok, _} = ok, _), do: ok
-  defp why({:error, reason}, what), do: {:error, "#{what}: #{reason}"}
+  # (VllmBridge.Shm.Keeper.make_dir/1, for the tests.)
+  defdelegate make_dir(root), to: VllmBridge.Shm.Keeper
 
   @impl true
   def handle_call({:take, _pid, _size}, _from, %{path: nil} = state),
@@ -383,7 +381,6 @@ defmodule VllmBridge.Shm do
     {:noreply, state |> expire_free() |> sweep_results()}
   end
 
-  def handle_info({port, _}, %{keeper: port} = state), do: {:noreply, state}
   def handle_info({:EXIT, _, _}, state), do: {:noreply, state}
 
   # A lent slot's call is over. Handed back (renamed .free) by its reader: free. Held by
@@ -467,12 +464,5 @@ defmodule VllmBridge.Shm do
       {:error, _} ->
         state
     end
-  end
-
-  @impl true
-  def terminate(_reason, %{path: path}) do
-    :persistent_term.put(@key, :disabled)
-    if path, do: File.rm_rf(path)
-    :ok
   end
 end

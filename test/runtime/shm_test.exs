@@ -249,6 +249,27 @@ defmodule VllmBridge.Runtime.ShmTest do
     end
   end
 
+  # The bookkeeping process may crash: the directory stays (VllmBridge.Shm.Keeper owns it),
+  # so workers given its path at their start keep reading the slots it then lends.
+  test "large calls go on through slots after VllmBridge.Shm is killed", %{dir: dir} do
+    before = slots(dir)
+    old = Process.whereis(Shm)
+    ref = Process.monitor(old)
+    Process.exit(old, :kill)
+    assert_receive {:DOWN, ^ref, :process, ^old, :killed}
+    wait_until(fn -> Process.whereis(Shm) not in [nil, old] end, 5_000, "Shm restarts")
+    assert %{path: ^dir} = Shm.dir()
+    assert File.dir?(dir)
+
+    for seed <- 1..3 do
+      big = tensor(2, seed)
+      assert {:ok, ^big} = echo(big)
+    end
+
+    new = slots(dir) -- before
+    assert Enum.any?(new, &(&1 =~ ~r/\Ae-\d+\z/)), "no new argument slot: #{inspect(ls(dir))}"
+  end
+
   # A python: wrapper that runs the interpreter after `line` (a shell line).
   defp wrapper(tmp, line) do
     path = Path.join(tmp, "python-#{System.unique_integer([:positive])}.sh")
@@ -293,9 +314,9 @@ defmodule VllmBridge.Runtime.ShmTest do
   end
 
   test "a root that cannot hold a directory gives none (tensors take the pipe)" do
-    assert {:error, _} = Shm.make_dir("/proc")
-    assert {:error, _} = Shm.make_dir("/etc/hostname")
-    assert {:error, _} = Shm.make_dir("/nonexistent/vllm_bridge")
-    assert {:error, "shm_dir is off"} = Shm.make_dir(false)
+    assert {:error, _} = Shm.Keeper.make_dir("/proc")
+    assert {:error, _} = Shm.Keeper.make_dir("/etc/hostname")
+    assert {:error, _} = Shm.Keeper.make_dir("/nonexistent/vllm_bridge")
+    assert {:error, "shm_dir is off"} = Shm.Keeper.make_dir(false)
   end
 end
