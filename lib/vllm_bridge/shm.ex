@@ -246,10 +246,12 @@ defmodule VllmBridge.Shm do
     # A new slot is made with O_EXCL (a link planted there fails); a reused one must
     # still be a regular file (Erlang's open has no O_NOFOLLOW; only our uid can write
     # in the 0700 directory).
-    with :ok <- if(new?, do: :ok, else: regular(path)),
+    with {:ok, seen} <- if(new?, do: {:ok, nil}, else: regular(path)),
+         :ok <- between_hook(path),
          {:ok, fd} <- :file.open(path, modes) do
       try do
-        with :ok <- :file.pwrite(fd, 0, data),
+        with {:ok, _} <- if(new?, do: {:ok, nil}, else: same_file(fd, seen)),
+             :ok <- :file.pwrite(fd, 0, data),
              {:ok, _} <- :file.position(fd, byte_size(data)),
              do: :file.truncate(fd)
       after
@@ -259,11 +261,43 @@ defmodule VllmBridge.Shm do
   end
 
   defp regular(path) do
-    case File.lstat(path) do
-      {:ok, %File.Stat{type: :regular}} -> :ok
+    case File.lstat(path, time: :posix) do
+      {:ok, %File.Stat{type: :regular} = seen} -> {:ok, seen}
       {:ok, %File.Stat{type: type}} -> {:error, {:not_a_regular_file, type}}
       {:error, _} = error -> error
     end
+  end
+
+  @doc false
+  # The stat of the open file `fd` when it is the file `seen` (an lstat of its name just
+  # before the open: same device and inode), else `{:error, why}`. Erlang's open has no
+  # O_NOFOLLOW: a name swapped for a link (or another file) between the lstat and the
+  # open is caught here, before anything is read or written.
+  @spec same_file(term(), File.Stat.t()) :: {:ok, File.Stat.t()} | {:error, String.t()}
+  def same_file(fd, %File.Stat{major_device: dev, inode: ino}) do
+    case :file.read_file_info(fd, time: :posix) do
+      {:ok, info} ->
+        case File.Stat.from_record(info) do
+          %File.Stat{major_device: ^dev, inode: ^ino} = stat -> {:ok, stat}
+          _ -> {:error, "was replaced between its lstat and its open (a link?)"}
+        end
+
+      {:error, reason} ->
+        {:error, "cannot be read (#{reason})"}
+    end
+  end
+
+  @doc false
+  # Runs the test's hook between an lstat and the open (test/runtime/shm_test.exs swaps a
+  # name for a link there); nothing when none is set.
+  @spec between_hook(String.t()) :: :ok
+  def between_hook(path) do
+    case Process.get(:vllm_bridge_slot_swap) do
+      nil -> :ok
+      hook -> _ = hook.(path)
+    end
+
+    :ok
   end
 
   # -- the process ------------------------------------------------------------------------

@@ -236,6 +236,64 @@ defmodule VllmBridge.Runtime.ShmTest do
       end
     end
 
+    # A name swapped for a link between the lstat and the open (Elixir's open has no
+    # O_NOFOLLOW): the hook runs there. The open file is compared with what was lstat'ed:
+    # the link's target is neither read nor written.
+    test "a slot swapped for a link after its lstat is neither read nor written through",
+         %{shm: shm, secret: secret, dir: dir} do
+      name = "r-#{System.pid()}-950"
+      path = Path.join(dir, name)
+      File.write!(path, <<0::16*8>>)
+
+      swap = fn p ->
+        if p == path do
+          File.rm!(p)
+          File.ln_s!(secret, p)
+        end
+      end
+
+      try do
+        Process.put(:vllm_bridge_slot_swap, swap)
+        assert {:error, "was replaced" <> _} = SlotExt.read(shm, name, 16)
+        File.rm_rf!(path <> ".free")
+        File.rm_rf!(path)
+
+        # A reused argument slot: the caller's write finds the link in its place.
+        Process.delete(:vllm_bridge_slot_swap)
+        big = tensor(2, 3)
+        assert {:ok, ^big} = echo(big)
+
+        wait_until(
+          fn -> Enum.any?(ls(dir), &(&1 =~ ~r/\Ae-\d+\.free\z/)) end,
+          15_000,
+          "a free slot"
+        )
+
+        target = Path.join(Path.dirname(secret), "target")
+        File.write!(target, "")
+
+        me = self()
+
+        Process.put(:vllm_bridge_slot_swap, fn p ->
+          if Path.dirname(p) == dir and String.starts_with?(Path.basename(p), "e-") do
+            send(me, {:swapped, Path.basename(p)})
+            File.rm(p)
+            File.ln_s!(target, p)
+          end
+        end)
+
+        assert {:ok, ^big} = echo(big)
+        assert_received {:swapped, "e-" <> _}
+        assert File.read!(target) == "", "the write went through the link"
+      after
+        Process.delete(:vllm_bridge_slot_swap)
+        File.rm_rf!(path)
+        File.rm_rf!(path <> ".free")
+      end
+
+      assert File.read!(secret) == :binary.copy(<<1>>, 16)
+    end
+
     test "a reply naming a bad slot is a protocol error naming it", %{shm: shm} do
       payload = SlotExt.payload(:float32, [4], "", "../../etc/passwd")
       reply = IO.iodata_to_binary([0x93, 0xA2, "ok", 7, 0xC7, byte_size(payload), 8, payload])

@@ -97,10 +97,11 @@ defmodule VllmBridge.Codec.SlotExt do
       path = Path.join(dir, slot)
 
       result =
-        with {:ok, %File.Stat{type: :regular}} <- lstat(path),
+        with {:ok, %File.Stat{type: :regular} = seen} <- lstat(path),
+             :ok <- Shm.between_hook(path),
              {:ok, fd} <- open(path) do
           try do
-            with :ok <- check(fd, uid, nbytes), do: pread(fd, nbytes)
+            with :ok <- check(fd, seen, uid, nbytes), do: pread(fd, nbytes)
           after
             :file.close(fd)
           end
@@ -129,12 +130,12 @@ defmodule VllmBridge.Codec.SlotExt do
     end
   end
 
-  # The open file itself (a name swapped for a link after the lstat is caught here).
-  defp check(fd, uid, nbytes) do
-    case :file.read_file_info(fd, time: :posix) do
-      {:ok, info} ->
-        %File.Stat{type: type, uid: owner, size: size} = File.Stat.from_record(info)
-
+  # The open file itself: the file that was lstat'ed (a name swapped for a link, or for
+  # another file, after the lstat is caught here: the open followed it), a regular file
+  # of our uid of the tensor's size.
+  defp check(fd, seen, uid, nbytes) do
+    case Shm.same_file(fd, seen) do
+      {:ok, %File.Stat{type: type, uid: owner, size: size}} ->
         cond do
           type != :regular -> {:error, "is not a regular file (#{type})"}
           owner != uid -> {:error, "belongs to uid #{owner}, not to this node's #{uid}"}
@@ -142,8 +143,8 @@ defmodule VllmBridge.Codec.SlotExt do
           true -> :ok
         end
 
-      {:error, reason} ->
-        {:error, "cannot be read (#{reason})"}
+      {:error, why} ->
+        {:error, why}
     end
   end
 
