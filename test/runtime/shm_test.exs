@@ -294,6 +294,34 @@ defmodule VllmBridge.Runtime.ShmTest do
       assert File.read!(secret) == :binary.copy(<<1>>, 16)
     end
 
+    # A reply nobody will read (its caller gave up) is decoded only for its references:
+    # its result slots go back to the worker by rename, never opened or copied (a 64 MiB
+    # tensor is not read into the worker process to be thrown away).
+    test "a dropped reply hands its result slots back without opening them", %{dir: dir} do
+      name = "r-#{System.pid()}-960"
+      path = Path.join(dir, name)
+      File.write!(path, <<0::16*8>>)
+      me = self()
+      payload = SlotExt.payload(:float32, [4], "", name)
+      reply = IO.iodata_to_binary([0x93, 0xA2, "ok", 7, 0xC7, byte_size(payload), 8, payload])
+
+      try do
+        Process.put(:vllm_bridge_slot_swap, fn p -> send(me, {:opened, p}) end)
+        assert :ok = VllmBridge.Worker.Calls.drop(reply)
+        refute_received {:opened, _}
+        assert File.exists?(path <> ".free") and not File.exists?(path)
+
+        # (The hook does see an ordinary decode open the slot.)
+        File.rename!(path <> ".free", path)
+        assert {:ok, %Tensor{}} = VllmBridge.Call.Wire.decode_reply(reply)
+        assert_received {:opened, ^path}
+      after
+        Process.delete(:vllm_bridge_slot_swap)
+        File.rm_rf!(path)
+        File.rm_rf!(path <> ".free")
+      end
+    end
+
     test "a reply naming a bad slot is a protocol error naming it", %{shm: shm} do
       payload = SlotExt.payload(:float32, [4], "", "../../etc/passwd")
       reply = IO.iodata_to_binary([0x93, 0xA2, "ok", 7, 0xC7, byte_size(payload), 8, payload])

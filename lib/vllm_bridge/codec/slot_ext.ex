@@ -16,6 +16,8 @@ defmodule VllmBridge.Codec.SlotExt do
 
   @type_code 8
   @result_name ~r/\Ar-[0-9]{1,10}-[0-9]{1,20}\z/
+  # Set while a frame nobody will read is decoded (unread/1).
+  @unread {__MODULE__, :unread}
 
   @doc "The ext 8 value of a tensor (validated by the caller) whose data is in `slot`."
   @spec encode(Tensor.t(), String.t()) :: iodata()
@@ -68,6 +70,38 @@ defmodule VllmBridge.Codec.SlotExt do
   @spec decode(binary()) :: Tensor.t()
   def decode(payload) do
     {dtype, shape, device, slot} = parse(payload)
+
+    if Process.get(@unread),
+      do: unread(dtype, shape, device, slot),
+      else: read_tensor(dtype, shape, device, slot)
+  end
+
+  @doc """
+  Runs `fun` (a decode of a frame nobody will read) with result slots handed back
+  unread: each ext 8 renames its slot `.free` and decodes as a tensor with no data.
+  """
+  @spec unread((() -> result)) :: result when result: term()
+  def unread(fun) do
+    previous = Process.put(@unread, true)
+
+    try do
+      fun.()
+    after
+      if previous, do: :ok, else: Process.delete(@unread)
+    end
+  end
+
+  defp unread(dtype, shape, device, slot) do
+    with %{path: dir} <- Shm.dir(),
+         true <- Regex.match?(@result_name, slot) do
+      path = Path.join(dir, slot)
+      _ = :file.rename(path, path <> ".free")
+    end
+
+    %Tensor{dtype: dtype, shape: shape, data: <<>>, device: device}
+  end
+
+  defp read_tensor(dtype, shape, device, slot) do
     nbytes = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
 
     data =

@@ -185,7 +185,8 @@ defmodule VllmBridge.Worker.Calls do
   def drop(nil), do: :ok
 
   def drop(bin) do
-    with {:ok, value} <- Wire.decode_reply(bin),
+    # (Its result slots, if any, go back to the worker unread.)
+    with {:ok, value} <- VllmBridge.Codec.SlotExt.unread(fn -> Wire.decode_reply(bin) end),
          [_ | _] = refs <- VllmBridge.Ref.collect(value) do
       Request.cast_release(self(), refs)
     else
