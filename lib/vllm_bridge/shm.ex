@@ -478,7 +478,7 @@ defmodule VllmBridge.Shm do
 
   # The result slots (`r-<os pid>-<n>`, with or without `.free`) and the argument slots
   # it held (`e-<n>.held-<os pid>`) of a worker process that is gone: killed, or exited
-  # before cleaning up.
+  # before cleaning up; and untracked argument slots handed back.
   @of_worker ~r/\A(?:r-([0-9]{1,10})-[0-9]{1,20}(?:\.free)?|e-[0-9]{1,20}\.held-([0-9]{1,10}))\z/
   defp sweep_results(%{path: nil} = state), do: state
 
@@ -490,6 +490,15 @@ defmodule VllmBridge.Shm do
             groups != nil,
             pid = Enum.find(groups, &(&1 != "")),
             not File.exists?("/proc/#{pid}") do
+          :file.delete(Path.join(state.path, name))
+        end
+
+        # Argument slots handed back (.free) that this process does not track: one whose
+        # call settled while its worker renamed it .held (settle saw neither), or one
+        # lent before this process restarted. Nobody takes them again.
+        for name <- names,
+            [n] <- [Regex.run(~r/\A(e-[0-9]{1,20})\.free\z/, "#{name}", capture: :all_but_first)],
+            not Map.has_key?(state.slots, n) do
           :file.delete(Path.join(state.path, name))
         end
 

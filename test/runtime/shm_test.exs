@@ -356,6 +356,24 @@ defmodule VllmBridge.Runtime.ShmTest do
     assert Enum.any?(new, &(&1 =~ ~r/\Ae-\d+\z/)), "no new argument slot: #{inspect(ls(dir))}"
   end
 
+  # An argument slot handed back after this process forgot it (a timeout settled while
+  # the worker renamed it .held; or lent before a restart of VllmBridge.Shm): nobody
+  # takes it again, so the sweep deletes it. One still being read (no .free) stays.
+  test "the sweep deletes argument slots handed back that nobody tracks", %{dir: dir} do
+    free = Path.join(dir, "e-99999999.free")
+    lent = Path.join(dir, "e-99999998")
+    File.write!(free, "x")
+    File.write!(lent, "x")
+
+    try do
+      wait_until(fn -> not File.exists?(free) end, 15_000, "the untracked free slot goes")
+      assert File.exists?(lent)
+    after
+      File.rm_rf!(free)
+      File.rm_rf!(lent)
+    end
+  end
+
   # A python: wrapper that runs the interpreter after `line` (a shell line).
   defp wrapper(tmp, line) do
     path = Path.join(tmp, "python-#{System.unique_integer([:positive])}.sh")
