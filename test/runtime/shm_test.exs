@@ -64,15 +64,30 @@ defmodule VllmBridge.Runtime.ShmTest do
     assert {:ok, ^big} = echo(big)
     pid = os_pid()
     names = slots(dir)
-    assert "r-#{pid}-0" in names, "the result went through a slot: #{inspect(ls(dir))}"
+
+    assert Enum.any?(names, &(&1 =~ ~r/\Ar-#{pid}-\d+\z/)),
+           "the result went through a slot: #{inspect(ls(dir))}"
+
     assert Enum.any?(names, &(&1 =~ ~r/\Ae-\d+\z/)), "the argument went through a slot"
 
     # Reused once handed back (the worker holds an argument's slot until its tensor is
     # gone, just after the reply): the same files carry the next large round trip.
-    wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
+    # (Free slots expire after 2 s idle: on a loaded machine a round trip may come after
+    # that, so reuse is asked of two round trips in a row, a bounded number of times.)
     other = tensor(5, 7)
-    assert {:ok, ^other} = echo(other)
-    assert slots(dir) == names
+
+    wait_until(
+      fn ->
+        wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
+        before = slots(dir)
+        assert {:ok, ^other} = echo(other)
+        before != [] and slots(dir) == before
+      end,
+      30_000,
+      "the next round trip reuses the same slot files"
+    )
+
+    names = slots(dir)
     wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
 
     # Below the threshold: the pipe, and the same answer.
@@ -134,6 +149,8 @@ defmodule VllmBridge.Runtime.ShmTest do
       end)
 
     wait_until(fn -> File.exists?(started) end, 60_000, "the worker runs the call")
+    # (The call's argument is in a slot, held by the worker that is about to die.)
+    assert Enum.any?(ls(dir), &(&1 =~ ~r/\Ae-\d+\.held-#{old}\z/)), inspect(ls(dir))
     Launcher.kill(old)
 
     assert {:error, %Error{type: :worker_exit}} = Task.await(caller, 60_000)
@@ -156,6 +173,8 @@ defmodule VllmBridge.Runtime.ShmTest do
       end)
 
     wait_until(fn -> File.exists?(started) end, 60_000, "the worker runs the call")
+    # (The call's argument is in a slot, held by the worker, when its caller dies.)
+    assert Enum.any?(ls(dir), &(&1 =~ ~r/\Ae-\d+\.held-#{os_pid()}\z/)), inspect(ls(dir))
     Process.exit(caller, :kill)
     File.write!(gate, "")
     await_idle!(@pool)
@@ -331,7 +350,7 @@ defmodule VllmBridge.Runtime.ShmTest do
 
       assert msg =~ ~s(the tensor slot "../../etc/passwd")
       assert SlotExt.read(:disabled, "r-1-1", 4) == {:error, "this node has no slot directory"}
-      assert is_map(shm)
+      assert {:error, "not the name" <> _} = SlotExt.read(shm, "../../etc/passwd", 4)
     end
   end
 
