@@ -31,6 +31,7 @@ defmodule VllmBridge.Shm do
   @max_slots 8
   @idle_ms 2_000
   @sweep_ms 500
+  @backoff_ms 5_000
   @key {__MODULE__, :dir}
   @lent {__MODULE__, :lent}
   @gate {__MODULE__, :gate}
@@ -40,7 +41,8 @@ defmodule VllmBridge.Shm do
           path: String.t(),
           ino: non_neg_integer(),
           uid: non_neg_integer(),
-          min_bytes: pos_integer()
+          min_bytes: pos_integer(),
+          backoff: :atomics.atomics_ref()
         }
 
   @doc false
@@ -222,7 +224,8 @@ defmodule VllmBridge.Shm do
   @spec put(binary()) :: {:ok, String.t()} | :pipe
   def put(data) do
     with lent when is_list(lent) <- Process.get(@lent),
-         %{path: path, min_bytes: min} when byte_size(data) >= min <- dir(),
+         %{path: path, min_bytes: min} = dir when byte_size(data) >= min <- dir(),
+         false <- backing_off?(dir),
          true <- allowed?(),
          {:ok, name, new?} <- GenServer.call(__MODULE__, {:take, self(), byte_size(data)}) do
       Process.put(@lent, [name | lent])
@@ -231,12 +234,40 @@ defmodule VllmBridge.Shm do
         :ok ->
           {:ok, name}
 
+        {:error, :enospc} ->
+          no_space(dir, name)
+          :pipe
+
         {:error, reason} ->
           Logger.warning("vllm_bridge: writing the slot #{name} failed (#{inspect(reason)})")
           :pipe
       end
     else
       _ -> :pipe
+    end
+  end
+
+  # A full file system (a small /dev/shm: Docker gives 64 MiB): the tensor takes the
+  # pipe, and so does every large tensor for @backoff_ms, said once in the log.
+  # (0: never set; monotonic time may be negative, so 0 is no "long ago".)
+  defp backing_off?(%{backoff: ref}) do
+    case :atomics.get(ref, 1) do
+      0 -> false
+      until -> until > System.monotonic_time(:millisecond)
+    end
+  end
+
+  defp backing_off?(_dir), do: false
+
+  defp no_space(%{backoff: ref, path: path}, name) do
+    :atomics.put(ref, 1, System.monotonic_time(:millisecond) + @backoff_ms)
+
+    if :atomics.compare_exchange(ref, 2, 0, 1) == :ok do
+      Logger.warning(
+        "vllm_bridge: no room in #{path} for the slot #{name} (the file system is full): " <>
+          "large tensors take the pipe, and slots are tried again every #{@backoff_ms} ms " <>
+          "(said once)"
+      )
     end
   end
 
@@ -251,6 +282,7 @@ defmodule VllmBridge.Shm do
          {:ok, fd} <- :file.open(path, modes) do
       try do
         with {:ok, _} <- if(new?, do: {:ok, nil}, else: same_file(fd, seen)),
+             :ok <- room(fd, seen, byte_size(data)),
              :ok <- :file.pwrite(fd, 0, data),
              {:ok, _} <- :file.position(fd, byte_size(data)),
              do: :file.truncate(fd)
@@ -258,6 +290,12 @@ defmodule VllmBridge.Shm do
         :file.close(fd)
       end
     end
+  end
+
+  # The pages first (posix_fallocate), when the slot is to grow: a full file system fails
+  # here at once, not after most of the tensor was copied.
+  defp room(fd, seen, n) do
+    if n > 0 and (seen == nil or seen.size < n), do: :file.allocate(fd, 0, n), else: :ok
   end
 
   defp regular(path) do

@@ -41,7 +41,10 @@ defmodule VllmBridge.Shm.Keeper do
             :binary
           ])
 
-        :persistent_term.put(@key, %{path: path, ino: ino, uid: uid, min_bytes: min})
+        # backoff: [until when (monotonic ms) large tensors take the pipe, the file system
+        # being full; whether that was logged] (VllmBridge.Shm.put/1).
+        dir = %{path: path, ino: ino, uid: uid, min_bytes: min, backoff: :atomics.new(2, [])}
+        :persistent_term.put(@key, dir)
         {:ok, %{path: path, port: port}}
 
       {:error, why} ->
