@@ -125,17 +125,18 @@ defmodule VllmBridge do
   @spec call(target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) :: result(term())
   def call(target, args \\ [], kwargs \\ %{}, opts \\ []) do
     # Large tensors in the arguments may go through shared memory while the call runs
-    # (VllmBridge.Shm): their slots are given back when it returns.
-    VllmBridge.Shm.scope(fn ->
-      with {:ok, rt} <- Runtime.resolve(opts),
-           {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
-        Run.run(rt, "call", parts,
-          what: target,
-          bound: Run.bound_ref(target),
-          payload: {args, kwargs}
-        )
-      end
-    end)
+    # (VllmBridge.Shm), when its route is a worker of this node that reads the slot
+    # directory (Run.slots?/4, asked only when there is such a tensor): their slots are
+    # given back when it returns.
+    with {:ok, rt} <- Runtime.resolve(opts) do
+      bound = Run.bound_ref(target)
+
+      VllmBridge.Shm.scope(fn -> Run.slots?(rt, "call", bound, {args, kwargs}) end, fn ->
+        with {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
+          Run.run(rt, "call", parts, what: target, bound: bound, payload: {args, kwargs})
+        end
+      end)
+    end
   end
 
   @doc """

@@ -96,17 +96,17 @@ defmodule VllmBridge.Bindings do
     # VllmBridge.call/4's steps, the target's encoding kept once per binding
     # (`Wire.encode_invoke_binding/3`).
     # (Large tensors may go through shared memory, as in VllmBridge.call/4.)
-    VllmBridge.Shm.scope(fn ->
-      with {:ok, py_args, kwargs, runtime} <- Args.split(spec, args),
-           {:ok, rt} <- Runtime.resolve(runtime),
-           {:ok, parts} <- Wire.encode_invoke_binding(spec.target, py_args, kwargs) do
-        Run.run(rt, "call", parts,
-          what: spec.target,
-          bound: Run.bound_ref(spec.target),
-          payload: {py_args, kwargs}
-        )
-      end
-    end)
+    with {:ok, py_args, kwargs, runtime} <- Args.split(spec, args),
+         {:ok, rt} <- Runtime.resolve(runtime) do
+      bound = Run.bound_ref(spec.target)
+      payload = {py_args, kwargs}
+
+      VllmBridge.Shm.scope(fn -> Run.slots?(rt, "call", bound, payload) end, fn ->
+        with {:ok, parts} <- Wire.encode_invoke_binding(spec.target, py_args, kwargs) do
+          Run.run(rt, "call", parts, what: spec.target, bound: bound, payload: payload)
+        end
+      end)
+    end
   end
 
   @doc "Reads the Python module attribute of `spec` (`args`: `[]` or `[options]`)."

@@ -3,12 +3,11 @@ defmodule VllmBridge.Shm do
   # Shared memory for large tensors (docs/PROTOCOL.md, "Tensors in slots (ext 8)"): the
   # node's slot directory and the slots that carry arguments to the workers.
   #
-  # One directory per BEAM, `<root>/vllm_bridge-<os pid>-<random>` (mode 0700; root:
-  # `config :vllm_bridge, shm_dir:`, default "/dev/shm", false: none), made when the
-  # application starts. A keeper, `/bin/sh -c 'cat >/dev/null; rm -rf -- "$0"' DIR`, runs
-  # as a port of this process: when the BEAM dies by any means (kill -9 included) its
-  # stdin reaches EOF and it removes the directory. Without a directory (no root, or one
-  # that is not writable) every tensor takes the pipe, and nothing else changes.
+  # One directory per BEAM, kept by VllmBridge.Shm.Keeper (which makes it when the
+  # application starts and removes it when the BEAM dies by any means), so that this
+  # process, the bookkeeping, may crash and restart without the directory changing under
+  # the workers that read it. Without a directory (no root, or one that is not writable)
+  # every tensor takes the pipe, and nothing else changes.
   #
   # Slots are plain files in that directory, named by their writer: `e-<n>` the
   # argument slots (written by callers, named and lent by this process), `r-<os pid>-<n>`
@@ -18,7 +17,7 @@ defmodule VllmBridge.Shm do
   # next transfer is a memcpy each way (bench/README.md, "Shared memory for large tensors").
   #
   # Lifetimes: an argument slot is lent to the calling process (monitored) while its
-  # call runs (`scope/1`). When the call ends, a slot the worker did not hand back (it
+  # call runs (`scope/2`, when the call's route is a pool of this node). When the call ends, a slot the worker did not hand back (it
   # never read it: the call was refused, timed out, or its worker died) is deleted, never
   # reused, so a late reader finds it gone rather than someone else's data; the same
   # when the caller dies. Free slots unused for @idle_ms are deleted. Result slots of a
@@ -28,16 +27,41 @@ defmodule VllmBridge.Shm do
 
   require Logger
 
-  @default_min_bytes 1024 * 1024
   # Argument slots at most (lent and free): past it a tensor takes the pipe.
   @max_slots 8
   @idle_ms 2_000
   @sweep_ms 500
+  @backoff_ms 5_000
   @key {__MODULE__, :dir}
   @lent {__MODULE__, :lent}
+  @gate {__MODULE__, :gate}
 
   @typedoc "The node's slot directory, or :disabled."
-  @type dir :: %{path: String.t(), uid: non_neg_integer(), min_bytes: pos_integer()}
+  @type dir :: %{
+          path: String.t(),
+          ino: non_neg_integer(),
+          uid: non_neg_integer(),
+          min_bytes: pos_integer(),
+          backoff: :atomics.atomics_ref()
+        }
+
+  @doc false
+  # The directory's keeper, then this process (the bookkeeping): rest_for_one, so that a
+  # crash here leaves the directory (and the workers that read it) as they are.
+  def child_spec(opts) do
+    children = [
+      {VllmBridge.Shm.Keeper, opts},
+      %{id: __MODULE__, start: {__MODULE__, :start_link, [opts]}}
+    ]
+
+    %{
+      id: __MODULE__,
+      type: :supervisor,
+      start:
+        {Supervisor, :start_link,
+         [children, [strategy: :rest_for_one, name: VllmBridge.Shm.Supervisor]]}
+    }
+  end
 
   @doc false
   def start_link(opts), do: GenServer.start_link(__MODULE__, opts, name: __MODULE__)
@@ -63,30 +87,117 @@ defmodule VllmBridge.Shm do
   def own_env, do: ["VLLM_BRIDGE_SHM_DIR", "VLLM_BRIDGE_SHM_MIN_BYTES"]
 
   @doc """
-  Runs `fun` with argument slots allowed: a tensor of at least the threshold that is
-  encoded meanwhile in this process goes into a slot (ext 8). When `fun` returns (or
-  raises), every slot it lent is given back: kept for reuse when the worker handed it
-  back, deleted otherwise. Nested scopes share the outermost one.
+  Whether a worker's hello says it opened this node's slot directory: its `"shm"` names
+  the directory's path and inode. A worker started without the directory (a `python:`
+  wrapper that drops `VLLM_BRIDGE_SHM_DIR`, another uid, a directory that failed its
+  checks, a worker module of one's own) is sent no slot names.
   """
-  @spec scope((() -> result)) :: result when result: term()
-  def scope(fun) do
-    cond do
-      dir() == :disabled -> fun.()
-      Process.get(@lent) != nil -> fun.()
-      true -> scoped(fun)
+  @spec reads?(map()) :: boolean()
+  def reads?(hello) do
+    case {dir(), hello} do
+      {%{path: path, ino: ino}, %{"shm" => %{"path" => path, "ino" => ino}}} -> true
+      _ -> false
     end
   end
 
-  defp scoped(fun) do
+  @doc """
+  The hello's slot directory when it is not this node's (`{:other, what}`), else `:ok`: a
+  worker that writes its results into another directory would send names this node
+  cannot read (its start fails, naming both).
+  """
+  @spec check_hello(map()) :: :ok | {:other, String.t()}
+  def check_hello(%{"shm" => %{} = theirs} = hello) do
+    cond do
+      reads?(hello) ->
+        :ok
+
+      dir() == :disabled ->
+        {:other, "#{inspect(theirs)}, but this node has none"}
+
+      true ->
+        {:other,
+         "#{inspect(theirs)}, but this node's is #{inspect(Map.take(dir(), [:path, :ino]))}"}
+    end
+  end
+
+  def check_hello(_hello), do: :ok
+
+  @doc """
+  Records whether the worker at `index` of the pool of `meta` reads the slot directory
+  (`reads?/1` of its hello; false while it starts).
+  """
+  @spec mark(VllmBridge.Pool.Meta.t(), non_neg_integer(), boolean()) :: :ok
+  def mark(%{shm: nil}, _index, _reads), do: :ok
+
+  def mark(%{shm: flags}, index, reads),
+    do: :atomics.put(flags, index + 1, if(reads, do: 1, else: 0))
+
+  @doc "Whether every worker of the pool of `meta` reads the slot directory (`mark/3`)."
+  @spec pool_reads?(VllmBridge.Pool.Meta.t()) :: boolean()
+  def pool_reads?(%{shm: nil}), do: false
+  def pool_reads?(%{shm: flags, size: size}), do: all_set?(flags, size)
+
+  defp all_set?(_flags, 0), do: true
+  defp all_set?(flags, i), do: :atomics.get(flags, i) == 1 and all_set?(flags, i - 1)
+
+  @doc """
+  Runs `fun` with argument slots allowed where `gate` allows them: a tensor of at least
+  the threshold that is encoded meanwhile in this process goes into a slot (ext 8) when
+  `gate.()` (asked once per scope, at its first such tensor) is true: the request goes to
+  a worker of this node that reads this directory (`VllmBridge.Call.Run.slots?/4`). When
+  `fun` returns (or raises), every slot it lent is given back: kept for reuse when the
+  worker handed it back, deleted otherwise. A nested scope has its own gate and shares
+  the outermost one's slots.
+  """
+  @spec scope((() -> boolean()), (() -> result)) :: result when result: term()
+  def scope(gate, fun) do
+    cond do
+      dir() == :disabled ->
+        fun.()
+
+      Process.get(@lent) != nil ->
+        previous = Process.put(@gate, gate)
+
+        try do
+          fun.()
+        after
+          Process.put(@gate, previous)
+        end
+
+      true ->
+        scoped(gate, fun)
+    end
+  end
+
+  defp scoped(gate, fun) do
     Process.put(@lent, [])
+    Process.put(@gate, gate)
 
     try do
       fun.()
     after
+      Process.delete(@gate)
+
       case Process.delete(@lent) do
         [] -> :ok
         names -> GenServer.cast(__MODULE__, {:done, self(), names})
       end
+    end
+  end
+
+  # The scope's gate, asked once (its answer kept for the rest of the scope).
+  defp allowed? do
+    case Process.get(@gate) do
+      answer when is_boolean(answer) ->
+        answer
+
+      gate when is_function(gate, 0) ->
+        answer = gate.() == true
+        Process.put(@gate, answer)
+        answer
+
+      _ ->
+        false
     end
   end
 
@@ -106,20 +217,26 @@ defmodule VllmBridge.Shm do
   end
 
   @doc """
-  Writes `data` into an argument slot when this process is inside `scope/1`, the node
+  Writes `data` into an argument slot when this process is inside `scope/2` and its gate allows it, the node
   has a directory, `data` is at least the threshold and a slot can be had: `{:ok,
   name}`; else `:pipe` (the caller sends the bytes inline).
   """
   @spec put(binary()) :: {:ok, String.t()} | :pipe
   def put(data) do
     with lent when is_list(lent) <- Process.get(@lent),
-         %{path: path, min_bytes: min} when byte_size(data) >= min <- dir(),
+         %{path: path, min_bytes: min} = dir when byte_size(data) >= min <- dir(),
+         false <- backing_off?(dir),
+         true <- allowed?(),
          {:ok, name, new?} <- GenServer.call(__MODULE__, {:take, self(), byte_size(data)}) do
       Process.put(@lent, [name | lent])
 
       case write(Path.join(path, name), data, new?) do
         :ok ->
           {:ok, name}
+
+        {:error, :enospc} ->
+          no_space(dir, name)
+          :pipe
 
         {:error, reason} ->
           Logger.warning("vllm_bridge: writing the slot #{name} failed (#{inspect(reason)})")
@@ -130,16 +247,43 @@ defmodule VllmBridge.Shm do
     end
   end
 
+  # A full file system (a small /dev/shm: Docker gives 64 MiB): the tensor takes the
+  # pipe, and so does every large tensor for @backoff_ms, said once in the log.
+  # (0: never set; monotonic time may be negative, so 0 is no "long ago".)
+  defp backing_off?(%{backoff: ref}) do
+    case :atomics.get(ref, 1) do
+      0 -> false
+      until -> until > System.monotonic_time(:millisecond)
+    end
+  end
+
+  defp backing_off?(_dir), do: false
+
+  defp no_space(%{backoff: ref, path: path}, name) do
+    :atomics.put(ref, 1, System.monotonic_time(:millisecond) + @backoff_ms)
+
+    if :atomics.compare_exchange(ref, 2, 0, 1) == :ok do
+      Logger.warning(
+        "vllm_bridge: no room in #{path} for the slot #{name} (the file system is full): " <>
+          "large tensors take the pipe, and slots are tried again every #{@backoff_ms} ms " <>
+          "(said once)"
+      )
+    end
+  end
+
   defp write(path, data, new?) do
     modes = [:read, :write, :raw, :binary] ++ if(new?, do: [:exclusive], else: [])
 
     # A new slot is made with O_EXCL (a link planted there fails); a reused one must
     # still be a regular file (Erlang's open has no O_NOFOLLOW; only our uid can write
     # in the 0700 directory).
-    with :ok <- if(new?, do: :ok, else: regular(path)),
+    with {:ok, seen} <- if(new?, do: {:ok, nil}, else: regular(path)),
+         :ok <- between_hook(path),
          {:ok, fd} <- :file.open(path, modes) do
       try do
-        with :ok <- :file.pwrite(fd, 0, data),
+        with {:ok, _} <- if(new?, do: {:ok, nil}, else: same_file(fd, seen)),
+             :ok <- room(fd, seen, byte_size(data)),
+             :ok <- :file.pwrite(fd, 0, data),
              {:ok, _} <- :file.position(fd, byte_size(data)),
              do: :file.truncate(fd)
       after
@@ -148,68 +292,89 @@ defmodule VllmBridge.Shm do
     end
   end
 
+  # The pages first (posix_fallocate), when the slot is to grow: a full file system fails
+  # here at once, not after most of the tensor was copied.
+  defp room(fd, seen, n) do
+    if n > 0 and (seen == nil or seen.size < n), do: :file.allocate(fd, 0, n), else: :ok
+  end
+
   defp regular(path) do
-    case File.lstat(path) do
-      {:ok, %File.Stat{type: :regular}} -> :ok
+    case File.lstat(path, time: :posix) do
+      {:ok, %File.Stat{type: :regular} = seen} -> {:ok, seen}
       {:ok, %File.Stat{type: type}} -> {:error, {:not_a_regular_file, type}}
       {:error, _} = error -> error
     end
   end
 
-  # -- the process ------------------------------------------------------------------------
+  @doc false
+  # The stat of the open file `fd` when it is the file `seen` (an lstat of its name just
+  # before the open: same device and inode), else `{:error, why}`. Erlang's open has no
+  # O_NOFOLLOW: a name swapped for a link (or another file) between the lstat and the
+  # open is caught here, before anything is read or written.
+  @spec same_file(term(), File.Stat.t()) :: {:ok, File.Stat.t()} | {:error, String.t()}
+  def same_file(fd, %File.Stat{major_device: dev, inode: ino}) do
+    case :file.read_file_info(fd, time: :posix) do
+      {:ok, info} ->
+        case File.Stat.from_record(info) do
+          %File.Stat{major_device: ^dev, inode: ^ino} = stat -> {:ok, stat}
+          _ -> {:error, "was replaced between its lstat and its open (a link?)"}
+        end
 
-  @impl true
-  def init(opts) do
-    Process.flag(:trap_exit, true)
-    root = Keyword.get(opts, :root, Application.get_env(:vllm_bridge, :shm_dir, "/dev/shm"))
-
-    min =
-      Keyword.get(opts, :min_bytes, Application.get_env(:vllm_bridge, :shm_min_bytes)) ||
-        @default_min_bytes
-
-    case make_dir(root) do
-      {:ok, path, uid} ->
-        keeper =
-          Port.open({:spawn_executable, "/bin/sh"}, [
-            {:args, ["-c", ~S(cat >/dev/null; rm -rf -- "$0"), path]},
-            :binary
-          ])
-
-        :persistent_term.put(@key, %{path: path, uid: uid, min_bytes: min})
-        Process.send_after(self(), :sweep, @sweep_ms)
-        {:ok, %{path: path, keeper: keeper, slots: %{}, owners: %{}, next: 0}}
-
-      {:error, why} ->
-        Logger.debug("vllm_bridge: no shared memory for tensors (#{why}); they take the pipe")
-        :persistent_term.put(@key, :disabled)
-        {:ok, %{path: nil, keeper: nil, slots: %{}, owners: %{}, next: 0}}
+      {:error, reason} ->
+        {:error, "cannot be read (#{reason})"}
     end
   end
 
   @doc false
-  # Makes `<root>/vllm_bridge-<os pid>-<random>`, mode 0700: `{:ok, path, uid}` or
-  # `{:error, why}` (no root, not a writable directory).
-  @spec make_dir(term()) :: {:ok, String.t(), non_neg_integer()} | {:error, String.t()}
-  def make_dir(root) when root in [nil, false], do: {:error, "shm_dir is off"}
-  # (As `-vllm_bridge shm_dir "..."` on erl's command line gives it.)
-  def make_dir([c | _] = root) when is_integer(c), do: make_dir(List.to_string(root))
+  # Runs the test's hook between an lstat and the open (test/runtime/shm_test.exs swaps a
+  # name for a link there); nothing when none is set.
+  @spec between_hook(String.t()) :: :ok
+  def between_hook(path) do
+    case Process.get(:vllm_bridge_slot_swap) do
+      nil -> :ok
+      hook -> _ = hook.(path)
+    end
 
-  def make_dir(root) when is_binary(root) do
-    name = "vllm_bridge-#{System.pid()}-#{Base.encode16(:rand.bytes(6), case: :lower)}"
-    path = Path.join(root, name)
+    :ok
+  end
 
-    with :ok <- :file.make_dir(path) |> why("cannot make #{path}"),
-         :ok <- :file.change_mode(path, 0o700) |> why("cannot chmod #{path}"),
-         {:ok, %File.Stat{uid: uid}} <- File.lstat(path) |> why("cannot stat #{path}") do
-      {:ok, path, uid}
+  # -- the process ------------------------------------------------------------------------
+
+  @impl true
+  def init(_opts) do
+    Process.flag(:trap_exit, true)
+
+    case dir() do
+      %{path: path} ->
+        Process.send_after(self(), :sweep, @sweep_ms)
+        {:ok, %{path: path, slots: %{}, owners: %{}, next: next_free(path)}}
+
+      :disabled ->
+        {:ok, %{path: nil, slots: %{}, owners: %{}, next: 0}}
     end
   end
 
-  def make_dir(root), do: {:error, "shm_dir must be a path or false, got #{inspect(root)}"}
+  # After a restart of this process the directory is the one it had (VllmBridge.Shm.Keeper
+  # keeps it), and may hold the argument slots of the process before: new names come
+  # after theirs (an untracked slot handed back is deleted by the sweep).
+  defp next_free(path) do
+    case :file.list_dir(path) do
+      {:ok, names} ->
+        names
+        |> Enum.flat_map(
+          &(Regex.run(~r/\Ae-([0-9]{1,20})/, "#{&1}", capture: :all_but_first) || [])
+        )
+        |> Enum.map(&(String.to_integer(&1) + 1))
+        |> Enum.max(fn -> 0 end)
 
-  defp why(:ok, _), do: :ok
-  defp why({:ok, _} = ok, _), do: ok
-  defp why({:error, reason}, what), do: {:error, "#{what}: #{reason}"}
+      {:error, _} ->
+        0
+    end
+  end
+
+  @doc false
+  # (VllmBridge.Shm.Keeper.make_dir/1, for the tests.)
+  defdelegate make_dir(root), to: VllmBridge.Shm.Keeper
 
   @impl true
   def handle_call({:take, _pid, _size}, _from, %{path: nil} = state),
@@ -288,7 +453,6 @@ defmodule VllmBridge.Shm do
     {:noreply, state |> expire_free() |> sweep_results()}
   end
 
-  def handle_info({port, _}, %{keeper: port} = state), do: {:noreply, state}
   def handle_info({:EXIT, _, _}, state), do: {:noreply, state}
 
   # A lent slot's call is over. Handed back (renamed .free) by its reader: free. Held by
@@ -352,7 +516,7 @@ defmodule VllmBridge.Shm do
 
   # The result slots (`r-<os pid>-<n>`, with or without `.free`) and the argument slots
   # it held (`e-<n>.held-<os pid>`) of a worker process that is gone: killed, or exited
-  # before cleaning up.
+  # before cleaning up; and untracked argument slots handed back.
   @of_worker ~r/\A(?:r-([0-9]{1,10})-[0-9]{1,20}(?:\.free)?|e-[0-9]{1,20}\.held-([0-9]{1,10}))\z/
   defp sweep_results(%{path: nil} = state), do: state
 
@@ -367,17 +531,19 @@ defmodule VllmBridge.Shm do
           :file.delete(Path.join(state.path, name))
         end
 
+        # Argument slots handed back (.free) that this process does not track: one whose
+        # call settled while its worker renamed it .held (settle saw neither), or one
+        # lent before this process restarted. Nobody takes them again.
+        for name <- names,
+            [n] <- [Regex.run(~r/\A(e-[0-9]{1,20})\.free\z/, "#{name}", capture: :all_but_first)],
+            not Map.has_key?(state.slots, n) do
+          :file.delete(Path.join(state.path, name))
+        end
+
         state
 
       {:error, _} ->
         state
     end
-  end
-
-  @impl true
-  def terminate(_reason, %{path: path}) do
-    :persistent_term.put(@key, :disabled)
-    if path, do: File.rm_rf(path)
-    :ok
   end
 end

@@ -68,6 +68,32 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       end
     end
 
+    # Argument slots (ext 8) name files of this node's slot directory: a request that runs
+    # on another node carries its large tensors inline. The peer first uses a slot of its
+    # own of the same size (its e-0, other bytes): were our slot name sent, the peer's
+    # worker would read the peer's tensor, or find no such slot.
+    test "large tensors go both ways through a peer's pool, whole and ours", %{b: b} do
+      size = 2 * 1_048_576
+      theirs = VllmBridge.Tensor.new(:binary.copy(<<7>>, size), :uint8, [size])
+      ours = VllmBridge.Tensor.new(:crypto.strong_rand_bytes(size), :uint8, [size])
+
+      assert {:ok, ^theirs} =
+               :erpc.call(b, VllmBridge, :call, [
+                 {@diag, "echo"},
+                 [theirs],
+                 %{},
+                 [pool_name: @both]
+               ])
+
+      for opts <- [[pool_name: @remote], [pool_name: @both, node: b], [pool_name: @remote]] do
+        assert {:ok, back} = diag("echo", [ours], opts)
+        assert back == ours, "#{inspect(opts)}: another tensor came back"
+      end
+
+      # And the local pool of the same name still takes them through this node's slots.
+      assert {:ok, ^ours} = diag("echo", [ours], pool_name: @both)
+    end
+
     test "a local pool is preferred; node: pins a node, node() this one", %{b: b} do
       [local] = for w <- workers!(@both), do: w.os_pid
       [there] = os_pids_on(b, @both)

@@ -36,6 +36,22 @@ defmodule VllmBridge.Call.Run do
       else: plain(rt, kind, parts, opts)
   end
 
+  @doc """
+  Whether a request of `kind` (`bound` and `payload` as in `t:opts/0`) may carry its large
+  tensors in argument slots (`VllmBridge.Shm.scope/2`'s gate): its route is a pool of this
+  node whose every worker said in its hello that it reads this node's slot directory.
+  The route is decided as `run/4` decides it: another node's pool, session or reference
+  (whose workers cannot read this node's files), a route refused, or a pool with a
+  worker that reads no directory (or is starting): false, and the tensors take the pipe.
+  """
+  @spec slots?(Runtime.t(), String.t(), Ref.t() | nil, term()) :: boolean()
+  def slots?(%Runtime{} = rt, kind, bound, payload) do
+    case Route.resolve(rt, kind, bound, payload) do
+      {:ok, %Route{meta: meta}} -> VllmBridge.Shm.pool_reads?(meta)
+      _ -> false
+    end
+  end
+
   @doc false
   # The request without telemetry: the lean path below, else the general one. (Public for
   # test/runtime/lean_call_test.exs, which runs it whether or not `:telemetry` is loaded.)

@@ -16,6 +16,8 @@ defmodule VllmBridge.Codec.SlotExt do
 
   @type_code 8
   @result_name ~r/\Ar-[0-9]{1,10}-[0-9]{1,20}\z/
+  # Set while a frame nobody will read is decoded (unread/1).
+  @unread {__MODULE__, :unread}
 
   @doc "The ext 8 value of a tensor (validated by the caller) whose data is in `slot`."
   @spec encode(Tensor.t(), String.t()) :: iodata()
@@ -68,6 +70,38 @@ defmodule VllmBridge.Codec.SlotExt do
   @spec decode(binary()) :: Tensor.t()
   def decode(payload) do
     {dtype, shape, device, slot} = parse(payload)
+
+    if Process.get(@unread),
+      do: unread(dtype, shape, device, slot),
+      else: read_tensor(dtype, shape, device, slot)
+  end
+
+  @doc """
+  Runs `fun` (a decode of a frame nobody will read) with result slots handed back
+  unread: each ext 8 renames its slot `.free` and decodes as a tensor with no data.
+  """
+  @spec unread((() -> result)) :: result when result: term()
+  def unread(fun) do
+    previous = Process.put(@unread, true)
+
+    try do
+      fun.()
+    after
+      if previous, do: :ok, else: Process.delete(@unread)
+    end
+  end
+
+  defp unread(dtype, shape, device, slot) do
+    with %{path: dir} <- Shm.dir(),
+         true <- Regex.match?(@result_name, slot) do
+      path = Path.join(dir, slot)
+      _ = :file.rename(path, path <> ".free")
+    end
+
+    %Tensor{dtype: dtype, shape: shape, data: <<>>, device: device}
+  end
+
+  defp read_tensor(dtype, shape, device, slot) do
     nbytes = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
 
     data =
@@ -97,10 +131,11 @@ defmodule VllmBridge.Codec.SlotExt do
       path = Path.join(dir, slot)
 
       result =
-        with {:ok, %File.Stat{type: :regular}} <- lstat(path),
+        with {:ok, %File.Stat{type: :regular} = seen} <- lstat(path),
+             :ok <- Shm.between_hook(path),
              {:ok, fd} <- open(path) do
           try do
-            with :ok <- check(fd, uid, nbytes), do: pread(fd, nbytes)
+            with :ok <- check(fd, seen, uid, nbytes), do: pread(fd, nbytes)
           after
             :file.close(fd)
           end
@@ -129,12 +164,12 @@ defmodule VllmBridge.Codec.SlotExt do
     end
   end
 
-  # The open file itself (a name swapped for a link after the lstat is caught here).
-  defp check(fd, uid, nbytes) do
-    case :file.read_file_info(fd, time: :posix) do
-      {:ok, info} ->
-        %File.Stat{type: type, uid: owner, size: size} = File.Stat.from_record(info)
-
+  # The open file itself: the file that was lstat'ed (a name swapped for a link, or for
+  # another file, after the lstat is caught here: the open followed it), a regular file
+  # of our uid of the tensor's size.
+  defp check(fd, seen, uid, nbytes) do
+    case Shm.same_file(fd, seen) do
+      {:ok, %File.Stat{type: type, uid: owner, size: size}} ->
         cond do
           type != :regular -> {:error, "is not a regular file (#{type})"}
           owner != uid -> {:error, "belongs to uid #{owner}, not to this node's #{uid}"}
@@ -142,8 +177,8 @@ defmodule VllmBridge.Codec.SlotExt do
           true -> :ok
         end
 
-      {:error, reason} ->
-        {:error, "cannot be read (#{reason})"}
+      {:error, why} ->
+        {:error, why}
     end
   end
 

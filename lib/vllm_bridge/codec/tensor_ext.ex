@@ -33,7 +33,7 @@ defmodule VllmBridge.Codec.TensorExt do
         raise ArgumentError, "tensor shape #{inspect(shape)} has a dimension over 2^64 - 1"
 
       true ->
-        # A large tensor inside VllmBridge.Shm.scope/1 goes into a slot (ext 8).
+        # A large tensor inside VllmBridge.Shm.scope/2 goes into a slot (ext 8).
         case Shm.put(data) do
           {:ok, slot} ->
             SlotExt.encode(t, slot)

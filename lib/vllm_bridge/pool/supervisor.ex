@@ -41,7 +41,8 @@ defmodule VllmBridge.Pool.Supervisor do
       max_frame_bytes: opts[:max_frame_bytes],
       queue_size: opts[:queue_size],
       started: :atomics.new(1, signed: false),
-      starts: :atomics.new(size, signed: false)
+      starts: :atomics.new(size, signed: false),
+      shm: :atomics.new(size, signed: false)
     }
 
     worker_opts =

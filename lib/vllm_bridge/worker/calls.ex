@@ -3,7 +3,7 @@ defmodule VllmBridge.Worker.Calls do
   # The table of calls in flight of one worker process (VllmBridge.Worker), and what
   # happens to a request from its arrival: admitted or refused (`admit/6`), its reply
   # reaching its caller (`finish/4`), its caller giving up or dying (`cancel/3`,
-  # `abandoned/2`), overdue or still running after its cancel (`sweep/3`,
+  # `abandoned/3`), overdue or still running after its cancel (`sweep/3`,
   # `overstayed/3`), or the worker going down (`fail_all/2`). The worker process owns the
   # port and writes to it; this module keeps the table, answers the callers, gives pool
   # slots back and keeps the pool's slot count right (`sweep/3`).
@@ -210,7 +210,8 @@ defmodule VllmBridge.Worker.Calls do
   def drop(nil), do: :ok
 
   def drop(bin) do
-    with {:ok, value} <- Wire.decode_reply(bin),
+    # (Its result slots, if any, go back to the worker unread.)
+    with {:ok, value} <- VllmBridge.Codec.SlotExt.unread(fn -> Wire.decode_reply(bin) end),
          [_ | _] = refs <- VllmBridge.Ref.collect(value) do
       Request.cast_release(self(), refs)
     else

@@ -35,7 +35,8 @@ defmodule VllmBridge.Worker.Hello do
   def check(frame, max) do
     with {:ok, hello} <- check_hello(Codec.decode(frame)),
          :ok <- check_limit(hello, max),
-         :ok <- check_window(hello) do
+         :ok <- check_window(hello),
+         :ok <- check_shm(hello) do
       {:ok, hello}
     end
   end
@@ -109,6 +110,25 @@ defmodule VllmBridge.Worker.Hello do
   end
 
   defp check_window(_hello), do: :ok
+
+  # A worker that opened a slot directory other than this node's (a python: wrapper that
+  # changes VLLM_BRIDGE_SHM_DIR, another /dev/shm at the same path) would name result
+  # slots this node cannot read. (One that opened none is fine: its tensors take the
+  # pipe, VllmBridge.Shm.reads?/1.)
+  defp check_shm(hello) do
+    case VllmBridge.Shm.check_hello(hello) do
+      :ok ->
+        :ok
+
+      {:other, what} ->
+        {:error,
+         Error.new(
+           :bad_argument,
+           "the worker opened the slot directory #{what}; start it with this node's " <>
+             "VLLM_BRIDGE_SHM_DIR (a python: wrapper must pass the variable on)"
+         )}
+    end
+  end
 
   defp check_hello({:ok, ["hello", %{"protocol" => @protocol_version} = hello]}) do
     case hello do

@@ -58,6 +58,8 @@ defmodule VllmBridge.Worker.Starting do
       if meta do
         Slots.put_load(meta, index, Slots.down())
         Directory.clear_worker(pool, index)
+        # No slot names for this index until its hello says it reads the directory.
+        VllmBridge.Shm.mark(meta, index, false)
         if meta.starts, do: :atomics.add_get(meta.starts, index + 1, 1) - 1, else: 0
       else
         0
@@ -273,6 +275,8 @@ defmodule VllmBridge.Worker.Starting do
         handshake_time: System.monotonic_time() - state.started_at,
         stderr: nil
     }
+
+    if state.meta, do: VllmBridge.Shm.mark(state.meta, state.index, VllmBridge.Shm.reads?(hello))
 
     # The frames that came with the hello (a log record, say) as if they came after it.
     state = Enum.reduce(frames, state, &Worker.route(&2, &1))

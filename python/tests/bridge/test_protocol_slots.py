@@ -184,6 +184,29 @@ def test_result_slots_are_reused_once_handed_back_and_bounded(slots: SlotDir, sl
     assert os.listdir(slot_root) == []
 
 
+def test_a_slot_lent_past_the_reclaim_age_is_replaced_under_a_new_name(
+    slots: SlotDir, slot_root: Path, caplog
+):
+    # A result slot whose frame nobody decodes (its caller died with the reply in its
+    # mailbox) is never handed back. Past the reclaim age the worker drops it and makes
+    # a new one: a new name and file, so a late reader finds the old one gone rather than
+    # other data; before that age, results take the pipe, said once in the log.
+    data = memoryview(bytes(range(256)) * 8)
+    names = [slots.write(data) for _ in range(slots.max_slots)]
+    with caplog.at_level("WARNING", logger="vllm_bridge.bridge.protocol.slots"):
+        assert slots.write(data) is None
+        assert slots.write(data) is None
+    said = [r for r in caplog.records if "every result slot" in r.getMessage()]
+    assert len(said) == 1, caplog.records
+    slots.reclaim_after_s = 0.0
+    fresh = slots.write(memoryview(b"z" * 300))
+    assert fresh is not None and fresh not in names
+    assert (slot_root / fresh).read_bytes() == b"z" * 300
+    gone = [n for n in names if not (slot_root / n).exists()]
+    assert len(gone) == 1, os.listdir(slot_root)
+    assert len(os.listdir(slot_root)) == slots.max_slots
+
+
 def test_a_failed_encode_gives_its_slots_back(slots: SlotDir):
     enc = Encoder(TypeRegistry(()), slots=slots)
     big = torch.zeros(1000)

@@ -19,14 +19,17 @@ big-endian u64s), then the slot's name (u8 length, ASCII).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
 import stat
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +39,12 @@ from vllm_bridge.bridge.protocol.errors import BadArgument
 DEFAULT_MIN_BYTES = 1024 * 1024
 #: Result slots a worker keeps at most (lent and free): past it a result takes the pipe.
 MAX_RESULT_SLOTS = 4
+#: A result slot lent this long without being handed back is taken to be lost (its frame
+#: was never decoded: the caller died with the reply in its mailbox, say): when a result
+#: needs a slot and none is free, it is deleted and a new one (a new name) made instead.
+RECLAIM_AFTER_S = 30.0
+
+_log = logging.getLogger(__name__)
 
 _ARG_NAME = re.compile(r"e-[0-9]{1,20}")
 
@@ -73,6 +82,8 @@ class _Slot:
     size: int = 0
     lent: bool = False
     mapping: mmap.mmap | None = None
+    #: When it was last lent out (time.monotonic()).
+    lent_at: float = 0.0
 
 
 @dataclass
@@ -83,6 +94,8 @@ class SlotDir:
     fd: int
     min_bytes: int = DEFAULT_MIN_BYTES
     max_slots: int = MAX_RESULT_SLOTS
+    reclaim_after_s: float = RECLAIM_AFTER_S
+    _said_full: bool = False
     _slots: list[_Slot] = field(default_factory=list)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -170,6 +183,7 @@ class SlotDir:
                 self._drop(slot)
                 return None
             slot.lent = True
+            slot.lent_at = time.monotonic()
             return slot.name
 
     def give_back(self, name: str) -> None:
@@ -190,7 +204,15 @@ class SlotDir:
                 continue
             slot.lent = False
             return slot
-        if len(self._slots) >= self.max_slots:
+        if len(self._slots) >= self.max_slots and not self._reclaim():
+            if not self._said_full:
+                self._said_full = True
+                _log.warning(
+                    "every result slot of this worker is lent (%d): large results take the "
+                    "pipe until one is handed back or reclaimed after %.0f s",
+                    self.max_slots,
+                    self.reclaim_after_s,
+                )
             return None
         name = f"r-{os.getpid()}-{self._next}"
         self._next += 1
@@ -207,6 +229,17 @@ class SlotDir:
         slot = _Slot(name)
         self._slots.append(slot)
         return slot
+
+    def _reclaim(self) -> bool:
+        """Drops the slot lent longest, if past the reclaim age (its reader is taken to be
+        gone): True when one was dropped. Its name is never used again, so a reader that
+        comes late finds it gone, never another result's data."""
+        now = time.monotonic()
+        lent = [s for s in self._slots if s.lent and now - s.lent_at >= self.reclaim_after_s]
+        if not lent:
+            return False
+        self._drop(min(lent, key=lambda s: s.lent_at))
+        return True
 
     def _resize(self, slot: _Slot, n: int) -> None:
         if slot.mapping is not None:
@@ -235,6 +268,11 @@ class SlotDir:
             except OSError:
                 pass
         self._slots.remove(slot)
+
+    def identity(self) -> dict[str, Any]:
+        """The directory this worker opened, for its hello: its path and inode (the Elixir
+        side sends slot names only to a worker that opened its own directory)."""
+        return {"path": self.path, "ino": os.fstat(self.fd).st_ino}
 
     def close(self) -> None:
         """Deletes this worker's result slots (it is exiting)."""

@@ -54,7 +54,7 @@ from vllm_bridge.bridge.protocol.messages import (
     peek_request_id,
 )
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
-from vllm_bridge.bridge.protocol.slots import slot_dir_from_env
+from vllm_bridge.bridge.protocol.slots import SlotDir, slot_dir_from_env
 from vllm_bridge.bridge.worker import allowlist
 from vllm_bridge.bridge.worker.channel import Channel, LogFrameHandler
 
@@ -114,7 +114,11 @@ def hello_device() -> str:
 
 
 def _hello(
-    instance: str, modules: tuple[str, ...], import_errors: dict[str, str], max_frame: int
+    instance: str,
+    modules: tuple[str, ...],
+    import_errors: dict[str, str],
+    max_frame: int,
+    slots: SlotDir | None = None,
 ) -> list[Any]:
     import torch
 
@@ -132,6 +136,9 @@ def _hello(
             "capabilities": list(CAPABILITIES),
             "modules": list(modules),
             "import_errors": import_errors,
+            # The slot directory this worker opened (path and inode), or None: the Elixir
+            # side sends slot names only to workers that read its own.
+            "shm": slots.identity() if slots is not None else None,
         },
     ]
 
@@ -192,7 +199,7 @@ class Worker:
         # and anyone may look at (or write through) this process's fd 2.
         take_back(capture)
         self.channel.send(
-            _hello(self.instance, self.modules, self.import_errors, self.max_frame)
+            _hello(self.instance, self.modules, self.import_errors, self.max_frame, self.slots)
         )
         root = logging.getLogger()
         for handler in root.handlers:
