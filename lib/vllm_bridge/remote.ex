@@ -160,7 +160,8 @@ defmodule VllmBridge.Remote do
   def run(node, %Runtime{} = rt, kind, parts, opts, lost) do
     payload = Keyword.get(opts, :payload)
 
-    with :ok <- refs_on(payload, node) do
+    with :ok <- refs_on(payload, node),
+         :ok <- no_slots(node, kind) do
       # Only the references of the arguments travel for the remote route's :hint check
       # (VllmBridge.Call.Route.has_ref?/1); the arguments themselves are in `parts`.
       opts = if payload, do: Keyword.put(opts, :payload, Ref.collect(payload)), else: opts
@@ -170,6 +171,24 @@ defmodule VllmBridge.Remote do
         {:ok, {pid, mref, reply}} -> await(pid, mref, reply, node, rt, kind, lost)
         {:error, reason} -> {:error, spawn_failed(node, reason, rt, kind, lost)}
       end
+    end
+  end
+
+  # Arguments written to this node's slots (the scope's gate saw a pool here) that would
+  # now go to another node (the pool stopped or moved between the gate and the route):
+  # that node's workers would look for the names in their own directory. Refused, never
+  # sent.
+  defp no_slots(node, kind) do
+    if VllmBridge.Shm.lent?() do
+      {:error,
+       Error.new(
+         :worker_exit,
+         "#{kind}: its large tensors were written to this node's slots for a pool of this " <>
+           "node, which stopped before the request was routed; the route is now node " <>
+           "#{inspect(node)}, whose workers cannot read them: call again"
+       )}
+    else
+      :ok
     end
   end
 
@@ -183,9 +202,12 @@ defmodule VllmBridge.Remote do
   The spawn is asynchronous (`:erlang.spawn_request/5`): `:erlang.spawn_opt/5` on another
   node waits for that node's reply with no limit, so a node that is up but does not
   answer (a stopped VM, a partition that closed no connection) held the caller past its
-  deadline. A request abandoned at its deadline may still start there later, once the
-  node runs again: it then runs under the milliseconds it was given, and its answer goes
-  to an alias that is gone.
+  deadline. A request abandoned at its deadline is not withdrawn: if the node runs again
+  before its connection is given up (`net_ticktime`), the request still starts there.
+  A call then runs under the milliseconds it was given and its answer goes to an alias
+  that is gone; a stream runs until its first window is out and then waits for credit
+  while the caller lives (as a local stream whose reader stops reading). Known limit,
+  documented in docs/DEPLOYMENT.md ("Netsplits").
   """
   @spec spawn_proxy(node(), tuple(), integer() | :infinity) ::
           {:ok, {pid(), reference(), reference()}} | {:error, term()}
@@ -207,12 +229,11 @@ defmodule VllmBridge.Remote do
           :erlang.unalias(reply)
           {:error, :timeout}
         else
-          # Its reply came between the timeout and the abandon: the proxy runs; stop it.
+          # Its reply came between the timeout and the abandon: the proxy runs, and the
+          # answer's wait (at the same give-up time) kills it if it has not answered.
           receive do
             {:spawn_reply, ^req, :ok, pid} ->
-              Process.exit(pid, :kill)
-              done(req, reply)
-              {:error, :timeout}
+              {:ok, {pid, req, reply}}
 
             {:spawn_reply, ^req, :error, reason} ->
               :erlang.unalias(reply)
@@ -228,7 +249,8 @@ defmodule VllmBridge.Remote do
     Error.new(
       :timeout,
       "#{kind} on node #{inspect(node)}: the node did not start the request within its " <>
-        "timeout (#{rt.timeout} ms) and #{@settle_margin} ms more"
+        "timeout (#{rt.timeout} ms) and #{@settle_margin} ms more (it may still run there " <>
+        "if the node answers again)"
     )
   end
 
@@ -277,7 +299,11 @@ defmodule VllmBridge.Remote do
   @doc "How long to wait for a proxy's answer before `deadline` plus the margin."
   @spec wait_ms(integer() | :infinity) :: timeout()
   def wait_ms(:infinity), do: :infinity
-  def wait_ms(deadline), do: Runtime.remaining(deadline) + @settle_margin
+
+  # One give-up time, the deadline plus the margin, whichever wait asks (the spawn's, then
+  # the answer's): not the margin again after each.
+  def wait_ms(deadline),
+    do: max(deadline + @settle_margin - :erlang.monotonic_time(:millisecond), 0)
 
   @doc "The error of a request whose proxy on `node` went down with `reason`."
   @spec down(node(), term(), atom(), String.t()) :: Error.t()

@@ -141,6 +141,13 @@ defmodule VllmBridge.Shm do
   defp all_set?(flags, i), do: :atomics.get(flags, i) == 1 and all_set?(flags, i - 1)
 
   @doc """
+  Whether the current scope has lent argument slots of this node's directory (encoded
+  arguments that only a worker of this node can read).
+  """
+  @spec lent?() :: boolean()
+  def lent?, do: match?([_ | _], Process.get(@lent))
+
+  @doc """
   Runs `fun` with argument slots allowed where `gate` allows them: a tensor of at least
   the threshold that is encoded meanwhile in this process goes into a slot (ext 8) when
   `gate.()` (asked once per scope, at its first such tensor) is true: the request goes to

@@ -82,6 +82,22 @@ defmodule VllmBridge.Shm.Keeper do
 
   @impl true
   def handle_info({port, _}, %{port: port} = state), do: {:noreply, state}
+
+  # The keeper's shell gone (killed by someone): nothing will remove the directory after a
+  # kill -9 of the BEAM any more (a normal stop still does, in terminate/2). Said once;
+  # not restarted, because the running workers read this directory by its path and a new
+  # keeper would make a new one.
+  def handle_info({:EXIT, port, reason}, %{port: port, path: path} = state) do
+    require Logger
+
+    Logger.warning(
+      "vllm_bridge: the keeper of the slot directory #{path} exited (#{inspect(reason)}); " <>
+        "if this BEAM is killed, remove that directory by hand"
+    )
+
+    {:noreply, %{state | port: nil}}
+  end
+
   def handle_info({:EXIT, _, _}, state), do: {:noreply, state}
 
   @impl true

@@ -92,8 +92,8 @@ defmodule VllmBridge.Demo.Nodes do
       end
 
       name = :"vllm_demo_#{System.unique_integer([:positive])}@#{@host}"
-      # The listener on loopback only, as epmd above: nothing of the demo is reachable
-      # from another host.
+      # The listener on loopback only, as an epmd started above (one that already ran
+      # keeps the addresses it was started with).
       Application.put_env(:kernel, :inet_dist_use_interface, {127, 0, 0, 1})
 
       case start_node(name, 10) do
