@@ -1,8 +1,10 @@
 defmodule VllmBridge.Runtime.OutputHaltTest do
   @moduledoc """
   A BEAM that halts while its workers start leaves nothing of their output behind: no
-  FIFO (nor a regular file at a FIFO's name) in the temporary folder, no reader (`cat`,
-  or the shell that runs it) and no launch script blocked for ever. The BEAM is a child
+  FIFO (nor a regular file at a FIFO's name) and no start-up stderr file
+  (`vllm_bridge-stderr-<pid>-*`, which the readers' watchers delete) in the temporary
+  folder, no reader (`cat`, or the shell that runs it) and no launch script blocked for
+  ever. The BEAM is a child
   OS process (`elixir` on this project's compiled code) that starts a pool of two and
   halts from its `:progress` callback when a worker has launched (its FIFOs made, its
   readers started, its launch script running, its hello not yet come), after a delay
@@ -16,7 +18,7 @@ defmodule VllmBridge.Runtime.OutputHaltTest do
   use ExUnit.Case, async: false
 
   @tag timeout: 600_000
-  test "a BEAM halted during the start leaves no FIFO and no reader" do
+  test "a BEAM halted during the start leaves no FIFO, no stderr file and no reader" do
     for delay_ms <- [0, 0, 5, 50, 200], do: halt_during_start(delay_ms)
   end
 
@@ -70,24 +72,25 @@ defmodule VllmBridge.Runtime.OutputHaltTest do
     # Nothing of the readers reached the BEAM's stderr (a `cat` that lost its port).
     refute out =~ "cat:"
     prefix = "vllm_bridge-out-#{child}-"
+    stderr_prefix = "vllm_bridge-stderr-#{child}-"
 
     # What remained is reported as it is at the end of the wait, not as it was before.
-    left = await_gone(prefix, System.monotonic_time(:millisecond) + 60_000)
+    left = await_gone(prefix, stderr_prefix, System.monotonic_time(:millisecond) + 60_000)
 
     assert left == {[], []},
            "halted #{delay_ms} ms after a launch: still there 60 s later (names with " <>
              "their types, then the processes holding or naming them): #{inspect(left)}"
   end
 
-  defp await_gone(prefix, deadline) do
-    left = {fifos(prefix), holders(prefix)}
+  defp await_gone(prefix, stderr_prefix, deadline) do
+    left = {names([prefix, stderr_prefix]), holders(prefix)}
 
     if left == {[], []} or System.monotonic_time(:millisecond) > deadline do
       {for(name <- elem(left, 0), do: {name, type(name)}),
        for(pid <- elem(left, 1), do: {pid, comm(pid), cmdline(pid)})}
     else
       Process.sleep(50)
-      await_gone(prefix, deadline)
+      await_gone(prefix, stderr_prefix, deadline)
     end
   end
 
@@ -106,8 +109,9 @@ defmodule VllmBridge.Runtime.OutputHaltTest do
     end
   end
 
-  defp fifos(prefix),
-    do: System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefix))
+  # The FIFOs and the start-up stderr files of the child.
+  defp names(prefixes),
+    do: System.tmp_dir!() |> File.ls!() |> Enum.filter(&String.starts_with?(&1, prefixes))
 
   # Processes whose command line names one of the FIFOs (a reader's shell, a launch
   # script, either of them blocked in an open), and any that has one open: `cat`, and the

@@ -103,8 +103,12 @@ defmodule VllmBridge.Worker.Launcher do
   # are not touched. After its handshake the worker puts fd 5 back on fd 2, copies what
   # the file holds there (vllm_bridge.bridge.worker.stderr), and the worker process
   # deletes the file; when the start fails, the file's tail goes into the error
-  # (`stderr_tail/1`) and the file is deleted. Nothing the worker writes reaches the
-  # BEAM's own stdout or stderr.
+  # (`stderr_tail/1`) and the file is deleted. A BEAM that dies deletes nothing: the
+  # readers' watchers delete the file (VllmBridge.Worker.Output), each after its FIFO's
+  # name; so the script, once it made the file, checks that both names are still there
+  # (the Elixir side deletes them only after the hello), and else deletes the file and
+  # exits: a watcher that ran before the file was made has removed a name by then.
+  # Nothing the worker writes reaches the BEAM's own stdout or stderr.
   @stderr_fd 5
   #
   # The FIFOs are opened so that no moment of a BEAM's death can wedge the script or leave
@@ -128,7 +132,7 @@ defmodule VllmBridge.Worker.Launcher do
   [ -p /proc/self/fd/7 ] || { rm -f -- "$e"; exit 1; }
   """
   @capture_script @open_fifos <>
-                    ~S'exec 1>/proc/self/fd/6 5>/proc/self/fd/7 6<&- 7<&- && u=$(umask) && umask 077 && set -C && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && exec "$@"'
+                    ~S'exec 1>/proc/self/fd/6 5>/proc/self/fd/7 6<&- 7<&- && u=$(umask) && umask 077 && set -C && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && { [ -p "$o" ] && [ -p "$e" ] || { rm -f -- "$VLLM_BRIDGE_STDERR_FILE"; exit 1; }; } && exec "$@"'
   @output_script @open_fifos <>
                    ~S'exec 1>/proc/self/fd/6 2>/proc/self/fd/7 6<&- 7<&- && exec "$@"'
   @own_env ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"] ++ VllmBridge.Shm.own_env()

@@ -39,14 +39,22 @@ defmodule VllmBridge.Worker.Output do
   # its open. Otherwise the shell ends when `cat` does, with its status (0: its FIFO
   # ended), and removes the name too (the reader killed as the BEAM died may end before
   # its watcher has removed it; a FIFO whose reader is gone is of no use). The shell makes the FIFO, not this process, so that no name is made before a
-  # watcher exists to remove it. Nothing of it writes to the BEAM's stderr (a `cat` that
+  # watcher exists to remove it. $2, when not empty, is the worker's start-up stderr file
+  # (VllmBridge.Worker.Launcher.stderr_file/0): the watcher deletes it too, for a BEAM
+  # that died during the start deletes nothing. Only the watcher does, never the normal
+  # end of `cat` (a failed start's error still reads the file's last lines; the Elixir
+  # side deletes it at the hello or on a failed start), and this process closes a port
+  # only in terminate/2, once its worker is gone or going (its own terminate deletes the
+  # file too). One `rm`, before the kill: once it runs, the shell's `kill $w` (its `cat`
+  # ended) cannot stop it halfway, and it removes the FIFO's name before the file (the
+  # launch script checks the names after it made the file: Launcher). Nothing of it writes to the BEAM's stderr (a `cat` that
   # loses its port would print "write error: Broken pipe").
   @reader ~S"""
   exec 2>/dev/null 4<&0
   mkfifo -m 600 -- "$1" || exit 1
   (exec 4<&- 3<"$1" && printf R && exec cat <&3) &
   c=$!
-  (read _ <&4; rm -f -- "$1"; kill $c) &
+  (read _ <&4; rm -f -- "$1" ${2:+"$2"}; kill $c) &
   w=$!
   printf M
   wait $c
@@ -62,7 +70,9 @@ defmodule VllmBridge.Worker.Output do
 
   @doc """
   Starts the readers of two FIFOs (they make them), linked to the caller (the worker
-  process): `{:ok, pid, {stdout_fifo, stderr_fifo}}`. `meta`: `:pool`, `:index`.
+  process): `{:ok, pid, {stdout_fifo, stderr_fifo}}`. `meta`: `:pool`, `:index`, and
+  `:stderr_file` (the worker's start-up stderr file or nil: the readers' watchers delete
+  it if the BEAM dies).
   """
   @spec start_link(keyword()) :: {:ok, pid(), {String.t(), String.t()}} | {:error, term()}
   def start_link(meta) do
@@ -112,7 +122,7 @@ defmodule VllmBridge.Worker.Output do
         # closes or the BEAM dies, and then the reader goes too.
         port =
           Port.open({:spawn_executable, sh}, [
-            {:args, ["-c", @reader, "vllm_bridge-output-reader", path]},
+            {:args, ["-c", @reader, "vllm_bridge-output-reader", path, meta[:stderr_file] || ""]},
             :binary,
             :stream,
             :exit_status,

@@ -71,7 +71,7 @@ defmodule VllmBridge.Worker.Starting do
 
     started_at = System.monotonic_time()
 
-    with {:ok, output, fifos} <- start_output(pool, index),
+    with {:ok, output, fifos} <- start_output(pool, index, stderr),
          {:ok, port} <- Launcher.open(opts ++ [stderr_file: stderr, output: fifos]) do
       os_pid = Launcher.os_pid(port)
       Output.os_pid(output, os_pid)
@@ -138,8 +138,8 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
-  defp start_output(pool, index) do
-    case Output.start_link(pool: pool, index: index) do
+  defp start_output(pool, index, stderr) do
+    case Output.start_link(pool: pool, index: index, stderr_file: stderr) do
       {:ok, pid, fifos} -> {:ok, pid, fifos}
       {:error, reason} -> {:error, reason}
     end
