@@ -216,6 +216,23 @@ defmodule VllmBridge.Remote do
     # With :monitor the request's id is also the monitor's: the DOWN carries it.
     req = :erlang.spawn_request(node, Proxy, :start, [self(), reply, job], [:monitor])
 
+    case spawn_reply(req, reply, wait_ms(deadline)) do
+      :timeout ->
+        if :erlang.spawn_request_abandon(req) do
+          :erlang.unalias(reply)
+          {:error, :timeout}
+        else
+          # Its reply came between the timeout and the abandon: the proxy runs, and the
+          # answer's wait (at the same give-up time) kills it if it has not answered.
+          spawn_reply(req, reply, :infinity)
+        end
+
+      answered ->
+        answered
+    end
+  end
+
+  defp spawn_reply(req, reply, wait) do
     receive do
       {:spawn_reply, ^req, :ok, pid} ->
         {:ok, {pid, req, reply}}
@@ -224,22 +241,7 @@ defmodule VllmBridge.Remote do
         :erlang.unalias(reply)
         {:error, reason}
     after
-      wait_ms(deadline) ->
-        if :erlang.spawn_request_abandon(req) do
-          :erlang.unalias(reply)
-          {:error, :timeout}
-        else
-          # Its reply came between the timeout and the abandon: the proxy runs, and the
-          # answer's wait (at the same give-up time) kills it if it has not answered.
-          receive do
-            {:spawn_reply, ^req, :ok, pid} ->
-              {:ok, {pid, req, reply}}
-
-            {:spawn_reply, ^req, :error, reason} ->
-              :erlang.unalias(reply)
-              {:error, reason}
-          end
-        end
+      wait -> :timeout
     end
   end
 

@@ -10,7 +10,7 @@ defmodule VllmBridge.Codec.SlotExt do
   # refuses a symbolic link, and checks a regular file of its own uid whose size is the
   # tensor's; then copies the data out and hands the slot back (renames it `<name>.free`).
 
-  alias VllmBridge.Codec.Msgpack
+  alias VllmBridge.Codec.{Msgpack, TensorExt}
   alias VllmBridge.Codec.Msgpack.Decoder
   alias VllmBridge.{Shm, Tensor}
 
@@ -56,7 +56,7 @@ defmodule VllmBridge.Codec.SlotExt do
 
     case rest do
       <<shape_bin::binary-size(shape_bytes), n, slot::binary-size(n)>> ->
-        {dtype, for(<<d::64 <- shape_bin>>, do: d), device(dev), slot}
+        {dtype, for(<<d::64 <- shape_bin>>, do: d), TensorExt.device(dev), slot}
 
       _ ->
         Decoder.fail!("malformed tensor-in-a-slot (ext 8) payload of #{byte_size(payload)} bytes")
@@ -110,10 +110,7 @@ defmodule VllmBridge.Codec.SlotExt do
         {:error, why} -> Decoder.fail!("the tensor slot #{inspect(slot)} (ext 8): #{why}")
       end
 
-    if dtype == :bool do
-      with {offset, byte} <- Tensor.bad_bool_byte(data),
-           do: Decoder.fail!("bool tensor data holds the byte #{byte} at offset #{offset}")
-    end
+    if dtype == :bool, do: TensorExt.check_bool(data)
 
     %Tensor{dtype: dtype, shape: shape, data: data, device: device}
   end
@@ -198,13 +195,5 @@ defmodule VllmBridge.Codec.SlotExt do
   defp handed_back(result, path) do
     _ = :file.rename(path, path <> ".free")
     result
-  end
-
-  defp device(""), do: "cpu"
-
-  defp device(name) do
-    if is_binary(:unicode.characters_to_binary(name)),
-      do: name,
-      else: Decoder.fail!("tensor device name is not valid UTF-8")
   end
 end

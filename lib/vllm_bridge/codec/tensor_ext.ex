@@ -89,14 +89,20 @@ defmodule VllmBridge.Codec.TensorExt do
   def decode(payload),
     do: Decoder.fail!("truncated tensor header (#{byte_size(payload)} bytes)")
 
-  defp check_bool(data) do
+  @doc false
+  # Shared with VllmBridge.Codec.SlotExt (ext 8 carries ext 3's header): a bool tensor's
+  # bytes are 0 or 1, and a device name is UTF-8 ("" read as "cpu").
+  @spec check_bool(binary()) :: nil
+  def check_bool(data) do
     with {offset, byte} <- Tensor.bad_bool_byte(data),
          do: Decoder.fail!("bool tensor data holds the byte #{byte} at offset #{offset}")
   end
 
-  defp device(""), do: "cpu"
+  @doc false
+  @spec device(binary()) :: String.t()
+  def device(""), do: "cpu"
 
-  defp device(name) do
+  def device(name) do
     if is_binary(:unicode.characters_to_binary(name)),
       do: name,
       else: Decoder.fail!("tensor device name is not valid UTF-8")
