@@ -226,16 +226,19 @@ class FrameReader:
                 allocated for it; the stream is not usable after this).
             FrameError: the stream ended inside a frame.
         """
-        if not self._fill(4):
+        # _fill is called only when what is buffered falls short (a small request comes
+        # whole in one read: the body's fill would be a call that does nothing).
+        if len(self._buf) - self._pos < 4 and not self._fill(4):
             return None
         (length,) = _HEADER.unpack_from(self._buf, self._pos)
         if length > self.max_frame:
             raise FrameTooLarge(length, self.max_frame)
         self._pos += 4
-        if length >= self.reuse_min and length > len(self._buf) - self._pos:
-            return self._read_large(length)
-        if not self._fill(length):
-            raise FrameError(f"EOF before a body of {length} bytes")
+        if length > len(self._buf) - self._pos:
+            if length >= self.reuse_min:
+                return self._read_large(length)
+            if not self._fill(length):
+                raise FrameError(f"EOF before a body of {length} bytes")
         body = self._buf[self._pos : self._pos + length]
         self._pos += length
         if self._pos == len(self._buf):
@@ -297,9 +300,12 @@ def write_segments(
     """
     if len(segments) == 1 and type(segments[0]) is bytes and len(segments[0]) < 65536:
         # The common small reply (under any limit): one write of header and body together.
-        view = memoryview(_HEADER.pack(len(segments[0])) + segments[0])
-        while view.nbytes:
-            view = view[os.write(fd, view) :]
+        data = _HEADER.pack(len(segments[0])) + segments[0]
+        written = os.write(fd, data)
+        if written < len(data):  # a short write (a pipe nearly full): the rest in a loop
+            view = memoryview(data)[written:]
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
         return
     views = [s if isinstance(s, memoryview) else memoryview(s) for s in segments]
     views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]

@@ -134,7 +134,7 @@ class Dispatcher:
         if req.kind == "get":
             return self._reply(req, session, "ok", obj)
         args, kwargs = self._arguments(req, session)
-        own = self.interrupter.interruptible(req)  # the request's own code: cancel stops it
+        own = Interruptible(self.interrupter, req)  # the request's own code: cancel stops it
         if req.kind in ("stream", "enter") and not callable(obj) and not args and not kwargs:
             result = obj  # stream an iterator / enter a context manager held by reference
         else:
@@ -336,7 +336,8 @@ class Dispatcher:
         ):
             # Plain msgpack and no reference: the encoder's machinery is not needed.
             body = _packb([kind, req.id, value], use_bin_type=True)
-            self._check_size(len(body))
+            if len(body) > self.channel.max_frame:
+                self._check_size(len(body))
             return [body]
         return self._encode_reply(req, session, kind, value)
 

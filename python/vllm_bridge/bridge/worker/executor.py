@@ -99,7 +99,11 @@ class Executor(Watcher):
         self._interrupt = interrupt
         self._failed = failed
         self._queue: deque[Request] = deque()
-        self._cond = threading.Condition()
+        # The lock under the condition, entered directly where no wait or notify follows:
+        # `with` on a Condition is a Python-level call into threading (twice per request on
+        # the hot path), on the RLock a C one (bench/README.md, "The Python worker's path").
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._running: Request | None = None
         self._started = 0  # requests started so far: the watcher's clock
         self._began = 0.0  # time.monotonic() when the running request began (for pong)
@@ -163,7 +167,7 @@ class Executor(Watcher):
     def submit(self, request: Request) -> None:
         """Queue ``request`` behind those already queued (a stream that waits for credit
         then stops waiting: see :class:`vllm_bridge.bridge.protocol.flow.Flow`)."""
-        with self._cond:
+        with self._lock:
             self._queue.append(request)
             self._cond.notify_all()
             running = self._running
@@ -178,7 +182,7 @@ class Executor(Watcher):
         flow = Flow(
             window, others_waiting=lambda: bool(self._queue), before_wait=self._want_reader
         )
-        with self._cond:
+        with self._lock:
             request.flow = flow
             if self._stopping or request.cancelled:
                 flow.stop()
@@ -187,7 +191,7 @@ class Executor(Watcher):
     def grant(self, request_id: int, n: int) -> None:
         """Room for ``n`` more chunks to the stream ``request_id``, if it is the one
         running (a credit for any other request is ignored)."""
-        with self._cond:
+        with self._lock:
             running = self._running
             if running is not None and running.id == request_id and running.flow is not None:
                 running.flow.grant(n)
@@ -195,7 +199,7 @@ class Executor(Watcher):
     def _want_reader(self) -> None:
         # The running request is about to wait for a frame: the watcher takes the reading
         # role at its next look, which comes at once, not after two polls.
-        with self._cond:
+        with self._lock:
             if self._role != ROLE_NOBODY:
                 return  # the watcher reads already
             self._urgent = True
@@ -209,7 +213,7 @@ class Executor(Watcher):
             caller answers it), else ``None`` (a running request is marked cancelled and
             interrupted; it answers for itself).
         """
-        with self._cond:
+        with self._lock:
             for request in self._queue:
                 # An Abandon carries the id of the enter it cleans up after: never dropped.
                 if request.id == request_id and not isinstance(request, Abandon):
@@ -232,7 +236,7 @@ class Executor(Watcher):
         lands inside :mod:`logging`: see :mod:`vllm_bridge.bridge.worker.interrupt`)."""
 
         def again() -> None:
-            with self._cond:
+            with self._lock:
                 if self._running is request and request.cancelled:
                     self._interrupt()
 
@@ -251,7 +255,7 @@ class Executor(Watcher):
         # input, whichever comes first). At the end of the input, on_eof closes the output
         # first: the interrupted request answers at once, and a write to a peer that is gone
         # would end the process before the sessions' contexts are exited.
-        with self._cond:
+        with self._lock:
             first = not self._stopping
             self._queue.clear()
             self._stopping = True
@@ -263,7 +267,7 @@ class Executor(Watcher):
         if eof and first:
             self._tell_eof()
         if running is not None:
-            with self._cond:  # as cancel does: only while it is still the running one
+            with self._lock:  # as cancel does: only while it is still the running one
                 if self._running is running:
                     self._interrupt()
         self._wake()
@@ -276,7 +280,8 @@ class Executor(Watcher):
         reply = None
         escaped: BaseException | None = None
         try:
-            late = None if request.deadline is None else time.monotonic() - request.deadline
+            # (_begin stamped the start a moment ago: its clock reading serves.)
+            late = None if request.deadline is None else self._began - request.deadline
             if late is not None and late >= 0:
                 reply = self._expired(
                     request,
@@ -292,7 +297,7 @@ class Executor(Watcher):
             escaped = exc
             reply = self._last_resort(request, exc)
         finally:
-            with self._cond:
+            with self._lock:
                 self._running = None
         if reply is not None:
             self._write(reply)
@@ -331,7 +336,7 @@ class Executor(Watcher):
 
     def _next(self) -> Request | None:
         """The next request to run: from the queue, or read from fd 3 by this thread."""
-        with self._cond:
+        with self._lock:
             while True:
                 if self._stopping:
                     return None
@@ -352,7 +357,7 @@ class Executor(Watcher):
             request = self._on_frame(body)
             if request is None:
                 continue
-            with self._cond:
+            with self._lock:
                 if self._stopping:
                     return None
                 self._role = ROLE_NOBODY
@@ -379,7 +384,7 @@ class Executor(Watcher):
 
     def _tell_eof(self) -> None:
         # on_eof, once, whichever thread gets here first.
-        with self._cond:
+        with self._lock:
             told, self._eof_told = self._eof_told, True
         if not told:
             self._on_eof()

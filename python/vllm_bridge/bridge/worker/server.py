@@ -233,33 +233,31 @@ class Worker:
         """Handle one frame on the thread that read it: the request to run, or ``None``
         when the frame was answered here (a control message, a refusal)."""
         try:
-            return self._on_frame(body)
+            # Decode and check in this one frame (the hot path: no helper call per request).
+            now = time.monotonic()
+            try:
+                decoded = self.decoder.decode(body)
+            except (BadArgument, ProtocolError) as exc:
+                # Read from the first bytes alone: every request whose header is readable
+                # is answered under its id, whatever its values hold.
+                self.channel.error(peek_request_id(body), exc.error_type, str(exc))
+                return None
+            try:
+                req = parse_request(decoded.value, now)
+            except RequestError as exc:
+                self.channel.error(exc.request_id, "protocol", str(exc))
+                return None
+            if isinstance(req, Control):
+                return self._control(req)
+            if decoded.special and isinstance(req, Invoke):
+                req.special = True
+            return req
         except Exception as exc:  # a last guard: reading must go on
             _log.exception("frame of %d bytes could not be handled", len(body))
             self.channel.error(
                 peek_request_id(body), "protocol", f"frame not handled: {safe_str(exc):.2000}"
             )
             return None
-
-    def _on_frame(self, body: bytes | bytearray | memoryview) -> Request | None:
-        now = time.monotonic()
-        try:
-            decoded = self.decoder.decode(body)
-        except (BadArgument, ProtocolError) as exc:
-            # Read from the first bytes alone: every request whose header is readable is
-            # answered under its id, whatever its values hold.
-            self.channel.error(peek_request_id(body), exc.error_type, str(exc))
-            return None
-        try:
-            req = parse_request(decoded.value, now)
-        except RequestError as exc:
-            self.channel.error(exc.request_id, "protocol", str(exc))
-            return None
-        if isinstance(req, Control):
-            return self._control(req)
-        if isinstance(req, Invoke):
-            req.special = decoded.special
-        return req
 
     def _control(self, req: Control) -> Request | None:
         if req.kind == "ping":

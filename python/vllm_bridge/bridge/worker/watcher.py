@@ -37,6 +37,7 @@ class Watcher:
 
     # Set by Executor.__init__ (see there); declared here for what reads them.
     _cond: threading.Condition
+    _lock: threading.RLock
     _running: Request | None
     _started: int
     _role: int
@@ -58,7 +59,7 @@ class Watcher:
         active = time.monotonic()  # when a request last ran or started, as seen here
         released = True
         while True:
-            with self._cond:
+            with self._lock:
                 if self._stopping:
                     return
                 running = self._running is not None
@@ -108,7 +109,7 @@ class Watcher:
                 if request is not None:
                     self.submit(request)
                     del request
-            with self._cond:
+            with self._lock:
                 if self._stopping:
                     return False
                 if self._want_back:
