@@ -36,6 +36,9 @@ defmodule VllmBridge.Runtime.StartProgressTest do
     end
   end
 
+  # The stages but :waiting, which comes any number of times (every 2 s of a start).
+  defp named_stages(infos), do: for(%{stage: s} <- infos, s != :waiting, do: s)
+
   test "a callback hears each worker's stages in order, and telemetry carries them" do
     test = self()
     id = {__MODULE__, System.unique_integer()}
@@ -65,8 +68,9 @@ defmodule VllmBridge.Runtime.StartProgressTest do
 
     for i <- [0, 1] do
       infos = stages(:rt_progress, i)
-      # :waiting may come (every 2 s while it starts); the order of the others is fixed.
-      assert Enum.map(infos, & &1.stage) -- [:waiting] == [:launch, :handshake, :on_start, :ready]
+      # :waiting may come, any number of times (a loaded box can take 4 s or more); the
+      # order of the others is fixed.
+      assert named_stages(infos) == [:launch, :handshake, :on_start, :ready]
       ready = List.last(infos)
       assert device?(ready.device) and is_integer(ready.os_pid)
       assert ready.elapsed_ms >= hd(infos).elapsed_ms
@@ -104,7 +108,7 @@ defmodule VllmBridge.Runtime.StartProgressTest do
       )
 
     infos = stages(:rt_progress_mfa, 0)
-    assert Enum.map(infos, & &1.stage) -- [:waiting] == [:launch, :handshake, :on_start, :failed]
+    assert named_stages(infos) == [:launch, :handshake, :on_start, :failed]
     assert %VllmBridge.Error{message: m} = List.last(infos).error
     assert m =~ "no model today"
   end
