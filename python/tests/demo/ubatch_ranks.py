@@ -28,7 +28,10 @@ from typing import Any
 import torch
 
 REPLY_GUARD_S = 120.0  # a hung rank fails the test instead of hanging it
-GROUP_TIMEOUT_S = 20.0
+# A collective's own limit (gloo): only a safety net here (a failure ends the step on both
+# ranks through the abort, not through this timeout), so it is generous: at 20 s, two
+# collectives of a loaded 2-core box (load 5-7) timed out in a run that was otherwise fine.
+GROUP_TIMEOUT_S = 60.0
 
 
 class InjectedFault(RuntimeError):
