@@ -18,7 +18,7 @@
 # (defaults 4 rounds of each load, 3 000 ms each)
 
 defmodule ShortCallers do
-  alias VllmBridge.Bench.{Stats, Trivial}
+  alias VllmBridge.Bench.{Throughput, Trivial}
 
   @callers 64
 
@@ -46,34 +46,14 @@ defmodule ShortCallers do
     Task.async(fn -> Trivial.call(pool_name: pool) end) |> Task.await(:infinity)
   end
 
-  # One round of `load` for `duration` ms: calls/s, worker reductions per call, BEAM CPU
-  # (us) per call, and with `trace?` the workers' scheduled-in time per call (us).
+  # One round of `load` for `duration` ms (the loop of VllmBridge.Bench.Throughput): calls/s,
+  # worker reductions per call, BEAM CPU (us) per call, and with `trace?` the workers'
+  # scheduled-in time per call (us).
   def round(load, pool, workers, duration, trace? \\ false) do
-    parent = self()
     tracer = if trace?, do: start_trace(workers)
-
-    pids =
-      for _ <- 1..@callers do
-        spawn_link(fn ->
-          receive do
-            {:go, deadline} -> send(parent, {:done, self(), loop(load, pool, deadline, 0)})
-          end
-        end)
-      end
-
     red0 = reductions(workers)
     {cpu0, _} = :erlang.statistics(:runtime)
-    start = System.monotonic_time(:microsecond)
-    Enum.each(pids, &send(&1, {:go, div(start, 1000) + duration}))
-
-    total =
-      Enum.reduce(pids, 0, fn pid, acc ->
-        receive do
-          {:done, ^pid, n} -> acc + n
-        end
-      end)
-
-    elapsed = System.monotonic_time(:microsecond) - start
+    {total, elapsed} = Throughput.count(fn _i -> call(load, pool) end, @callers, duration)
     {cpu1, _} = :erlang.statistics(:runtime)
     red1 = reductions(workers)
     in_ns = if trace?, do: stop_trace(tracer, workers), else: 0
@@ -119,15 +99,6 @@ defmodule ShortCallers do
 
       {:get, from} ->
         send(from, {:acc, acc})
-    end
-  end
-
-  defp loop(load, pool, deadline, n) do
-    if System.monotonic_time(:millisecond) >= deadline do
-      n
-    else
-      Stats.check!(call(load, pool))
-      loop(load, pool, deadline, n + 1)
     end
   end
 

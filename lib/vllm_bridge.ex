@@ -91,7 +91,6 @@ defmodule VllmBridge do
 
   alias VllmBridge.{Error, Pool, Ref, Session}
   alias VllmBridge.Call.{Context, Run, Runtime, Wire}
-  alias VllmBridge.Session.LooseRefs
 
   @typedoc "What to call: a module attribute path, or an attribute of a referenced object."
   @type target :: {String.t(), String.t()} | {Ref.t(), String.t() | nil}
@@ -212,33 +211,8 @@ defmodule VllmBridge do
   """
   @spec enter(target(), list(), map() | keyword(), VllmBridge.Runtime.opts()) ::
           result({Ref.t(), term()})
-  def enter(target, args \\ [], kwargs \\ %{}, opts \\ []) do
-    with {:ok, rt} <- Runtime.resolve(opts),
-         :ok <- in_a_session(rt, target),
-         {:ok, parts} <- Wire.encode_invoke(target, args, kwargs),
-         {:ok, [handle, value]} <-
-           Run.run(rt, "enter", parts, what: target, bound: Run.bound_ref(target)) do
-      {:ok, {handle, value}}
-    else
-      {:ok, other} -> {:error, Error.new(:protocol, "enter answered #{inspect(other, limit: 5)}")}
-      {:error, e} -> {:error, e}
-    end
-  end
-
-  # A context entered in no session would sit in the worker's shared default session,
-  # seen by every later session-less call that lands on that worker: refused.
-  defp in_a_session(%Runtime{session_id: id}, _target) when is_binary(id), do: :ok
-  defp in_a_session(_rt, {%Ref{}, _path}), do: :ok
-
-  defp in_a_session(_rt, target) do
-    {:error,
-     Error.new(
-       :bad_argument,
-       "enter of #{inspect(target, limit: 5)} needs a session (a context belongs to one): " <>
-         "pass session_id: in the runtime options, or use with_context/5 or a with_… " <>
-         "binding, which open one for the body"
-     )}
-  end
+  def enter(target, args \\ [], kwargs \\ %{}, opts \\ []),
+    do: Context.enter(target, args, kwargs, opts)
 
   @doc """
   Exits a context entered with `enter/4`: `exc` nil for a clean exit, or the error that
@@ -252,27 +226,7 @@ defmodule VllmBridge do
   """
   @spec exit(Ref.t(), nil | Exception.t() | String.t(), VllmBridge.Runtime.opts()) ::
           result(boolean())
-  def exit(handle, exc \\ nil, opts \\ [])
-
-  def exit(%Ref{} = handle, exc, opts) do
-    with {:ok, rt} <- Runtime.resolve(opts),
-         {:ok, exc_map} <- Context.exc_map(exc) do
-      parts = [Wire.value(handle), Wire.value(exc_map)]
-
-      with {:ok, _} = ok <- Run.run(rt, "exit", parts, what: handle, bound: handle) do
-        LooseRefs.forget([handle])
-        ok
-      end
-    end
-  end
-
-  def exit(other, _exc, _opts),
-    do:
-      {:error,
-       Error.new(
-         :bad_argument,
-         "exit needs a context handle (a Ref), got #{inspect(other, limit: 5)}"
-       )}
+  def exit(handle, exc \\ nil, opts \\ []), do: Context.exit(handle, exc, opts)
 
   @doc """
   Enters the context manager `target(*args, **kwargs)` returns, runs `fun.(value)` and
@@ -302,31 +256,8 @@ defmodule VllmBridge do
         ) ::
           {:ok, result | nil} | {:error, Error.t()}
         when result: term()
-  def with_context(target, args, kwargs, opts, fun) when is_function(fun, 1) do
-    with {:ok, rt} <- Runtime.resolve(opts) do
-      case {rt.session_id, target} do
-        {nil, {%Ref{}, _}} ->
-          Context.with_context_in(nil, target, args, kwargs, opts, fun)
-
-        {nil, _} ->
-          # No session given: a temporary one, in the pool the options name, for the body.
-          with_session(
-            fn s ->
-              opts = Keyword.put(opts || [], :session_id, s.id)
-              Context.with_context_in(s, target, args, kwargs, opts, fun)
-            end,
-            Keyword.take(opts || [], [:pool_name, :node])
-          )
-
-        {id, _} ->
-          with {:ok, s} <- Session.lookup(id),
-               do: Context.with_context_in(s, target, args, kwargs, opts, fun)
-      end
-    end
-  end
-
-  def with_context(_target, _args, _kwargs, _opts, other),
-    do: not_a_function("with_context", "the entered value", other)
+  def with_context(target, args, kwargs, opts, fun),
+    do: Context.with_context(target, args, kwargs, opts, fun)
 
   # -- references and sessions ------------------------------------------------------------
 
@@ -337,55 +268,7 @@ defmodule VllmBridge do
   that process are forgotten, so nothing is released twice.
   """
   @spec release(Ref.t() | [Ref.t()], VllmBridge.Runtime.opts()) :: result(non_neg_integer())
-  def release(refs, opts \\ [])
-  def release(%Ref{} = ref, opts), do: release([ref], opts)
-
-  def release(refs, opts) when is_list(refs) do
-    with {:ok, rt} <- Runtime.resolve(opts),
-         :ok <- all_refs(refs) do
-      refs
-      |> Enum.group_by(&{&1.instance, &1.session})
-      |> Enum.reduce_while({:ok, 0}, fn {_instance_and_session, group}, {:ok, n} ->
-        # Named by how many it releases: the list itself would be copied into the
-        # request's message and kept in the worker's table while it is in flight.
-        what = "of #{length(group)} reference(s)"
-
-        case Run.run(rt, "release", [Wire.value(group)],
-               what: what,
-               bound: hd(group),
-               timed: false
-             ) do
-          {:ok, k} when is_integer(k) ->
-            LooseRefs.forget(group)
-            {:cont, {:ok, n + k}}
-
-          {:ok, other} ->
-            {:halt, {:error, Error.new(:protocol, "release answered #{inspect(other)}")}}
-
-          {:error, e} ->
-            {:halt, {:error, e}}
-        end
-      end)
-    end
-  end
-
-  def release(other, _opts),
-    do:
-      {:error,
-       Error.new(
-         :bad_argument,
-         "release needs a Ref or a list of them, got #{inspect(other, limit: 5)}"
-       )}
-
-  defp all_refs(refs) do
-    case Enum.reject(refs, &match?(%Ref{}, &1)) do
-      [] ->
-        :ok
-
-      [bad | _] ->
-        {:error, Error.new(:bad_argument, "release: not a reference: #{inspect(bad, limit: 5)}")}
-    end
-  end
+  def release(refs, opts \\ []), do: VllmBridge.Call.Release.run(refs, opts)
 
   @doc """
   Opens a session (`VllmBridge.Session.open/1` options), runs `fun.(session)` and always
@@ -406,25 +289,5 @@ defmodule VllmBridge do
   """
   @spec with_session((Session.t() -> result), keyword()) :: result | {:error, Error.t()}
         when result: term()
-  def with_session(fun, opts \\ [])
-
-  def with_session(fun, opts) when is_function(fun, 1) do
-    with {:ok, session} <- Session.open(opts) do
-      try do
-        Session.with_current(session, fn -> fun.(session) end)
-      after
-        Session.close(session)
-      end
-    end
-  end
-
-  def with_session(other, _opts), do: not_a_function("with_session", "the session", other)
-
-  defp not_a_function(name, argument, other) do
-    {:error,
-     Error.new(
-       :bad_argument,
-       "#{name} needs a function of one argument (#{argument}), got #{inspect(other, limit: 5)}"
-     )}
-  end
+  def with_session(fun, opts \\ []), do: Context.with_session(fun, opts)
 end

@@ -23,32 +23,16 @@ defmodule VllmBridge.Worker do
   #   * **Frame size.** A request frame over `:max_frame_bytes` is refused with
   #     `:bad_argument` instead of being written (a pool's callers are refused earlier,
   #     before a slot is reserved: `VllmBridge.Call.Route`). A header from the Python process
-  #     declaring more means the stream cannot be trusted: the Python process is killed,
-  #     every call in flight gets `:worker_exit` naming the length and the limit, and this
-  #     process stops (its supervisor starts a new one).
-  #
+  #     declaring more ends the worker (VllmBridge.Worker.Down).
   #   * **Pipelining.** Several calls may be in flight at once; the Python side runs them one
   #     at a time, in order. In a pool, how many is bounded by `VllmBridge.Pool.Slots`, which
   #     this process releases as replies come in.
-  #   * **Death.** When the Python process exits, or the port to it fails (it stopped
-  #     reading: `:epipe`), every call in flight gets
-  #     `{:error, %VllmBridge.Error{type: :worker_exit}}` saying so at once and this process
-  #     stops; its supervisor starts a new one (a new Python process, a new `instance`).
-  #   * **Timeouts, and callers that die.** A caller that gives up settles its call through
-  #     here (`VllmBridge.Call.Request.give_up/2`: `:cancelled` comes back after any reply
-  #     already passed on), and the calls of a caller that dies (a caller with calls in
-  #     flight is monitored, once: VllmBridge.Worker.Calls) are cancelled the same way:
-  #     Python drops a queued call and interrupts a running one where it is
-  #     (docs/PROTOCOL.md, "Cancel"), so its slot comes back and the worker, its
-  #     sessions and their state stay. A reply that still comes is dropped
-  #     here, and the references in it (seen by nobody) are released in their sessions.
-  #   * **`cancel_grace`.** A cancelled call still running `cancel_grace` ms later did not
-  #     stop when interrupted: it is stuck in C code (interrupted only once it returns to
-  #     Python), in an `__enter__` (never interrupted), or it caught the interruption. The
-  #     Python process is then killed and the worker restarts; every call in flight on it,
-  #     and every session lost with it, says why (which request, and `cancel_grace`). As
-  #     with Ctrl-C, an interruption that lands in the interrupted code's own cleanup can
-  #     leave that code's state half-reset; the worker's own state is never interrupted.
+  #   * **Death.** When the Python process exits, or the port to it fails, every call in
+  #     flight gets `:worker_exit` at once and this process stops; its supervisor starts a
+  #     new one (VllmBridge.Worker.Down).
+  #   * **Timeouts, callers that die, and `cancel_grace`.** A call whose caller gives up or
+  #     dies is cancelled in Python, and the Python process is killed when the call does
+  #     not stop within `cancel_grace` (VllmBridge.Worker.Cancel).
   #   * **Logs.** `log` frames go to `Logger` with the Python logger's name
   #     (VllmBridge.Worker.PythonLog); the Python process's stdout and stderr are read by
   #     a process beside this one (VllmBridge.Worker.Output), never through this mailbox.
@@ -66,14 +50,13 @@ defmodule VllmBridge.Worker do
 
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Runtime, Wire}
-  alias VllmBridge.Pool.{Directory, Slots}
-  alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, PythonLog, Starting}
+  alias VllmBridge.Worker.{Calls, Cancel, Down, Events, Framer, Hello, Launcher, Messages}
+  alias VllmBridge.Worker.{PythonLog, Starting}
   alias VllmBridge.Worker.Messages.Submit
 
   @start_timeout 60_000
   @cancel_grace 5_000
   @shutdown_grace 3_000
-  @sweep_every 1_000
 
   @typedoc "What the worker announced in its handshake."
   @type hello :: Hello.t()
@@ -219,7 +202,7 @@ defmodule VllmBridge.Worker do
   def handle_call(:status, _from, state), do: {:reply, status(state), state}
 
   def handle_call(:close, _from, state) do
-    {:stop, :normal, :ok, shut(state, "the worker was closed")}
+    {:stop, :normal, :ok, Down.shut(state, "the worker was closed")}
   end
 
   @impl true
@@ -243,92 +226,42 @@ defmodule VllmBridge.Worker do
     {:noreply, state}
   end
 
-  # A caller gives up (VllmBridge.Call.Request.give_up/2, or a stream that stops): cancel
-  # as below, then answer, always. A reply already passed on reaches the caller first.
-  def handle_info(Messages.settle(id, alias), state) do
-    state = cancel(state, id)
-    Messages.send_cancelled(alias)
-    {:noreply, state}
-  end
+  # The calls that end without their reply (VllmBridge.Worker.Cancel).
+  def handle_info(Messages.settle(id, alias), state),
+    do: {:noreply, Cancel.settle(state, id, alias)}
 
-  def handle_info(Messages.grace(id), state) do
-    case Calls.overstayed(state.calls, id, state.cancel_grace) do
-      nil ->
-        {:noreply, state}
+  def handle_info(Messages.grace(id), state), do: {:noreply, Cancel.grace(state, id)}
 
-      overstayed ->
-        why = "the Python process (os pid #{state.os_pid}) was killed because #{overstayed}"
+  def handle_info({:DOWN, mon, :process, caller, _reason}, state),
+    do: {:noreply, Cancel.abandoned(state, mon, caller)}
 
-        Logger.warning(
-          "vllm_bridge worker #{label(state)}: #{why}; the worker restarts",
-          VllmBridge.Worker.LogMeta.of(state)
-        )
+  def handle_info(:sweep, state), do: {:noreply, Cancel.sweep(state)}
 
-        Launcher.kill(state.os_pid)
-        # Every call that loses its worker, and every session lost with it, says why.
-        {:noreply, %{state | killed: why}}
-    end
-  end
-
-  # A caller died: cancel its live calls as if they had timed out.
-  def handle_info({:DOWN, mon, :process, caller, _reason}, state) do
-    {ids, calls} = Calls.abandoned(state.calls, mon, caller)
-    {:noreply, Enum.reduce(ids, %{state | calls: calls}, &cancel(&2, &1))}
-  end
-
-  def handle_info(:sweep, state) do
-    Process.send_after(self(), :sweep, @sweep_every)
-    now = System.monotonic_time(:millisecond)
-    {overdue, calls} = Calls.sweep(state.calls, now, @sweep_every)
-    {:noreply, Enum.reduce(overdue, %{state | calls: calls}, &cancel(&2, &1))}
-  end
-
-  def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
-    down(
-      %{state | port: nil},
-      "the Python worker exited with status #{status} (os pid #{state.os_pid})"
-    )
-  end
+  # The worker's end (VllmBridge.Worker.Down).
+  def handle_info({port, {:exit_status, status}}, %{port: port} = state),
+    do: Down.exited(state, status)
 
   # The port closed after its process exited: the exit status comes (or came) first.
   def handle_info({:EXIT, port, :normal}, %{port: port} = state) when is_port(port) do
     {:noreply, state}
   end
 
-  # The port failed (`:epipe`: a write the Python process no longer reads, because it
-  # stopped reading or is on its way out): no frame can reach it any more.
-  def handle_info({:EXIT, port, reason}, %{port: port} = state) when is_port(port) do
-    down(
-      state,
-      "the port to the Python process (os pid #{state.os_pid}) failed " <>
-        "(#{inspect(reason)}): it no longer reads its requests (see its stderr)"
-    )
-  end
+  def handle_info({:EXIT, port, reason}, %{port: port} = state) when is_port(port),
+    do: Down.port_failed(state, reason)
 
-  # The process that reads the Python process's stdout and stderr is gone: what the
-  # Python process writes there would fail (a broken pipe), so it starts again.
-  def handle_info({:EXIT, output, reason}, %{output: output} = state) when is_pid(output) do
-    down(
-      %{state | output: nil},
-      "the reader of its stdout and stderr stopped (#{inspect(reason)})"
-    )
-  end
+  def handle_info({:EXIT, output, reason}, %{output: output} = state) when is_pid(output),
+    do: Down.output_stopped(state, reason)
 
   def handle_info(_other, state), do: {:noreply, state}
 
   @impl true
   def terminate(reason, state) do
     Events.ended(state, reason, Calls.size(state.calls))
-    shut(state, "the worker is shutting down")
+    Down.shut(state, "the worker is shutting down")
     # A start cut short (the pool stopped meanwhile) leaves no start-up stderr file.
     if state[:stderr], do: Launcher.delete_stderr(state.stderr)
     :ok
   end
-
-  @doc false
-  # How often the table of calls in flight is swept (ms; VllmBridge.Worker.Calls.sweep/3).
-  @spec sweep_every() :: pos_integer()
-  def sweep_every, do: @sweep_every
 
   # -- requests and frames ---------------------------------------------------------------
 
@@ -396,59 +329,8 @@ defmodule VllmBridge.Worker do
 
       {:too_large, len, frames} ->
         state = Enum.reduce(frames, state, &route(&2, &1))
-        # Killed first: it must not go on writing into a stream nobody reads.
-        Launcher.kill(state.os_pid)
-        down(state, Launcher.too_large_message(state.os_pid, len, state.max_frame))
+        Down.too_large(state, len)
     end
-  end
-
-  # The caller gave up, died, or its call is overdue: cancel it (Python drops it if
-  # queued, interrupts it if running), and restart the Python process if the call still
-  # runs `cancel_grace` ms from now.
-  defp cancel(state, id) do
-    case Calls.cancel(state.calls, id, System.monotonic_time(:millisecond)) do
-      {:cancelled, calls} ->
-        Port.command(state.port, Wire.request("cancel", id, []))
-        Process.send_after(self(), Messages.grace(id), state.cancel_grace)
-        %{state | calls: calls}
-
-      :not_live ->
-        state
-    end
-  end
-
-  @doc false
-  # The directory forgets this worker (keeping why) and its slots go down; only then
-  # does everything in flight get :worker_exit, so that a caller that retries at once
-  # finds it gone (its session lost, saying why) instead of reserving on it. The Python
-  # process is closed (and killed if it lingers). Requests still in this mailbox see the
-  # stop reason, `{:shutdown, {:worker_exit, message}}` (Request.worker_down/1).
-  @spec shut(map(), String.t()) :: map()
-  def shut(state, message) do
-    if state.meta do
-      Directory.worker_down(state.pool, state.index, state.instance, message)
-      Slots.put_load(state.meta, state.index, Slots.down())
-    end
-
-    calls = Calls.fail_all(state.calls, message)
-
-    if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
-    # Down once: terminate/2 runs this again, and must not overwrite the reason recorded.
-    %{state | calls: calls, port: nil, instance: nil}
-  end
-
-  # The worker goes down: logged, every caller told why (the grace kill's reason, when
-  # that is what ended it), and this process stops (its supervisor starts a new one).
-  defp down(state, event) do
-    Logger.error(
-      "vllm_bridge worker #{label(state)}: #{event}; #{Calls.size(state.calls)} call(s) " <>
-        "in flight get :worker_exit and the worker restarts",
-      VllmBridge.Worker.LogMeta.of(state)
-    )
-
-    why = state.killed || event
-    Events.exited(state, why, Calls.size(state.calls))
-    {:stop, {:shutdown, {:worker_exit, why}}, shut(state, why)}
   end
 
   @doc false

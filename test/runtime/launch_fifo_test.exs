@@ -55,16 +55,7 @@ defmodule VllmBridge.Runtime.LaunchFifoTest do
     {exe, args, env} =
       Launcher.output_command({out, err}, file, python, ["-c", @probe, err_fd], [])
 
-    port =
-      Port.open({:spawn_executable, exe}, [
-        {:args, args},
-        {:env, env},
-        :stream,
-        :binary,
-        :nouse_stdio,
-        :exit_status
-      ])
-
+    port = Launcher.open_port(exe, args, env)
     {port, Launcher.os_pid(port)}
   end
 

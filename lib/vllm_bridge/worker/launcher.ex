@@ -77,20 +77,26 @@ defmodule VllmBridge.Worker.Launcher do
             fifos -> output_command(fifos, Keyword.get(opts, :stderr_file), python, args, env)
           end
 
-        # :stream, not {:packet, 4}: the port's own framing would allocate whatever
-        # length a header declares (see VllmBridge.Worker.Framer).
-        port =
-          Port.open({:spawn_executable, exe}, [
-            {:args, args},
-            {:env, env},
-            :stream,
-            :binary,
-            :nouse_stdio,
-            :exit_status
-          ])
-
-        {:ok, port}
+        {:ok, open_port(exe, args, env)}
     end
+  end
+
+  @doc false
+  # The port of a worker: `exe args` with `env` (charlist pairs), its requests on fd 3 and
+  # its replies on fd 4. Apart from open/1 so that a test of the launch script opens its
+  # port exactly as a worker's is opened.
+  @spec open_port(String.t(), [String.t()], [{charlist(), charlist()}]) :: port()
+  def open_port(exe, args, env) do
+    # :stream, not {:packet, 4}: the port's own framing would allocate whatever
+    # length a header declares (see VllmBridge.Worker.Framer).
+    Port.open({:spawn_executable, exe}, [
+      {:args, args},
+      {:env, env},
+      :stream,
+      :binary,
+      :nouse_stdio,
+      :exit_status
+    ])
   end
 
   # Output and start-up stderr. The Python process is exec'd by a tiny /bin/sh script

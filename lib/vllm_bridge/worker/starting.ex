@@ -30,7 +30,7 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Worker
   alias VllmBridge.Call.Wire
   alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, OnStart}
-  alias VllmBridge.Worker.{Output, Progress, StartFailure}
+  alias VllmBridge.Worker.{Cancel, Down, Output, Progress, StartFailure}
 
   # The worker module whose start-up stderr is captured: ours takes its stderr FIFO back
   # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own has its
@@ -318,7 +318,7 @@ defmodule VllmBridge.Worker.Starting do
     # Once it takes calls: a handler may look it up (VllmBridge.Pool.workers/1).
     Events.started(state)
 
-    Process.send_after(self(), :sweep, Worker.sweep_every())
+    Process.send_after(self(), :sweep, Cancel.sweep_every())
 
     state =
       state.pending
@@ -334,7 +334,7 @@ defmodule VllmBridge.Worker.Starting do
         {:noreply, state}
 
       closers ->
-        state = Worker.shut(state, "the worker was closed")
+        state = Down.shut(state, "the worker was closed")
         for from <- closers, do: GenServer.reply(from, :ok)
         {:stop, :normal, state}
     end

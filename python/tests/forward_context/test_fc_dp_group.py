@@ -12,6 +12,7 @@ import torch
 
 from vllm_bridge import dp
 from vllm_bridge.dp._decide import NUM_ROWS, decide
+from vllm_bridge.dp._devices import group_device, sync_device
 from vllm_bridge.config import ParallelConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.forward_context import coordinate_batch_across_dp
@@ -120,27 +121,27 @@ def test_nccl_one_rank_group_reduces_on_the_device(clean_env: pytest.MonkeyPatch
     # Rank 0 takes GPU 0, and that is this process's current device from now on.
     assert info.device == "cuda:0" and torch.cuda.current_device() == 0
     cfg = ParallelConfig()
-    assert dp._sync_device(info, cfg) == torch.device("cuda:0")
+    assert sync_device(info, cfg, dp.DPGroupError) == torch.device("cuda:0")
     out = dp.dp_all_reduce(torch.tensor([5, 6], device="cuda"), 1, 0)
     assert out.device.type == "cuda" and out.tolist() == [5, 6]
     cpu_cfg = ParallelConfig(disable_nccl_for_dp_synchronization=True)
-    assert dp._sync_device(info, cpu_cfg).type == "cpu"
+    assert sync_device(info, cpu_cfg, dp.DPGroupError).type == "cpu"
     assert dp.dp_all_reduce(torch.tensor([7]), 1, 0).tolist() == [7]
 
 
 def test_a_group_without_nccl_runs_its_collectives_on_the_cpu(clean_env) -> None:
     info = dp.init_dp_group(0, 1, master_port=_free_port(), backend="gloo")
     assert info.device == "cpu"
-    assert dp._sync_device(info, ParallelConfig()) == torch.device("cpu")
+    assert sync_device(info, ParallelConfig(), dp.DPGroupError) == torch.device("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_nccl_ranks_take_turns_over_the_gpus() -> None:
     n = torch.cuda.device_count()
-    assert [dp._group_device(r, "nccl") for r in range(n + 1)] == [
+    assert [group_device(r, "nccl") for r in range(n + 1)] == [
         f"cuda:{i}" for i in [*range(n), 0]
     ]
-    assert dp._group_device(3, "gloo") == "cpu"
+    assert group_device(3, "gloo") == "cpu"
 
 
 def test_dp_off_needs_no_group_and_returns_the_mode() -> None:

@@ -38,25 +38,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from vllm_bridge._checks import check_bool, check_int, check_optional_bool, check_optional_int
 from vllm_bridge._ubatch_current import current_ubatch_context
 from vllm_bridge.config import ParallelConfig
-from vllm_bridge.dp._decide import (
-    NUM_ROWS,
-    ROW_CG_MODE,
-    ROW_PAD_VOTE,
-    ROW_PADDED,
-    ROW_UBATCH_VOTE,
-    ROW_UNPADDED,
-    check_per_request,
-    cudagraph_mode_value,
-    decide,
-)
+from vllm_bridge.dp._decide import check_arguments, decide, rank_table
+from vllm_bridge.dp._devices import for_the_group, group_device, sync_device
 from vllm_bridge.dp._group import begin_run, usable_state, wait_collective
 from vllm_bridge.dp._rendezvous import rendezvous
 from vllm_bridge.dp._settings import DEFAULT_TIMEOUT_S, resolve_settings
 from vllm_bridge.dp._ubatch_sync import UBatchRunSync, describe
-from vllm_bridge.platforms import rank_device
 from vllm_bridge.ubatch import check_ubatch_thresholds
 
 __all__ = [
@@ -157,7 +146,7 @@ def init_dp_group(
         master_port,
         backend,
         timeout_s,
-        device=_group_device(rank, backend),
+        device=group_device(rank, backend),
     )
 
     with _lock:
@@ -178,13 +167,6 @@ def init_dp_group(
             torch.cuda.set_device(torch.device(info.device))
         _state = _State(info=info, store=rendezvous(info, DPTimeoutError, DPGroupError))
     return info
-
-
-def _group_device(rank: int, backend: str) -> str:
-    """The device a rank's NCCL collectives use (``cpu`` for a group without NCCL)."""
-    if "nccl" not in backend:
-        return "cpu"
-    return rank_device(rank)
 
 
 def destroy_dp_group() -> bool:
@@ -209,20 +191,6 @@ def dp_group_info() -> DPGroupInfo | None:
     """The DP group this process has joined, or ``None`` when it has joined none."""
     state = _state
     return state.info if state is not None else None
-
-
-def _sync_device(info: DPGroupInfo, parallel_config: ParallelConfig) -> torch.device:
-    """Where the DP all_reduce runs: CUDA (NCCL) unless the config asks for the CPU group."""
-    if "nccl" not in info.backend:
-        return torch.device("cpu")
-    if parallel_config.disable_nccl_for_dp_synchronization:
-        if "gloo" not in info.backend:
-            raise DPGroupError(
-                "disable_nccl_for_dp_synchronization needs a gloo backend, but the DP group "
-                f"was set up with {info.backend!r}"
-            )
-        return torch.device("cpu")
-    return torch.device(info.device)
 
 
 def _collective(
@@ -284,7 +252,7 @@ def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
         DPGroupError: no group joined, the group does not match, or it broke earlier.
         DPTimeoutError: a peer did not take part within the group's timeout.
     """
-    wire = _for_the_group(tensor)
+    wire = for_the_group(tensor, dp_group_info())
     _collective(
         "all_reduce",
         expected_size,
@@ -297,15 +265,6 @@ def dp_all_reduce(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
     return tensor
 
 
-def _for_the_group(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as the joined group's backend takes it: a CUDA tensor goes through the
-    CPU unless the group has NCCL (the rule of both collectives here)."""
-    info = dp_group_info()
-    if tensor.device.type == "cuda" and (info is None or "nccl" not in info.backend):
-        return tensor.cpu()
-    return tensor
-
-
 def dp_all_gather(tensor: torch.Tensor, expected_size: int, expected_rank: int) -> torch.Tensor:
     """Every rank's ``tensor`` (same shape and dtype on every rank), stacked by rank:
     a new tensor of shape ``(world_size, *tensor.shape)`` on ``tensor``'s device.
@@ -314,7 +273,7 @@ def dp_all_gather(tensor: torch.Tensor, expected_size: int, expected_rank: int) 
     Checks and timeout as :func:`dp_all_reduce`.
     """
     device = tensor.device
-    tensor = _for_the_group(tensor).contiguous()
+    tensor = for_the_group(tensor, dp_group_info()).contiguous()
     parts = [torch.empty_like(tensor) for _ in range(expected_size)]
     _collective(
         "all_gather",
@@ -370,21 +329,16 @@ def coordinate_batch_across_dp(
         DPGroupError: no DP group, or one that does not match ``parallel_config``.
         DPTimeoutError: a peer did not take part within the group's timeout.
     """
-    check_int("num_tokens_unpadded", num_tokens_unpadded, minimum=0)
-    check_bool("allow_microbatching", allow_microbatching)
-    check_bool("allow_dp_padding", allow_dp_padding)
-    if not isinstance(parallel_config, ParallelConfig):
-        raise TypeError(f"parallel_config must be a ParallelConfig, got {parallel_config!r}")
-    check_optional_int("num_tokens_padded", num_tokens_padded, minimum=num_tokens_unpadded)
-    check_optional_bool("uniform_decode", uniform_decode)
-    check_per_request(num_scheduled_tokens_per_request, num_tokens_unpadded)
-    mode = cudagraph_mode_value(cudagraph_mode)
-    if allow_microbatching and uniform_decode is None:
-        raise ValueError("uniform_decode must be given (True/False) when allow_microbatching")
-    if num_tokens_padded is None:
-        num_tokens_padded = num_tokens_unpadded
-    if num_tokens_padded >= 2**31:
-        raise ValueError(f"num_tokens_padded must fit in int32, got {num_tokens_padded}")
+    num_tokens_padded, mode = check_arguments(
+        num_tokens_unpadded,
+        allow_microbatching,
+        allow_dp_padding,
+        parallel_config,
+        num_tokens_padded,
+        uniform_decode,
+        num_scheduled_tokens_per_request,
+        cudagraph_mode,
+    )
 
     dp_size = parallel_config.data_parallel_size
     dp_rank = parallel_config.data_parallel_rank
@@ -395,12 +349,19 @@ def coordinate_batch_across_dp(
         parallel_config, num_tokens_unpadded, uniform_decode=bool(uniform_decode)
     )
     info = dp_group_info()
-    device = _sync_device(info, parallel_config) if info is not None else torch.device("cpu")
-    table = torch.zeros(NUM_ROWS, dp_size, dtype=torch.int32)
-    table[ROW_UNPADDED, dp_rank] = num_tokens_unpadded
-    table[ROW_PADDED, dp_rank] = num_tokens_padded
-    table[ROW_UBATCH_VOTE, dp_rank] = int(vote_ubatch)
-    table[ROW_CG_MODE, dp_rank] = mode
-    table[ROW_PAD_VOTE, dp_rank] = int(allow_dp_padding)
+    device = (
+        sync_device(info, parallel_config, DPGroupError)
+        if info is not None
+        else torch.device("cpu")
+    )
+    table = rank_table(
+        dp_size,
+        dp_rank,
+        num_tokens_unpadded,
+        num_tokens_padded,
+        vote_ubatch,
+        mode,
+        allow_dp_padding,
+    )
     table = dp_all_reduce(table.to(device), dp_size, dp_rank).cpu()
     return decide(table, parallel_config.num_ubatches)

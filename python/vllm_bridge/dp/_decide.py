@@ -7,7 +7,8 @@ decision rules can be read, and tested, on their own.
 import numpy as np
 import torch
 
-from vllm_bridge._checks import check_int
+from vllm_bridge._checks import check_bool, check_int, check_optional_bool, check_optional_int
+from vllm_bridge.config import ParallelConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.ubatch import is_last_ubatch_empty
 
@@ -52,6 +53,57 @@ def check_per_request(
             f"num_scheduled_tokens_per_request sums to {sum(counts)}, "
             f"but num_tokens_unpadded is {num_tokens_unpadded}"
         )
+
+
+def check_arguments(
+    num_tokens_unpadded: int,
+    allow_microbatching: bool,
+    allow_dp_padding: bool,
+    parallel_config: ParallelConfig,
+    num_tokens_padded: int | None,
+    uniform_decode: bool | None,
+    num_scheduled_tokens_per_request: list[int] | np.ndarray | torch.Tensor | None,
+    cudagraph_mode: int,
+) -> tuple[int, int]:
+    """Check the arguments of :func:`vllm_bridge.dp.coordinate_batch_across_dp` (raising
+    ``ValueError`` / ``TypeError`` naming the bad one); return ``num_tokens_padded`` (its
+    default filled in) and the cudagraph mode as an int."""
+    check_int("num_tokens_unpadded", num_tokens_unpadded, minimum=0)
+    check_bool("allow_microbatching", allow_microbatching)
+    check_bool("allow_dp_padding", allow_dp_padding)
+    if not isinstance(parallel_config, ParallelConfig):
+        raise TypeError(f"parallel_config must be a ParallelConfig, got {parallel_config!r}")
+    check_optional_int("num_tokens_padded", num_tokens_padded, minimum=num_tokens_unpadded)
+    check_optional_bool("uniform_decode", uniform_decode)
+    check_per_request(num_scheduled_tokens_per_request, num_tokens_unpadded)
+    mode = cudagraph_mode_value(cudagraph_mode)
+    if allow_microbatching and uniform_decode is None:
+        raise ValueError("uniform_decode must be given (True/False) when allow_microbatching")
+    if num_tokens_padded is None:
+        num_tokens_padded = num_tokens_unpadded
+    if num_tokens_padded >= 2**31:
+        raise ValueError(f"num_tokens_padded must fit in int32, got {num_tokens_padded}")
+    return num_tokens_padded, mode
+
+
+def rank_table(
+    dp_size: int,
+    dp_rank: int,
+    num_tokens_unpadded: int,
+    num_tokens_padded: int,
+    vote_ubatch: bool,
+    mode: int,
+    allow_dp_padding: bool,
+) -> torch.Tensor:
+    """This rank's all_reduce matrix (CPU, int32): its column holds its values, every
+    other entry is 0."""
+    table = torch.zeros(NUM_ROWS, dp_size, dtype=torch.int32)
+    table[ROW_UNPADDED, dp_rank] = num_tokens_unpadded
+    table[ROW_PADDED, dp_rank] = num_tokens_padded
+    table[ROW_UBATCH_VOTE, dp_rank] = int(vote_ubatch)
+    table[ROW_CG_MODE, dp_rank] = mode
+    table[ROW_PAD_VOTE, dp_rank] = int(allow_dp_padding)
+    return table
 
 
 def decide(table: torch.Tensor, num_ubatches: int) -> tuple[bool, torch.Tensor, int]:

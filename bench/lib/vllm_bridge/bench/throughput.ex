@@ -56,6 +56,18 @@ defmodule VllmBridge.Bench.Throughput do
   """
   @spec rate((pos_integer() -> term()), pos_integer(), pos_integer()) :: float()
   def rate(call, callers, duration) do
+    {total, elapsed_us} = count(call, callers, duration)
+    total / (elapsed_us / 1_000_000)
+  end
+
+  @doc """
+  The loop of `rate/3`, for benchmarks that measure more around it
+  (bench/short_callers.exs): `{calls made, microseconds from the common start until the
+  last caller was done}`.
+  """
+  @spec count((pos_integer() -> term()), pos_integer(), pos_integer()) ::
+          {non_neg_integer(), pos_integer()}
+  def count(call, callers, duration) do
     parent = self()
 
     pids =
@@ -67,8 +79,8 @@ defmodule VllmBridge.Bench.Throughput do
         end)
       end
 
-    start = System.monotonic_time(:millisecond)
-    Enum.each(pids, &send(&1, {:go, start + duration}))
+    start = System.monotonic_time(:microsecond)
+    Enum.each(pids, &send(&1, {:go, div(start, 1000) + duration}))
 
     total =
       Enum.reduce(pids, 0, fn pid, acc ->
@@ -77,7 +89,7 @@ defmodule VllmBridge.Bench.Throughput do
         end
       end)
 
-    total / ((System.monotonic_time(:millisecond) - start) / 1000)
+    {total, max(System.monotonic_time(:microsecond) - start, 1)}
   end
 
   defp loop(call, i, deadline, n) do
