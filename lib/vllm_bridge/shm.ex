@@ -146,10 +146,28 @@ defmodule VllmBridge.Shm do
   defdelegate lent?, to: VllmBridge.Shm.Writer
 
   @doc """
+  Whether the worker now at `index` of the pool named `pool` reads the slot directory
+  (`mark/3`): the check, when a request whose arguments are in slots has its worker,
+  that this worker can read them (it, or its pool, may have restarted since the scope's
+  gate looked).
+  """
+  @spec worker_reads?(term(), non_neg_integer()) :: boolean()
+  def worker_reads?(pool, index) do
+    case VllmBridge.Pool.Directory.pool(pool) do
+      {:ok, %{shm: flags, size: size}} when flags != nil and index < size ->
+        :atomics.get(flags, index + 1) == 1
+
+      _ ->
+        false
+    end
+  end
+
+  @doc """
   Runs `fun` with argument slots allowed where `gate` allows them: a tensor of at least
   the threshold that is encoded meanwhile in this process goes into a slot (ext 8) when
   `gate.()` (asked once per scope, at its first such tensor) is true: the request goes to
-  a worker of this node that reads this directory (`VllmBridge.Call.Run.slots?/4`). When
+  a worker of this node that reads this directory (`VllmBridge.Call.Run.slots?/1` of the
+  route `VllmBridge.Call.Run.run_encoded/4` resolved, and runs the request on). When
   `fun` returns (or raises), every slot it lent is given back: kept for reuse when the
   worker handed it back, deleted otherwise. A nested scope has its own gate and shares
   the outermost one's slots.
