@@ -283,8 +283,8 @@ defmodule VllmBridge.Call.Run do
        Error.new(
          :worker_exit,
          "#{kind}: its large tensors were written to this node's slots for worker " <>
-           "#{index} of pool #{inspect(meta.name)}, which restarted since without reading " <>
-           "the slot directory: call again"
+           "#{index} of pool #{inspect(meta.name)}, which no longer reads the slot " <>
+           "directory (it restarted without it, or its pool stopped): call again"
        )}
     else
       :ok
