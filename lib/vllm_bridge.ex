@@ -125,16 +125,14 @@ defmodule VllmBridge do
   def call(target, args \\ [], kwargs \\ %{}, opts \\ []) do
     # Large tensors in the arguments may go through shared memory while the call runs
     # (VllmBridge.Shm), when its route is a worker of this node that reads the slot
-    # directory (Run.slots?/4, asked only when there is such a tensor): their slots are
-    # given back when it returns.
+    # directory (Run.run_encoded/4: the route is resolved once, and the call runs on the
+    # route its tensors were encoded for): their slots are given back when it returns.
     with {:ok, rt} <- Runtime.resolve(opts) do
-      bound = Run.bound_ref(target)
-
-      VllmBridge.Shm.scope(fn -> Run.slots?(rt, "call", bound, {args, kwargs}) end, fn ->
-        with {:ok, parts} <- Wire.encode_invoke(target, args, kwargs) do
-          Run.run(rt, "call", parts, what: target, bound: bound, payload: {args, kwargs})
-        end
-      end)
+      Run.run_encoded(rt, "call", fn -> Wire.encode_invoke(target, args, kwargs) end,
+        what: target,
+        bound: Run.bound_ref(target),
+        payload: {args, kwargs}
+      )
     end
   end
 

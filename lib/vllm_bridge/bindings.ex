@@ -101,11 +101,14 @@ defmodule VllmBridge.Bindings do
       bound = Run.bound_ref(spec.target)
       payload = {py_args, kwargs}
 
-      VllmBridge.Shm.scope(fn -> Run.slots?(rt, "call", bound, payload) end, fn ->
-        with {:ok, parts} <- Wire.encode_invoke_binding(spec.target, py_args, kwargs) do
-          Run.run(rt, "call", parts, what: spec.target, bound: bound, payload: payload)
-        end
-      end)
+      Run.run_encoded(
+        rt,
+        "call",
+        fn -> Wire.encode_invoke_binding(spec.target, py_args, kwargs) end,
+        what: spec.target,
+        bound: bound,
+        payload: payload
+      )
     end
   end
 

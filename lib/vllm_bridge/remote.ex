@@ -160,8 +160,10 @@ defmodule VllmBridge.Remote do
   def run(node, %Runtime{} = rt, kind, parts, opts, lost) do
     payload = Keyword.get(opts, :payload)
 
-    with :ok <- refs_on(payload, node),
-         :ok <- no_slots(node, kind) do
+    # (Arguments in this node's slots never come here: VllmBridge.Call.Run.run_encoded/4
+    # runs a request on the route its tensors were encoded for, and only a route to a
+    # pool of this node lends slots.)
+    with :ok <- refs_on(payload, node) do
       # Only the references of the arguments travel for the remote route's :hint check
       # (VllmBridge.Call.Route.has_ref?/1); the arguments themselves are in `parts`.
       opts = if payload, do: Keyword.put(opts, :payload, Ref.collect(payload)), else: opts
@@ -171,24 +173,6 @@ defmodule VllmBridge.Remote do
         {:ok, {pid, mref, reply}} -> await(pid, mref, reply, node, rt, kind, lost)
         {:error, reason} -> {:error, spawn_failed(node, reason, rt, kind, lost)}
       end
-    end
-  end
-
-  # Arguments written to this node's slots (the scope's gate saw a pool here) that would
-  # now go to another node (the pool stopped or moved between the gate and the route):
-  # that node's workers would look for the names in their own directory. Refused, never
-  # sent.
-  defp no_slots(node, kind) do
-    if VllmBridge.Shm.lent?() do
-      {:error,
-       Error.new(
-         :worker_exit,
-         "#{kind}: its large tensors were written to this node's slots for a pool of this " <>
-           "node, which stopped before the request was routed; the route is now node " <>
-           "#{inspect(node)}, whose workers cannot read them: call again"
-       )}
-    else
-      :ok
     end
   end
 

@@ -1,7 +1,10 @@
 defmodule VllmBridge.Shm do
   @moduledoc false
   # Shared memory for large tensors (docs/PROTOCOL.md, "Tensors in slots (ext 8)"): the
-  # node's slot directory and the slots that carry arguments to the workers.
+  # node's slot directory and the slots that carry arguments to the workers. This module
+  # is the directory's facts (what workers get, which pools read it) and the process that
+  # keeps the books of the argument slots (which are lent, to whom, which are free); the
+  # caller's side (the scope of a call, writing a slot) is VllmBridge.Shm.Writer.
   #
   # One directory per BEAM, kept by VllmBridge.Shm.Keeper (which makes it when the
   # application starts and removes it when the BEAM dies by any means), so that this
@@ -25,16 +28,11 @@ defmodule VllmBridge.Shm do
 
   use GenServer
 
-  require Logger
-
   # Argument slots at most (lent and free): past it a tensor takes the pipe.
   @max_slots 8
   @idle_ms 2_000
   @sweep_ms 500
-  @backoff_ms 5_000
   @key {__MODULE__, :dir}
-  @lent {__MODULE__, :lent}
-  @gate {__MODULE__, :gate}
 
   @typedoc "The node's slot directory, or :disabled."
   @type dir :: %{
@@ -145,63 +143,19 @@ defmodule VllmBridge.Shm do
   arguments that only a worker of this node can read).
   """
   @spec lent?() :: boolean()
-  def lent?, do: match?([_ | _], Process.get(@lent))
+  defdelegate lent?, to: VllmBridge.Shm.Writer
 
   @doc """
-  Runs `fun` with argument slots allowed where `gate` allows them: a tensor of at least
-  the threshold that is encoded meanwhile in this process goes into a slot (ext 8) when
-  `gate.()` (asked once per scope, at its first such tensor) is true: the request goes to
-  a worker of this node that reads this directory (`VllmBridge.Call.Run.slots?/4`). When
-  `fun` returns (or raises), every slot it lent is given back: kept for reuse when the
-  worker handed it back, deleted otherwise. A nested scope has its own gate and shares
-  the outermost one's slots.
+  Whether the worker now at `index` of the pool named `pool` reads the slot directory
+  (`mark/3`): the check, when a request whose arguments are in slots has its worker,
+  that this worker can read them (it, or its pool, may have restarted since the scope's
+  gate looked).
   """
-  @spec scope((() -> boolean()), (() -> result)) :: result when result: term()
-  def scope(gate, fun) do
-    cond do
-      dir() == :disabled ->
-        fun.()
-
-      Process.get(@lent) != nil ->
-        previous = Process.put(@gate, gate)
-
-        try do
-          fun.()
-        after
-          Process.put(@gate, previous)
-        end
-
-      true ->
-        scoped(gate, fun)
-    end
-  end
-
-  defp scoped(gate, fun) do
-    Process.put(@lent, [])
-    Process.put(@gate, gate)
-
-    try do
-      fun.()
-    after
-      Process.delete(@gate)
-
-      case Process.delete(@lent) do
-        [] -> :ok
-        names -> GenServer.cast(__MODULE__, {:done, self(), names})
-      end
-    end
-  end
-
-  # The scope's gate, asked once (its answer kept for the rest of the scope).
-  defp allowed? do
-    case Process.get(@gate) do
-      answer when is_boolean(answer) ->
-        answer
-
-      gate when is_function(gate, 0) ->
-        answer = gate.() == true
-        Process.put(@gate, answer)
-        answer
+  @spec worker_reads?(term(), non_neg_integer()) :: boolean()
+  def worker_reads?(pool, index) do
+    case VllmBridge.Pool.Directory.pool(pool) do
+      {:ok, %{shm: flags, size: size}} when flags != nil and index < size ->
+        :atomics.get(flags, index + 1) == 1
 
       _ ->
         false
@@ -209,19 +163,24 @@ defmodule VllmBridge.Shm do
   end
 
   @doc """
+  Runs `fun` with argument slots allowed where `gate` allows them: a tensor of at least
+  the threshold that is encoded meanwhile in this process goes into a slot (ext 8) when
+  `gate.()` (asked once per scope, at its first such tensor) is true: the request goes to
+  a worker of this node that reads this directory (`VllmBridge.Call.Run.slots?/1` of the
+  route `VllmBridge.Call.Run.run_encoded/4` resolved, and runs the request on). When
+  `fun` returns (or raises), every slot it lent is given back: kept for reuse when the
+  worker handed it back, deleted otherwise. A nested scope has its own gate and shares
+  the outermost one's slots.
+  """
+  @spec scope((() -> boolean()), (() -> result)) :: result when result: term()
+  defdelegate scope(gate, fun), to: VllmBridge.Shm.Writer
+
+  @doc """
   Runs `fun` with argument slots off: every tensor it encodes takes the pipe (the
   benchmarks' pipe figures; a worker module of one's own that cannot read ext 8).
   """
   @spec without((() -> result)) :: result when result: term()
-  def without(fun) do
-    previous = Process.put(@lent, :off)
-
-    try do
-      fun.()
-    after
-      if previous == nil, do: Process.delete(@lent), else: Process.put(@lent, previous)
-    end
-  end
+  defdelegate without(fun), to: VllmBridge.Shm.Writer
 
   @doc """
   Writes `data` into an argument slot when this process is inside `scope/2` and its gate allows it, the node
@@ -229,121 +188,17 @@ defmodule VllmBridge.Shm do
   name}`; else `:pipe` (the caller sends the bytes inline).
   """
   @spec put(binary()) :: {:ok, String.t()} | :pipe
-  def put(data) do
-    with lent when is_list(lent) <- Process.get(@lent),
-         %{path: path, min_bytes: min} = dir when byte_size(data) >= min <- dir(),
-         false <- backing_off?(dir),
-         true <- allowed?(),
-         {:ok, name, new?} <- GenServer.call(__MODULE__, {:take, self(), byte_size(data)}) do
-      Process.put(@lent, [name | lent])
-
-      case write(Path.join(path, name), data, new?) do
-        :ok ->
-          {:ok, name}
-
-        {:error, :enospc} ->
-          no_space(dir, name)
-          :pipe
-
-        {:error, reason} ->
-          Logger.warning("vllm_bridge: writing the slot #{name} failed (#{inspect(reason)})")
-          :pipe
-      end
-    else
-      _ -> :pipe
-    end
-  end
-
-  # A full file system (a small /dev/shm: Docker gives 64 MiB): the tensor takes the
-  # pipe, and so does every large tensor for @backoff_ms, said once in the log.
-  # (0: never set; monotonic time may be negative, so 0 is no "long ago".)
-  defp backing_off?(%{backoff: ref}) do
-    case :atomics.get(ref, 1) do
-      0 -> false
-      until -> until > System.monotonic_time(:millisecond)
-    end
-  end
-
-  defp backing_off?(_dir), do: false
-
-  defp no_space(%{backoff: ref, path: path}, name) do
-    :atomics.put(ref, 1, System.monotonic_time(:millisecond) + @backoff_ms)
-
-    if :atomics.compare_exchange(ref, 2, 0, 1) == :ok do
-      Logger.warning(
-        "vllm_bridge: no room in #{path} for the slot #{name} (the file system is full): " <>
-          "large tensors take the pipe, and slots are tried again every #{@backoff_ms} ms " <>
-          "(said once)"
-      )
-    end
-  end
-
-  defp write(path, data, new?) do
-    modes = [:read, :write, :raw, :binary] ++ if(new?, do: [:exclusive], else: [])
-
-    # A new slot is made with O_EXCL (a link planted there fails); a reused one must
-    # still be a regular file (Erlang's open has no O_NOFOLLOW; only our uid can write
-    # in the 0700 directory).
-    with {:ok, seen} <- if(new?, do: {:ok, nil}, else: regular(path)),
-         :ok <- between_hook(path),
-         {:ok, fd} <- :file.open(path, modes) do
-      try do
-        with {:ok, _} <- if(new?, do: {:ok, nil}, else: same_file(fd, seen)),
-             :ok <- room(fd, seen, byte_size(data)),
-             :ok <- :file.pwrite(fd, 0, data),
-             {:ok, _} <- :file.position(fd, byte_size(data)),
-             do: :file.truncate(fd)
-      after
-        :file.close(fd)
-      end
-    end
-  end
-
-  # The pages first (posix_fallocate), when the slot is to grow: a full file system fails
-  # here at once, not after most of the tensor was copied.
-  defp room(fd, seen, n) do
-    if n > 0 and (seen == nil or seen.size < n), do: :file.allocate(fd, 0, n), else: :ok
-  end
-
-  defp regular(path) do
-    case File.lstat(path, time: :posix) do
-      {:ok, %File.Stat{type: :regular} = seen} -> {:ok, seen}
-      {:ok, %File.Stat{type: type}} -> {:error, {:not_a_regular_file, type}}
-      {:error, _} = error -> error
-    end
-  end
+  defdelegate put(data), to: VllmBridge.Shm.Writer
 
   @doc false
-  # The stat of the open file `fd` when it is the file `seen` (an lstat of its name just
-  # before the open: same device and inode), else `{:error, why}`. Erlang's open has no
-  # O_NOFOLLOW: a name swapped for a link (or another file) between the lstat and the
-  # open is caught here, before anything is read or written.
+  # (VllmBridge.Shm.Writer.same_file/2: an open file checked against the lstat before it.)
   @spec same_file(term(), File.Stat.t()) :: {:ok, File.Stat.t()} | {:error, String.t()}
-  def same_file(fd, %File.Stat{major_device: dev, inode: ino}) do
-    case :file.read_file_info(fd, time: :posix) do
-      {:ok, info} ->
-        case File.Stat.from_record(info) do
-          %File.Stat{major_device: ^dev, inode: ^ino} = stat -> {:ok, stat}
-          _ -> {:error, "was replaced between its lstat and its open (a link?)"}
-        end
-
-      {:error, reason} ->
-        {:error, "cannot be read (#{reason})"}
-    end
-  end
+  defdelegate same_file(fd, seen), to: VllmBridge.Shm.Writer
 
   @doc false
-  # Runs the test's hook between an lstat and the open (test/runtime/shm_test.exs swaps a
-  # name for a link there); nothing when none is set.
+  # (VllmBridge.Shm.Writer.between_hook/1: the tests' hook between an lstat and an open.)
   @spec between_hook(String.t()) :: :ok
-  def between_hook(path) do
-    case Process.get(:vllm_bridge_slot_swap) do
-      nil -> :ok
-      hook -> _ = hook.(path)
-    end
-
-    :ok
-  end
+  defdelegate between_hook(path), to: VllmBridge.Shm.Writer
 
   # -- the process ------------------------------------------------------------------------
 

@@ -133,6 +133,47 @@ defmodule VllmBridge.Runtime.ShmTest do
              )
   end
 
+  # A worker's result slots are reused while it returns large results back to back, and
+  # deleted once it has not for a while (IDLE_AFTER_S, python/vllm_bridge/bridge/protocol/
+  # slots.py): a worker that once returned a large result does not keep its pages.
+  test "a busy worker's result slots are reused, an idle worker's go", %{dir: dir} do
+    pid = os_pid()
+
+    results = fn ->
+      for name <- ls(dir),
+          String.starts_with?(name, "r-#{pid}-"),
+          uniq: true,
+          do: String.replace_suffix(name, ".free", "")
+    end
+
+    big = tensor(2, 11)
+    assert {:ok, ^big} = echo(big)
+    first = results.()
+    assert first != []
+
+    # (Asked of five round trips in a row, a bounded number of times: on a loaded machine
+    # the gap between two may pass the idle period.)
+    wait_until(
+      fn ->
+        before = results.()
+
+        before != [] and
+          Enum.all?(1..5, fn _ ->
+            assert {:ok, ^big} = echo(big)
+            results.() == before
+          end)
+      end,
+      60_000,
+      "back-to-back round trips reuse the same result slots"
+    )
+
+    wait_until(fn -> results.() == [] end, 30_000, "the idle worker's result slots go")
+    # The next large result gets a new slot, under a new name.
+    assert {:ok, ^big} = echo(big)
+    assert [_ | _] = again = results.()
+    assert MapSet.disjoint?(MapSet.new(again), MapSet.new(first))
+  end
+
   test "a worker killed with kill -9 in the middle of a call leaves no slot behind",
        %{dir: dir, tmp: tmp} do
     assert {:ok, _} = echo(tensor(8, 2))

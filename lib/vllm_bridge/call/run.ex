@@ -15,14 +15,24 @@ defmodule VllmBridge.Call.Run do
   # description (for a release); `bound:` the reference it is bound to (nil when none);
   # `payload:` its arguments, looked at only to see whether they hold references
   # (VllmBridge.Call.Route); `timed:` whether the kind carries a timeout field (default
-  # true).
-  @type opts :: [what: term(), bound: Ref.t() | nil, payload: term(), timed: boolean()]
+  # true); `route:` the route already resolved for it (`run_encoded/4`: the one its
+  # arguments were encoded for), else it is resolved here.
+  @type opts :: [
+          what: term(),
+          bound: Ref.t() | nil,
+          payload: term(),
+          timed: boolean(),
+          route: {:ok, Route.t()} | {:remote, node(), atom()} | {:error, Error.t()}
+        ]
 
   # Kinds that clean up session state: once sent they are never cancelled (not at the
   # deadline, not when the caller dies) and carry no deadline to the worker, which runs
   # requests in arrival order. A caller that stops waiting gets :timeout, and the
   # session's next call still finds the context exited.
   @cleanups ["exit", "release"]
+
+  # The route the gate of run_encoded/4 resolved, until the run takes it.
+  @route {__MODULE__, :route}
 
   @doc """
   Runs a request of `kind` whose encoded fields are `parts` (`t:opts/0`). With
@@ -37,20 +47,57 @@ defmodule VllmBridge.Call.Run do
   end
 
   @doc """
-  Whether a request of `kind` (`bound` and `payload` as in `t:opts/0`) may carry its large
-  tensors in argument slots (`VllmBridge.Shm.scope/2`'s gate): its route is a pool of this
-  node whose every worker said in its hello that it reads this node's slot directory.
-  The route is decided as `run/4` decides it: another node's pool, session or reference
-  (whose workers cannot read this node's files), a route refused, or a pool with a
-  worker that reads no directory (or is starting): false, and the tensors take the pipe.
+  Runs a request of `kind` whose arguments `encode` encodes, inside
+  `VllmBridge.Shm.scope/2`: its large tensors go into argument slots when its route is a
+  pool of this node whose every worker said in its hello that it reads this node's slot
+  directory (`slots?/1`), else through the pipe. The route is resolved once: by the
+  scope's gate when a tensor over the threshold asks it, and the request then runs on
+  that route (`run/4`'s `route:`), so that where the tensors went and where the request
+  goes cannot disagree; by `run/4` otherwise.
   """
-  @spec slots?(Runtime.t(), String.t(), Ref.t() | nil, term()) :: boolean()
-  def slots?(%Runtime{} = rt, kind, bound, payload) do
-    case Route.resolve(rt, kind, bound, payload) do
-      {:ok, %Route{meta: meta}} -> VllmBridge.Shm.pool_reads?(meta)
-      _ -> false
+  @spec run_encoded(
+          Runtime.t(),
+          String.t(),
+          (() -> {:ok, [iodata()]} | {:error, Error.t()}),
+          opts()
+        ) :: {:ok, term()} | {:error, Error.t()}
+  def run_encoded(%Runtime{} = rt, kind, encode, opts) do
+    gate = fn ->
+      route = resolve(rt, kind, opts)
+      Process.put(@route, route)
+      slots?(route)
     end
+
+    VllmBridge.Shm.scope(gate, fn ->
+      encoded =
+        try do
+          encode.()
+        catch
+          # (The gate's route goes with its call: no later call may find it.)
+          class, reason ->
+            Process.delete(@route)
+            :erlang.raise(class, reason, __STACKTRACE__)
+        end
+
+      case Process.delete(@route) do
+        nil -> with {:ok, parts} <- encoded, do: run(rt, kind, parts, opts)
+        route -> with {:ok, parts} <- encoded, do: run(rt, kind, parts, opts ++ [route: route])
+      end
+    end)
   end
+
+  @doc """
+  Whether a request on the route `resolved` (`VllmBridge.Call.Route.resolve/4`'s answer)
+  may carry its large tensors in argument slots: a pool of this node whose every worker
+  said in its hello that it reads this node's slot directory. Another node's pool,
+  session or reference (whose workers cannot read this node's files), a route refused,
+  or a pool with a worker that reads no directory (or is starting): false, and the
+  tensors take the pipe.
+  """
+  @spec slots?({:ok, Route.t()} | {:remote, node(), atom()} | {:error, Error.t()}) ::
+          boolean()
+  def slots?({:ok, %Route{meta: meta}}), do: VllmBridge.Shm.pool_reads?(meta)
+  def slots?(_resolved), do: false
 
   @doc false
   # The request without telemetry: the lean path below, else the general one. (Public for
@@ -72,16 +119,42 @@ defmodule VllmBridge.Call.Run do
         payload: p
       )
       when n == nil or n == node() do
-    with {:ok, meta} <- Directory.pool(rt.pool_name),
-         req = Request.new("call", [<<0xC0>>], parts, true, what),
-         true <- Slots.waiting(meta) == 0 and Request.max_size(req) <= meta.max_frame_bytes,
+    case Directory.pool(rt.pool_name) do
+      {:ok, meta} -> lean(rt, parts, what, p, meta)
+      _ -> general(rt, "call", parts, what: what, bound: nil, payload: p)
+    end
+  end
+
+  # (Its route resolved already, by run_encoded/4's gate: a pool of this node, any worker.)
+  def plain(%Runtime{session_id: nil} = rt, "call", parts,
+        what: what,
+        bound: nil,
+        payload: p,
+        route: {:ok, %Route{meta: meta, constraint: :any, session_id: nil}}
+      ),
+      do: lean(rt, parts, what, p, meta)
+
+  def plain(rt, kind, parts, opts), do: general(rt, kind, parts, opts)
+
+  # The general path, when it runs, takes the route the lean one had (Route.resolve/4's
+  # answer for such a call: the pool, any worker), so that it is resolved once.
+  defp lean(rt, parts, what, p, meta) do
+    req = Request.new("call", [<<0xC0>>], parts, true, what)
+
+    with true <- Slots.waiting(meta) == 0 and Request.max_size(req) <= meta.max_frame_bytes,
          i when is_integer(i) <- Slots.reserve_any(meta) do
       case Directory.worker(meta.name, i) do
         {pid, _instance} ->
-          pid
-          |> Request.call(req, rt.deadline, holds_slot: true)
-          |> adopt_loose(%Route{meta: meta, constraint: :any})
-          |> named("call", what, rt)
+          case reads_slots(meta, i, "call") do
+            :ok ->
+              pid
+              |> Request.call(req, rt.deadline, holds_slot: true)
+              |> adopt_loose(%Route{meta: meta, constraint: :any})
+              |> named("call", what, rt)
+
+            refused ->
+              refused
+          end
 
         nil ->
           # (Route.checkout/3's answer for a worker gone between reserve and look-up.)
@@ -89,11 +162,11 @@ defmodule VllmBridge.Call.Run do
           named(Route.worker_gone(meta, i), "call", what, rt)
       end
     else
-      _ -> general(rt, "call", parts, what: what, bound: nil, payload: p)
+      _ ->
+        route = {:ok, %Route{meta: meta, constraint: :any}}
+        general(rt, "call", parts, what: what, bound: nil, payload: p, route: route)
     end
   end
-
-  def plain(rt, kind, parts, opts), do: general(rt, kind, parts, opts)
 
   @doc false
   # The general path alone (for the lean path's test): any request, any route.
@@ -105,14 +178,15 @@ defmodule VllmBridge.Call.Run do
     result =
       with {:ok, route} <- resolve(rt, kind, opts),
            req = request(kind, route, parts, what, opts),
-           {:ok, pid, _index} <- Route.checkout(route, req, rt.deadline) do
+           {:ok, pid, index} <- Route.checkout(route, req, rt.deadline),
+           :ok <- reads_slots(route.meta, index, kind) do
         exchange(pid, req, kind, route, rt)
       end
 
     case result do
       # Another node's pool, session or reference: the request runs there (its result,
       # a timeout included, is named there).
-      {:remote, node, lost} -> Remote.run(node, rt, kind, parts, opts, lost)
+      {:remote, node, lost} -> remote(node, rt, kind, parts, opts, lost)
       result -> named(result, kind, what, rt)
     end
   end
@@ -130,7 +204,7 @@ defmodule VllmBridge.Call.Run do
     case resolve(rt, kind, opts) do
       # Another node's: its span is that node's (when it has :telemetry loaded).
       {:remote, node, lost} ->
-        Remote.run(node, rt, kind, parts, opts, lost)
+        remote(node, rt, kind, parts, opts, lost)
 
       {:ok, route} ->
         span = CallSpan.start(kind, what, route, rt, t0, system_time)
@@ -142,7 +216,13 @@ defmodule VllmBridge.Call.Run do
           case Route.checkout(route, req, rt.deadline) do
             {:ok, pid, index} ->
               queue_time = System.monotonic_time() - t1
-              {result, reply_bytes} = exchange_sized(pid, req, kind, route, rt)
+
+              {result, reply_bytes} =
+                case reads_slots(route.meta, index, kind) do
+                  :ok -> exchange_sized(pid, req, kind, route, rt)
+                  error -> {error, 0}
+                end
+
               result = named(result, kind, what, rt)
 
               CallSpan.stop(span, result, index, %{
@@ -180,8 +260,40 @@ defmodule VllmBridge.Call.Run do
     end
   end
 
-  defp resolve(rt, kind, opts),
-    do: Route.resolve(rt, kind, Keyword.get(opts, :bound), Keyword.get(opts, :payload))
+  # The route given (`route:`, resolved by run_encoded/4's gate), else resolved now.
+  defp resolve(rt, kind, opts) do
+    case Keyword.fetch(opts, :route) do
+      {:ok, route} -> route
+      :error -> Route.resolve(rt, kind, Keyword.get(opts, :bound), Keyword.get(opts, :payload))
+    end
+  end
+
+  # Arguments in this node's slots go only to a worker that reads the directory. The
+  # route's pool had only such workers when the gate looked (run_encoded/4), and the
+  # request runs on that route; but its worker at `index` may have restarted since
+  # without the directory (a python wrapper that drops it on some starts), or the pool
+  # stopped and one of the same name started (a worker is looked up by the pool's name):
+  # the new worker would refuse the slot's name, so the request is refused here, its
+  # reservation given back, before anything is sent.
+  defp reads_slots(meta, index, kind) do
+    if VllmBridge.Shm.lent?() and not VllmBridge.Shm.worker_reads?(meta.name, index) do
+      Slots.release(meta, index)
+
+      {:error,
+       Error.new(
+         :worker_exit,
+         "#{kind}: its large tensors were written to this node's slots for worker " <>
+           "#{index} of pool #{inspect(meta.name)}, which no longer reads the slot " <>
+           "directory (it restarted without it, or its pool stopped): call again"
+       )}
+    else
+      :ok
+    end
+  end
+
+  # Another node routes the request itself: the route resolved here does not travel.
+  defp remote(node, rt, kind, parts, opts, lost),
+    do: Remote.run(node, rt, kind, parts, Keyword.delete(opts, :route), lost)
 
   defp request(kind, route, parts, what, opts),
     do: Request.new(kind, [session(route)], parts, Keyword.get(opts, :timed, true), what)

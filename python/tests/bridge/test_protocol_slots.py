@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import time
 from pathlib import Path
 
 import msgpack
@@ -43,6 +44,7 @@ def slot_root(tmp_path: Path) -> Path:
 def slots(slot_root: Path):
     d = open_slot_dir(str(slot_root), min_bytes=MIN)
     assert d is not None
+    d.sweep = False  # (these tests call expire() themselves)
     yield d
     d.close()
 
@@ -216,6 +218,67 @@ def test_a_failed_encode_gives_its_slots_back(slots: SlotDir):
     assert None not in names
 
 
+def test_idle_result_slots_are_deleted_lent_ones_kept_until_the_reclaim_age(
+    slots: SlotDir, slot_root: Path
+):
+    # (expire() is given the time: no waiting, no timing.)
+    data = memoryview(bytes(range(256)) * 8)
+    handed, given, lent = slots.write(data), slots.write(data), slots.write(data)
+    os.rename(slot_root / handed, slot_root / (handed + ".free"))  # its reader is done
+    slots.give_back(given)  # its frame was not sent
+    soon = time.monotonic() + slots.idle_after_s / 2
+    assert slots.expire(soon) == []
+    later = time.monotonic() + slots.idle_after_s
+    assert sorted(slots.expire(later)) == sorted([handed, given])
+    # The lent one may still be read: it stays until the reclaim age.
+    assert os.listdir(slot_root) == [lent]
+    assert slots.expire(time.monotonic() + slots.reclaim_after_s) == [lent]
+    assert os.listdir(slot_root) == []
+    # Names are never used again: a late reader finds its slot gone, not other data.
+    fresh = slots.write(data)
+    assert fresh not in (handed, given, lent)
+
+
+def test_a_busy_workers_result_slot_is_reused_not_expired(slots: SlotDir, slot_root: Path):
+    data = memoryview(bytes(range(256)) * 8)
+    first = slots.write(data)
+    for _ in range(20):
+        os.rename(slot_root / first, slot_root / (first + ".free"))
+        # Each write within the idle period of the one before: nothing expires.
+        assert slots.expire(time.monotonic() + slots.idle_after_s / 2) == []
+        assert slots.write(data) == first
+    assert os.listdir(slot_root) == [first]
+
+
+def test_the_sweeper_deletes_idle_slots_then_ends(slot_root: Path):
+    d = open_slot_dir(str(slot_root), min_bytes=MIN)
+    assert d is not None
+    d.idle_after_s = 0.2
+    try:
+        name = d.write(memoryview(b"q" * 2000))
+        sweeper = d._sweeper
+        assert sweeper is not None and sweeper.is_alive()
+        os.rename(slot_root / name, slot_root / (name + ".free"))
+        assert wait_for(lambda: os.listdir(slot_root) == [], 15.0), os.listdir(slot_root)
+        sweeper.join(15.0)
+        assert not sweeper.is_alive() and d._sweeper is None  # no slots: no thread
+        again = d.write(memoryview(b"r" * 2000))
+        assert again != name and d._sweeper is not None and d._sweeper.is_alive()
+    finally:
+        d.close()
+    assert os.listdir(slot_root) == []
+
+
+def wait_for(cond, timeout_s: float) -> bool:
+    """Polls ``cond`` until it holds or ``timeout_s`` passes (a bound, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
 # -- a worker -----------------------------------------------------------------------------
 
 
@@ -257,6 +320,12 @@ def test_a_worker_reads_argument_slots_and_answers_hostile_ones(slot_root: Path,
             assert (kind, err["type"]) == ("error", "bad_argument"), bad
             assert why in err["message"], err["message"]
         assert call(packb(7))[0] == "ok"  # it serves on
+
+        # Its result slot, handed back and unused, goes (IDLE_AFTER_S; a bounded wait).
+        os.rename(slot_root / name, slot_root / (name + ".free"))
+        assert wait_for(
+            lambda: not any(n.startswith("r-") for n in os.listdir(slot_root)), 60.0
+        ), os.listdir(slot_root)
     finally:
         wp.stop()
     assert not any(n.startswith("r-") for n in os.listdir(slot_root))  # deleted on exit

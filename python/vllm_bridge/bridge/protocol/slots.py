@@ -6,7 +6,8 @@ its workers in ``VLLM_BRIDGE_SHM_DIR``. A slot is a plain file there, named by i
 worker's results (written here, read by Elixir). A reader that is done with a slot hands
 it back by renaming it ``<name>.free``; its writer takes it again by renaming it back, so
 a slot keeps its pages. An argument arrives without a copy: its tensor maps the slot
-privately, and the slot is held (``<name>.held-<pid>``) until the tensor is gone.
+privately, and the slot is held (``<name>.held-<pid>``) until the tensor is gone. A
+result slot unused for ``IDLE_AFTER_S`` is deleted (a thread runs while there are any).
 
 A frame names a slot, never a path: a name that is not of the pattern of what this side
 reads is refused; the file is opened relative to the directory with ``O_NOFOLLOW`` and
@@ -43,6 +44,10 @@ MAX_RESULT_SLOTS = 4
 #: was never decoded: the caller died with the reply in its mailbox, say): when a result
 #: needs a slot and none is free, it is deleted and a new one (a new name) made instead.
 RECLAIM_AFTER_S = 30.0
+#: A result slot unused this long (handed back and not written since) is deleted, so
+#: that a worker that once returned a large result does not keep its pages for ever; a
+#: worker that returns large results back to back keeps reusing its slots.
+IDLE_AFTER_S = 5.0
 
 _log = logging.getLogger(__name__)
 
@@ -82,7 +87,8 @@ class _Slot:
     size: int = 0
     lent: bool = False
     mapping: mmap.mmap | None = None
-    #: When it was last lent out (time.monotonic()).
+    #: When it was last lent out, or made (time.monotonic()): its idle time counts from
+    #: there (:meth:`SlotDir.expire`).
     lent_at: float = 0.0
 
 
@@ -95,10 +101,17 @@ class SlotDir:
     min_bytes: int = DEFAULT_MIN_BYTES
     max_slots: int = MAX_RESULT_SLOTS
     reclaim_after_s: float = RECLAIM_AFTER_S
+    idle_after_s: float = IDLE_AFTER_S
+    #: Whether a thread calls :meth:`expire` while there are result slots (the tests of
+    #: the bookkeeping call it themselves, with the time they choose).
+    sweep: bool = True
     _said_full: bool = False
     _slots: list[_Slot] = field(default_factory=list)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The thread that deletes idle result slots, while there are any (`_expire_loop`).
+    _sweeper: threading.Thread | None = None
+    _closed: threading.Event = field(default_factory=threading.Event)
 
     # -- arguments: read ------------------------------------------------------------------
 
@@ -226,9 +239,55 @@ class SlotDir:
         except OSError:
             return None
         os.close(fd)
-        slot = _Slot(name)
+        slot = _Slot(name, lent_at=time.monotonic())
         self._slots.append(slot)
+        if self.sweep and self._sweeper is None and not self._closed.is_set():
+            self._sweeper = threading.Thread(
+                target=self._expire_loop, name="vllm-bridge-slots", daemon=True
+            )
+            self._sweeper.start()
         return slot
+
+    # -- results: idle slots deleted --------------------------------------------------------
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Deletes the result slots unused for ``idle_after_s`` at ``now`` (default: the
+        monotonic clock): free ones (handed back by their reader, or given back) not
+        written since, and lent ones never handed back within ``reclaim_after_s`` (their
+        frame was never decoded: as ``_reclaim``). Their names are never used again.
+        Returns the names deleted."""
+        now = time.monotonic() if now is None else now
+        gone: list[str] = []
+        with self._lock:
+            for slot in list(self._slots):
+                idle = now - slot.lent_at
+                # (A lent slot not handed back may still be read: kept until it is lost.)
+                lost = slot.lent and idle >= self.reclaim_after_s
+                unused = idle >= self.idle_after_s and (
+                    not slot.lent or self._handed_back(slot)
+                )
+                if lost or unused:
+                    self._drop(slot)
+                    gone.append(slot.name)
+        return gone
+
+    def _handed_back(self, slot: _Slot) -> bool:
+        try:
+            os.stat(slot.name + ".free", dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
+
+    def _expire_loop(self) -> None:
+        """Runs ``expire`` every half idle period while this worker has result slots; ends
+        (and is started again with the next slot) when it has none, or at ``close``."""
+        period = max(0.05, min(self.idle_after_s, self.reclaim_after_s) / 2)
+        while not self._closed.wait(period):
+            self.expire()
+            with self._lock:
+                if not self._slots:
+                    self._sweeper = None
+                    return
 
     def _reclaim(self) -> bool:
         """Drops the slot lent longest, if past the reclaim age (its reader is taken to be
@@ -276,6 +335,7 @@ class SlotDir:
 
     def close(self) -> None:
         """Deletes this worker's result slots (it is exiting)."""
+        self._closed.set()
         with self._lock:
             for slot in list(self._slots):
                 self._drop(slot)

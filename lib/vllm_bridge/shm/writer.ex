@@ -1,0 +1,205 @@
+defmodule VllmBridge.Shm.Writer do
+  @moduledoc false
+  # The caller's side of the slots (VllmBridge.Shm; docs/PROTOCOL.md, "Tensors in slots
+  # (ext 8)"), run in the calling process: the scope that lends argument slots to a call
+  # (its gate, the slots it lent, in the process dictionary), the write of a tensor into
+  # an argument slot, and the checks that the reads of result slots
+  # (VllmBridge.Codec.SlotExt) share with it: a name swapped for a link between its lstat
+  # and its open is caught. Which slot a caller gets, and what becomes of it after the
+  # call, is VllmBridge.Shm's (the bookkeeping process).
+
+  require Logger
+
+  alias VllmBridge.Shm
+
+  @backoff_ms 5_000
+  @lent {VllmBridge.Shm, :lent}
+  @gate {VllmBridge.Shm, :gate}
+
+  @doc "`VllmBridge.Shm.lent?/0`."
+  @spec lent?() :: boolean()
+  def lent?, do: match?([_ | _], Process.get(@lent))
+
+  @doc "`VllmBridge.Shm.scope/2`."
+  @spec scope((() -> boolean()), (() -> result)) :: result when result: term()
+  def scope(gate, fun) do
+    cond do
+      Shm.dir() == :disabled ->
+        fun.()
+
+      Process.get(@lent) != nil ->
+        previous = Process.put(@gate, gate)
+
+        try do
+          fun.()
+        after
+          Process.put(@gate, previous)
+        end
+
+      true ->
+        scoped(gate, fun)
+    end
+  end
+
+  defp scoped(gate, fun) do
+    Process.put(@lent, [])
+    Process.put(@gate, gate)
+
+    try do
+      fun.()
+    after
+      Process.delete(@gate)
+
+      case Process.delete(@lent) do
+        [] -> :ok
+        names -> GenServer.cast(Shm, {:done, self(), names})
+      end
+    end
+  end
+
+  # The scope's gate, asked once (its answer kept for the rest of the scope).
+  defp allowed? do
+    case Process.get(@gate) do
+      answer when is_boolean(answer) ->
+        answer
+
+      gate when is_function(gate, 0) ->
+        answer = gate.() == true
+        Process.put(@gate, answer)
+        answer
+
+      _ ->
+        false
+    end
+  end
+
+  @doc "`VllmBridge.Shm.without/1`."
+  @spec without((() -> result)) :: result when result: term()
+  def without(fun) do
+    previous = Process.put(@lent, :off)
+
+    try do
+      fun.()
+    after
+      if previous == nil, do: Process.delete(@lent), else: Process.put(@lent, previous)
+    end
+  end
+
+  @doc "`VllmBridge.Shm.put/1`."
+  @spec put(binary()) :: {:ok, String.t()} | :pipe
+  def put(data) do
+    with lent when is_list(lent) <- Process.get(@lent),
+         %{path: path, min_bytes: min} = dir when byte_size(data) >= min <- Shm.dir(),
+         false <- backing_off?(dir),
+         true <- allowed?(),
+         {:ok, name, new?} <- GenServer.call(Shm, {:take, self(), byte_size(data)}) do
+      Process.put(@lent, [name | lent])
+
+      case write(Path.join(path, name), data, new?) do
+        :ok ->
+          {:ok, name}
+
+        {:error, :enospc} ->
+          no_space(dir, name)
+          :pipe
+
+        {:error, reason} ->
+          Logger.warning("vllm_bridge: writing the slot #{name} failed (#{inspect(reason)})")
+          :pipe
+      end
+    else
+      _ -> :pipe
+    end
+  end
+
+  # A full file system (a small /dev/shm: Docker gives 64 MiB): the tensor takes the
+  # pipe, and so does every large tensor for @backoff_ms, said once in the log.
+  # (0: never set; monotonic time may be negative, so 0 is no "long ago".)
+  defp backing_off?(%{backoff: ref}) do
+    case :atomics.get(ref, 1) do
+      0 -> false
+      until -> until > System.monotonic_time(:millisecond)
+    end
+  end
+
+  defp backing_off?(_dir), do: false
+
+  defp no_space(%{backoff: ref, path: path}, name) do
+    :atomics.put(ref, 1, System.monotonic_time(:millisecond) + @backoff_ms)
+
+    if :atomics.compare_exchange(ref, 2, 0, 1) == :ok do
+      Logger.warning(
+        "vllm_bridge: no room in #{path} for the slot #{name} (the file system is full): " <>
+          "large tensors take the pipe, and slots are tried again every #{@backoff_ms} ms " <>
+          "(said once)"
+      )
+    end
+  end
+
+  defp write(path, data, new?) do
+    modes = [:read, :write, :raw, :binary] ++ if(new?, do: [:exclusive], else: [])
+
+    # A new slot is made with O_EXCL (a link planted there fails); a reused one must
+    # still be a regular file (Erlang's open has no O_NOFOLLOW; only our uid can write
+    # in the 0700 directory).
+    with {:ok, seen} <- if(new?, do: {:ok, nil}, else: regular(path)),
+         :ok <- between_hook(path),
+         {:ok, fd} <- :file.open(path, modes) do
+      try do
+        with {:ok, _} <- if(new?, do: {:ok, nil}, else: same_file(fd, seen)),
+             :ok <- room(fd, seen, byte_size(data)),
+             :ok <- :file.pwrite(fd, 0, data),
+             {:ok, _} <- :file.position(fd, byte_size(data)),
+             do: :file.truncate(fd)
+      after
+        :file.close(fd)
+      end
+    end
+  end
+
+  # The pages first (posix_fallocate), when the slot is to grow: a full file system fails
+  # here at once, not after most of the tensor was copied.
+  defp room(fd, seen, n) do
+    if n > 0 and (seen == nil or seen.size < n), do: :file.allocate(fd, 0, n), else: :ok
+  end
+
+  defp regular(path) do
+    case File.lstat(path, time: :posix) do
+      {:ok, %File.Stat{type: :regular} = seen} -> {:ok, seen}
+      {:ok, %File.Stat{type: type}} -> {:error, {:not_a_regular_file, type}}
+      {:error, _} = error -> error
+    end
+  end
+
+  @doc false
+  # The stat of the open file `fd` when it is the file `seen` (an lstat of its name just
+  # before the open: same device and inode), else `{:error, why}`. Erlang's open has no
+  # O_NOFOLLOW: a name swapped for a link (or another file) between the lstat and the
+  # open is caught here, before anything is read or written.
+  @spec same_file(term(), File.Stat.t()) :: {:ok, File.Stat.t()} | {:error, String.t()}
+  def same_file(fd, %File.Stat{major_device: dev, inode: ino}) do
+    case :file.read_file_info(fd, time: :posix) do
+      {:ok, info} ->
+        case File.Stat.from_record(info) do
+          %File.Stat{major_device: ^dev, inode: ^ino} = stat -> {:ok, stat}
+          _ -> {:error, "was replaced between its lstat and its open (a link?)"}
+        end
+
+      {:error, reason} ->
+        {:error, "cannot be read (#{reason})"}
+    end
+  end
+
+  @doc false
+  # Runs the test's hook between an lstat and the open (test/runtime/shm_test.exs swaps a
+  # name for a link there); nothing when none is set.
+  @spec between_hook(String.t()) :: :ok
+  def between_hook(path) do
+    case Process.get(:vllm_bridge_slot_swap) do
+      nil -> :ok
+      hook -> _ = hook.(path)
+    end
+
+    :ok
+  end
+end
