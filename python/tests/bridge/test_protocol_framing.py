@@ -128,6 +128,39 @@ def test_write_segments_writes_one_frame_of_their_concatenation(pipe, sizes):
     t.join()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_short_writes_still_put_out_the_whole_frame(monkeypatch, seed):
+    # A write may take fewer bytes than given (a signal lands in a blocking write: the
+    # worker's interrupter signals the thread that writes replies). Every write here takes
+    # 1-9 bytes; each frame, one segment (the small reply's path) or several, comes out
+    # exactly once and whole, header included.
+    import random
+
+    from vllm_bridge.bridge.protocol import framing
+
+    rng = random.Random(seed)
+    out = bytearray()
+
+    def short_write(fd, data):
+        n = min(len(data), rng.randint(1, 9))
+        out.extend(bytes(data[:n]))
+        return n
+
+    def short_writev(fd, buffers):
+        data = b"".join(bytes(b) for b in buffers)
+        return short_write(fd, data)
+
+    monkeypatch.setattr(framing.os, "write", short_write)
+    monkeypatch.setattr(framing.os, "writev", short_writev)
+    expected = bytearray()
+    for size in (0, 1, 5, 300, 4097, 70_000):
+        body = bytes(rng.getrandbits(8) for _ in range(size))
+        for segments in ([body], [body[: size // 2], memoryview(body[size // 2 :])]):
+            write_segments(segments, fd=-1)
+            expected += frame(body)
+    assert out == expected
+
+
 def test_a_polling_reader_gets_a_frame_written_while_it_polls(pipe):
     r, w = pipe
     reader = FrameReader(r, poll_s=0.5)

@@ -18,7 +18,7 @@ import pytest
 from vllm_bridge.bridge import diag
 from vllm_bridge.bridge.protocol.errors import CallInterrupted, Cancelled
 from vllm_bridge.bridge.protocol.messages import Invoke
-from vllm_bridge.bridge.worker.interrupt import Interrupter
+from vllm_bridge.bridge.worker.interrupt import Interrupter, Interruptible
 
 #: Long enough that a wait which was not interrupted fails the test by returning.
 LONG_S = 30.0
@@ -66,7 +66,7 @@ def test_a_cancel_interrupts_a_python_loop_and_blocking_calls(interrupter, what)
     fn = blocked(what)
     thread = cancel_later(interrupter, req)
     with pytest.raises(Cancelled, match="call 1 was interrupted: its caller gave up"):
-        interrupter.interruptible(req).call(fn)
+        Interruptible(interrupter, req).call(fn)
     thread.join()
 
 
@@ -75,7 +75,7 @@ def test_a_request_cancelled_before_its_code_starts_never_runs_it(interrupter):
     req.cancelled = True
     ran = []
     with pytest.raises(Cancelled):
-        interrupter.interruptible(req).call(ran.append, 1)
+        Interruptible(interrupter, req).call(ran.append, 1)
     assert ran == []
 
 
@@ -88,7 +88,7 @@ def test_a_signal_does_nothing_unless_the_armed_request_is_cancelled(interrupter
     req = request(2)
     other = request(3)
     thread = cancel_later(interrupter, other, after=0.02, times=5)
-    assert interrupter.interruptible(req).call(lambda: time.sleep(0.2) or "done") == "done"
+    assert Interruptible(interrupter, req).call(lambda: time.sleep(0.2) or "done") == "done"
     thread.join()
 
 
@@ -98,7 +98,7 @@ def test_at_most_once_per_request_and_cleanup_runs_undisturbed(interrupter):
     # Cancels keep coming (20 signals) while the code swallows the first interruption and
     # goes on: it is never interrupted again, and returns normally.
     thread = cancel_later(interrupter, req, times=20)
-    assert interrupter.interruptible(req).call(diag.spin, 0.5, swallow=True) > 0
+    assert Interruptible(interrupter, req).call(diag.spin, 0.5, swallow=True) > 0
     thread.join()
     swallowed = [e for e in diag.exit_log() if e["name"] == "spin swallowed"]
     assert [e["type"] for e in swallowed] == ["vllm_bridge.bridge.protocol.errors.CallInterrupted"]
@@ -109,7 +109,7 @@ def test_at_most_once_per_request_and_cleanup_runs_undisturbed(interrupter):
     req = request(2)
     thread = cancel_later(interrupter, req, times=20)
     with pytest.raises(Cancelled):
-        interrupter.interruptible(req).call(diag.spin, LONG_S, cleanup=0.2)
+        Interruptible(interrupter, req).call(diag.spin, LONG_S, cleanup=0.2)
     thread.join()
     assert [e["name"] for e in diag.exit_log()] == ["spin", "spin cleanup"]
 
@@ -127,7 +127,7 @@ def test_an_interruption_waits_while_held_and_comes_when_the_block_ends(interrup
         reached.append("after the block")
 
     with pytest.raises(Cancelled):
-        interrupter.interruptible(req).call(code)
+        Interruptible(interrupter, req).call(code)
     assert reached == ["end of block"]
 
 
@@ -147,7 +147,7 @@ def test_a_held_block_on_another_thread_does_not_hold_the_main_one(interrupter):
     try:
         thread = cancel_later(interrupter, req)
         with pytest.raises(Cancelled):
-            interrupter.interruptible(req).call(time.sleep, LONG_S)
+            Interruptible(interrupter, req).call(time.sleep, LONG_S)
         thread.join()
     finally:
         leave.set()
@@ -167,14 +167,14 @@ def test_an_interruption_kept_and_raised_by_a_later_request_is_not_that_ones_can
             kept.append(exc)
 
     thread = cancel_later(interrupter, first)
-    interrupter.interruptible(first).call(keep)
+    Interruptible(interrupter, first).call(keep)
     thread.join()
 
     def reraise() -> None:
         raise kept[0]
 
     with pytest.raises(CallInterrupted):
-        interrupter.interruptible(request(2)).call(reraise)
+        Interruptible(interrupter, request(2)).call(reraise)
 
 
 def test_no_interruption_outside_a_guard_after_a_race_fuzz(interrupter):
@@ -210,7 +210,7 @@ def test_no_interruption_outside_a_guard_after_a_race_fuzz(interrupter):
             current[0] = req
             n = rng.randrange(0, 400)
             try:
-                got = interrupter.interruptible(req).call(work, n)
+                got = Interruptible(interrupter, req).call(work, n)
             except Cancelled:
                 assert req.cancelled
                 outcomes["cancelled"] += 1

@@ -99,9 +99,8 @@ class Executor(Watcher):
         self._interrupt = interrupt
         self._failed = failed
         self._queue: deque[Request] = deque()
-        # The lock under the condition, entered directly where no wait or notify follows:
-        # `with` on a Condition is a Python-level call into threading (twice per request on
-        # the hot path), on the RLock a C one (bench/README.md, "The Python worker's path").
+        # The condition's lock, entered directly where no wait or notify follows: `with` on a
+        # Condition is a Python-level call (three a request), on the RLock a C one.
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._running: Request | None = None
@@ -280,7 +279,6 @@ class Executor(Watcher):
         reply = None
         escaped: BaseException | None = None
         try:
-            # (_begin stamped the start a moment ago: its clock reading serves.)
             late = None if request.deadline is None else self._began - request.deadline
             if late is not None and late >= 0:
                 reply = self._expired(
@@ -328,7 +326,7 @@ class Executor(Watcher):
 
     def _begin(self, request: Request) -> Request:
         # Under the lock. An urgency left by the previous request is not this one's.
-        self._began = time.monotonic()
+        self._began = time.monotonic()  # also the clock of _execute's deadline check
         self._running = request
         self._started += 1
         self._urgent = False

@@ -171,10 +171,6 @@ class Interrupter:
         """Whether :meth:`install` ran."""
         return self._target is not None
 
-    def interruptible(self, request: Request) -> Interruptible:
-        """The interruptible part of ``request`` (one per request)."""
-        return Interruptible(self, request)
-
     def interrupt(self) -> None:
         """Signal the main thread (from any thread): it interrupts the armed request if
         that one is cancelled, else nothing happens. A no-op before :meth:`install`."""

@@ -13,6 +13,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from vllm_bridge.bridge.protocol.framing import FrameReader
 from vllm_bridge.bridge.protocol.messages import Request
@@ -37,7 +38,7 @@ class Watcher:
 
     # Set by Executor.__init__ (see there); declared here for what reads them.
     _cond: threading.Condition
-    _lock: threading.RLock
+    _lock: Any  # the RLock under _cond (threading.RLock is a factory, not a type)
     _running: Request | None
     _started: int
     _role: int
