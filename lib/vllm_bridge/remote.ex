@@ -270,15 +270,25 @@ defmodule VllmBridge.Remote do
   @doc "The error of a request whose proxy could not be spawned on `node` (`reason`)."
   @spec spawn_failed(node(), term(), Runtime.t(), String.t(), atom()) :: Error.t()
   def spawn_failed(node, :timeout, rt, kind, _lost) do
+    # A stream's spawn is given up on at its first chunk's time (VllmBridge.Remote.Stream).
+    within =
+      if kind == "stream",
+        do:
+          "its first chunk's time (timeout #{ms(rt.timeout)}, stream_timeout #{ms(rt.stream_timeout)})",
+        else: "its timeout (#{ms(rt.timeout)})"
+
     Error.new(
       :timeout,
-      "#{kind} on node #{inspect(node)}: the node did not start the request within its " <>
-        "timeout (#{rt.timeout} ms) and #{@settle_margin} ms more; it was withdrawn and " <>
-        "will not run there, even if the node answers again"
+      "#{kind} on node #{inspect(node)}: the node did not start the request within " <>
+        "#{within} and #{@settle_margin} ms more; it was withdrawn and will not run " <>
+        "there, even if the node answers again"
     )
   end
 
   def spawn_failed(node, reason, _rt, kind, lost), do: down(node, reason, lost, "#{kind}")
+
+  defp ms(:infinity), do: ":infinity"
+  defp ms(ms), do: "#{ms} ms"
 
   @doc "Stops listening to a proxy: its monitor and alias go, and what they brought."
   @spec done(reference(), reference()) :: :ok

@@ -98,6 +98,7 @@ defmodule VllmBridge.Distribution.AbandonedRequestTest do
       assert stopped?, "#{inspect(opts)}: the stream answered only once the peer ran again"
       assert %Error{type: :timeout, message: m} = result
       assert m =~ "on node #{inspect(b)}" and m =~ "will not run there", m
+      assert m =~ "within its first chunk's time", m
 
       settled(b, dir)
       refute File.exists?(late), "#{inspect(opts)}: the abandoned stream started on the peer"

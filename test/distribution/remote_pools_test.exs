@@ -485,5 +485,4 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       assert {:ok, 3} = diag("add", [1, 2], pool_name: @remote, timeout: 20_000)
     end
   end
-
 end

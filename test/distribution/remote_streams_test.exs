@@ -146,5 +146,4 @@ defmodule VllmBridge.Distribution.RemoteStreamsTest do
     wait_until(fn -> refs(b, w) == base end)
     wait_until(fn -> load(b) == 0 end)
   end
-
 end
