@@ -24,6 +24,10 @@ defmodule VllmBridge.Remote do
   #     to answer, a connection that hangs) it kills the runner, which cancels the request
   #     in its worker (the worker monitors its caller, that runner), and answers
   #     :timeout itself;
+  #   * no late start: the proxy submits nothing before this process's go, sent on its
+  #     spawn reply while this process still waits (spawn_proxy/3), so a spawn request
+  #     that reaches a node after this process gave up on it (the node was stopped, the
+  #     connection stalled) runs nothing there;
   #   * cancel: this process dying (or `Task.shutdown/2`) is seen by the proxy's watcher,
   #     which kills the runner that made the request: the worker sees its caller go and
   #     cancels the request, as for a local caller that dies;
@@ -177,42 +181,44 @@ defmodule VllmBridge.Remote do
   end
 
   @doc """
-  Spawns the proxy of `job` on `node`, monitored: `{:ok, {proxy, monitor, reply}}`, where
-  `reply` is the alias its answers come on (deactivated by `done/2`, so that answers
-  after this process gave up are dropped by the runtime); `{:error, reason}` when the
-  node could not spawn it, or `{:error, :timeout}` when it did not say so before
-  `deadline` and the margin.
+  Spawns the proxy of `job` on `node`, monitored, and tells it to go: `{:ok, {proxy,
+  monitor, reply}}`, where `reply` is the alias its answers come on (deactivated by
+  `done/2`, so that answers after this process gave up are dropped by the runtime);
+  `{:error, reason}` when the node could not spawn it, or `{:error, :timeout}` when it
+  did not say so before `deadline` and the margin (the request then never starts).
 
   The spawn is asynchronous (`:erlang.spawn_request/5`): `:erlang.spawn_opt/5` on another
   node waits for that node's reply with no limit, so a node that is up but does not
   answer (a stopped VM, a partition that closed no connection) held the caller past its
-  deadline. A request abandoned at its deadline is not withdrawn: if the node runs again
-  before its connection is given up (`net_ticktime`), the request still starts there.
-  A call then runs under the milliseconds it was given and its answer goes to an alias
-  that is gone; a stream runs until its first window is out and then waits for credit
-  while the caller lives (as a local stream whose reader stops reading). Known limit,
-  documented in docs/DEPLOYMENT.md ("Netsplits").
+  deadline. A spawn request given up on is not withdrawn from the connection, though: a
+  node that runs again before its connection is given up (`net_ticktime`) still spawns
+  the proxy. So the proxy submits nothing before this process's go, which goes only on
+  the proxy's spawn reply and only while this process still waits (its give-up time
+  read on this node's clock when the reply is taken): a proxy spawned late exits having
+  run nothing (VllmBridge.Remote.Proxy). The go costs a message round trip between the
+  two nodes before the request starts.
   """
   @spec spawn_proxy(node(), tuple(), integer() | :infinity) ::
           {:ok, {pid(), reference(), reference()}} | {:error, term()}
   def spawn_proxy(node, job, deadline) do
     reply = :erlang.alias([:explicit_unalias])
+    wait = wait_ms(deadline)
     # With :monitor the request's id is also the monitor's: the DOWN carries it.
-    req = :erlang.spawn_request(node, Proxy, :start, [self(), reply, job], [:monitor])
+    req = :erlang.spawn_request(node, Proxy, :start, [self(), reply, wait, job], [:monitor])
 
-    case spawn_reply(req, reply, wait_ms(deadline)) do
+    case spawn_reply(req, reply, wait) do
       :timeout ->
         if :erlang.spawn_request_abandon(req) do
           :erlang.unalias(reply)
           {:error, :timeout}
         else
-          # Its reply came between the timeout and the abandon: the proxy runs, and the
-          # answer's wait (at the same give-up time) kills it if it has not answered.
-          spawn_reply(req, reply, :infinity)
+          # Its reply came between the timeout and the abandon: past the give-up time,
+          # go/3 does not let it start.
+          req |> spawn_reply(reply, :infinity) |> go(deadline)
         end
 
       answered ->
-        answered
+        go(answered, deadline)
     end
   end
 
@@ -229,18 +235,44 @@ defmodule VllmBridge.Remote do
     end
   end
 
+  # The give-up time is read again when the spawn reply is taken: a reply taken after it
+  # (this process was descheduled, or this node stopped, between the reply's arrival and
+  # now) starts nothing. The proxy, told no go, is killed rather than left to its wait.
+  defp go({:ok, {pid, mref, reply}} = ok, deadline) do
+    if deadline == :infinity or wait_ms(deadline) > 0 do
+      send(pid, {:go, reply})
+      ok
+    else
+      Process.exit(pid, :kill)
+      done(mref, reply)
+      {:error, :timeout}
+    end
+  end
+
+  defp go(error, _deadline), do: error
+
   @doc "The error of a request whose proxy could not be spawned on `node` (`reason`)."
   @spec spawn_failed(node(), term(), Runtime.t(), String.t(), atom()) :: Error.t()
   def spawn_failed(node, :timeout, rt, kind, _lost) do
+    # A stream's spawn is given up on at its first chunk's time (VllmBridge.Remote.Stream).
+    within =
+      if kind == "stream",
+        do:
+          "its first chunk's time (timeout #{ms(rt.timeout)}, stream_timeout #{ms(rt.stream_timeout)})",
+        else: "its timeout (#{ms(rt.timeout)})"
+
     Error.new(
       :timeout,
-      "#{kind} on node #{inspect(node)}: the node did not start the request within its " <>
-        "timeout (#{rt.timeout} ms) and #{@settle_margin} ms more (it may still run there " <>
-        "if the node answers again)"
+      "#{kind} on node #{inspect(node)}: the node did not start the request within " <>
+        "#{within} and #{@settle_margin} ms more; it was withdrawn and will not run " <>
+        "there, even if the node answers again"
     )
   end
 
   def spawn_failed(node, reason, _rt, kind, lost), do: down(node, reason, lost, "#{kind}")
+
+  defp ms(:infinity), do: ":infinity"
+  defp ms(ms), do: "#{ms} ms"
 
   @doc "Stops listening to a proxy: its monitor and alias go, and what they brought."
   @spec done(reference(), reference()) :: :ok
@@ -303,6 +335,16 @@ defmodule VllmBridge.Remote do
 
   def down(node, :noproc, lost, what) do
     Error.new(lost, "#{what} on node #{inspect(node)}: the node could not be reached (noproc)")
+  end
+
+  # Its proxy never got the go: the go was on its way when the wait the proxy was given
+  # ran out on that node (the node was stopped, or the connection stalled, in between).
+  def down(node, :not_started, _lost, what) do
+    Error.new(
+      :timeout,
+      "#{what} on node #{inspect(node)}: the node did not start the request before its " <>
+        "timeout and #{@settle_margin} ms more had passed there; it did not run"
+    )
   end
 
   def down(node, reason, _lost, what) do

@@ -140,4 +140,73 @@ defmodule VllmBridge.PeerHelpers do
   @doc "The OS pid of `node`'s BEAM."
   @spec beam_os_pid(node()) :: pos_integer()
   def beam_os_pid(node), do: :erpc.call(node, :os, :getpid, []) |> List.to_integer()
+
+  @typedoc "A stopped BEAM: its OS pid, and the process that resumes it at the latest."
+  @type frozen :: {pos_integer(), pid()}
+
+  @doc """
+  Stops the BEAM of OS pid `os_pid` (SIGSTOP: a frozen node, its connections left open)
+  until `thaw/1`, and at the latest `limit` ms from now whatever becomes of the caller (a
+  test that fails, or a call that waits on the stopped node, must not leave it stopped).
+  Take the OS pid (`beam_os_pid/1`) before: the node answers nothing once stopped.
+  """
+  @spec freeze(pos_integer(), pos_integer()) :: frozen()
+  def freeze(os_pid, limit \\ 10_000) do
+    {_, 0} = System.cmd("kill", ["-STOP", "#{os_pid}"])
+
+    net =
+      spawn(fn ->
+        Process.sleep(limit)
+        System.cmd("kill", ["-CONT", "#{os_pid}"])
+      end)
+
+    {os_pid, net}
+  end
+
+  @doc "Resumes a BEAM stopped by `freeze/2` (SIGCONT)."
+  @spec thaw(frozen()) :: :ok
+  def thaw({os_pid, net}) do
+    Process.exit(net, :kill)
+    System.cmd("kill", ["-CONT", "#{os_pid}"])
+    :ok
+  end
+
+  @doc "Whether a BEAM stopped by `freeze/2` is still stopped (its OS state is T)."
+  @spec frozen?(frozen()) :: boolean()
+  def frozen?({os_pid, _net}) do
+    {out, 0} = System.cmd("ps", ["-o", "state=", "-p", "#{os_pid}"])
+    String.trim(out) == "T"
+  end
+
+  @doc """
+  Runs `fun` while `node`'s BEAM is stopped (`freeze/2`; resumed when `fun` returns or
+  raises, or `limit` ms after the stop): `{fun's result, whether the node was still
+  stopped when fun returned}` (false: `fun` waited for the node to run again).
+  """
+  @spec while_frozen(node(), (() -> result), pos_integer()) :: {result, boolean()}
+        when result: term()
+  def while_frozen(node, fun, limit \\ 10_000) do
+    frozen = node |> beam_os_pid() |> freeze(limit)
+
+    try do
+      result = fun.()
+      {result, frozen?(frozen)}
+    after
+      thaw(frozen)
+    end
+  end
+
+  @doc """
+  The remote requests' proxies (VllmBridge.Remote.Proxy's runners) alive on `node`: none
+  once every request sent there has run, or given up waiting for its go.
+  """
+  @spec proxies_on(node()) :: [pid()]
+  def proxies_on(node) do
+    for pid <- :erpc.call(node, :erlang, :processes, []),
+        match?(
+          {:initial_call, {VllmBridge.Remote.Proxy, :start, _}},
+          :erpc.call(node, :erlang, :process_info, [pid, :initial_call])
+        ),
+        do: pid
+  end
 end

@@ -5,9 +5,10 @@ defmodule VllmBridge.Remote.Proxy do
   #
   # Two processes, because the one that waits for the worker cannot also watch the caller:
   #
-  #   * the runner (start/3, the process the caller spawned and monitors) makes the
-  #     request (VllmBridge.Call.Run, VllmBridge.Stream) and sends what comes back to the
-  #     caller's alias (its references name this node: they are decoded here).
+  #   * the runner (start/4, the process the caller spawned and monitors) waits for the
+  #     caller's go (below), then makes the request (VllmBridge.Call.Run,
+  #     VllmBridge.Stream) and sends what comes back to the caller's alias (its
+  #     references name this node: they are decoded here).
   #     The caller monitors the runner itself, not a go-between: a process's signals to
   #     another keep their order, so its DOWN never overtakes its last answer (which a
   #     large answer, sent in fragments, otherwise could). References it gets outside a
@@ -27,6 +28,14 @@ defmodule VllmBridge.Remote.Proxy do
   #     in its mailbox, which it drops). So the caller never waits on this node to halt,
   #     and keeps exactly the references of the chunks it read, as a local reader does.
   #
+  # The go: the runner submits nothing before `{:go, reply}` comes from the caller, which
+  # sends it on the runner's spawn reply if its own give-up time has not passed. A spawn
+  # request delivered after the caller gave up (this node was stopped, or the connection
+  # stalled, and ran again before the connection was given up) finds no go coming: its
+  # runner exits `:not_started` after the wait it was given, having run nothing. The
+  # price is a message round trip between the two nodes before each remote request
+  # starts (bench/remote_call.exs).
+  #
   # Answers to the caller, on its alias `reply`: `{reply, :result, result}` for a request;
   # for a stream `{reply, :watcher, pid}` first, then `{reply, :chunk, value}`..., then
   # `{reply, :end}`, `{reply, :error, e}` or, after a `:halt`, `{reply, :halted}`. The
@@ -42,13 +51,33 @@ defmodule VllmBridge.Remote.Proxy do
   # How long a runner told to halt its stream has to do so between two chunks.
   @halt_grace 1_000
 
+  # The exit reason of a runner that never got its go: it submitted nothing
+  # (VllmBridge.Remote.down/4 knows it).
+  @unwanted :not_started
+
   @doc false
-  @spec start(pid(), reference(), tuple()) :: term()
-  def start(caller, reply, job) do
+  @spec start(pid(), reference(), timeout(), tuple()) :: term()
+  def start(caller, reply, wait, job) do
     runner = self()
     stream? = elem(job, 0) == :stream
+    # Spawned before the go comes, so that a caller that dies (or whose node goes) while
+    # this process waits for it is seen: the watcher then kills this process.
     watcher = spawn(fn -> watch(caller, runner, stream?) end)
-    run(caller, reply, watcher, job)
+
+    # Nothing is submitted before the caller says go, which it says only on this
+    # process's spawn reply and only while it still waits (VllmBridge.Remote.spawn_proxy/3):
+    # a spawn request that reached this node after the caller gave up on it (this node
+    # was stopped, or the connection stalled) starts nothing. `wait` is the caller's
+    # give-up time as it stood when it sent the request; counted here from this
+    # process's start, which came after the send, it ends after the caller's give-up
+    # whatever the two nodes' clocks read (only their rates matter), so a go sent in time
+    # is not refused for lack of patience, and one that cannot come any more is not
+    # waited for.
+    receive do
+      {:go, ^reply} -> run(caller, reply, watcher, job)
+    after
+      wait -> exit(@unwanted)
+    end
   end
 
   defp watch(caller, runner, stream?) do
@@ -90,6 +119,8 @@ defmodule VllmBridge.Remote.Proxy do
 
         cond do
           not w.stream? -> :ok
+          # It never got its go: it sent nothing, and its caller no longer waits for it.
+          reason == @unwanted -> :ok
           w.read != nil -> release_unread(w)
           # The caller is gone: what it owned goes with it (LooseRefs).
           w.caller == nil -> :ok

@@ -13,7 +13,10 @@ defmodule VllmBridge.Remote.Stream do
   #   * deadlines: the proxy's stream has the same deadline (the milliseconds left when
   #     enumeration began) and the same `timeout` per chunk, and raises there what a
   #     local stream raises here; this process waits `VllmBridge.Remote.settle_margin/0`
-  #     more before it gives up on the node itself, kills the proxy and raises :timeout;
+  #     more before it gives up on the node itself, kills the proxy and raises :timeout.
+  #     The proxy's spawn is given up on as the first chunk would be (its deadline or
+  #     its per-chunk timeout, and the margin), and a proxy spawned after that never
+  #     starts the stream (VllmBridge.Remote.spawn_proxy/3);
   #   * halting early: this process sends `{:halt, read}` (the chunks it read) to the
   #     proxy's watcher and goes on at once, waiting on nothing of the other node; the
   #     proxy halts its local stream between two chunks (which cancels the generator and
@@ -54,7 +57,7 @@ defmodule VllmBridge.Remote.Stream do
           case Remote.spawn_proxy(
                  node,
                  {:stream, target, args, kwargs, opts, current},
-                 rt.deadline
+                 first_chunk(rt)
                ) do
             {:ok, proxy} -> proxy
             {:error, reason} -> raise Remote.spawn_failed(node, reason, rt, "stream", lost)
@@ -71,6 +74,21 @@ defmodule VllmBridge.Remote.Stream do
 
       {:error, e} ->
         raise e
+    end
+  end
+
+  # When the first chunk is due: the stream's deadline or its per-chunk timeout,
+  # whichever comes first, as next/1 waits for each chunk. The proxy's spawn is given up
+  # then (and the margin): not at the stream's deadline alone, which is often :infinity
+  # (no stream_timeout), so that a stopped node is not waited for until its connection
+  # is given up.
+  defp first_chunk(%Runtime{deadline: deadline, timeout: timeout}) do
+    idle = Runtime.deadline(:erlang.monotonic_time(:millisecond), timeout)
+
+    cond do
+      deadline == :infinity -> idle
+      idle == :infinity -> deadline
+      true -> min(deadline, idle)
     end
   end
 
