@@ -74,7 +74,11 @@ defmodule VllmBridge do
       or on a reference, naming the node; its pools leave the routing. A partition that
       drops no connection is seen only when distribution's tick gives up on it
       (`net_ticktime`, 60 s by default); until then a request waits at most its deadline
-      plus those 2 s;
+      plus those 2 s (a stream: its first chunk's). A request given up on does not start
+      there late when a stopped node resumes: the process spawned for it runs nothing
+      before the caller's go, which is sent only while the caller still waits (the one
+      window left, a freeze within one round trip of the start, is in
+      docs/DEPLOYMENT.md, "Netsplits");
     * a netsplit that heals (the connection drops, both nodes live on, and it is made
       again): each node saw the other's processes go, so the sessions that processes of
       one node opened on the other, and the references they held there outside a session,
