@@ -56,8 +56,8 @@ defmodule VllmBridge.Call.Run do
   request then runs on that route (`run/4`'s `route:`), so that where the tensors went
   and where the request goes cannot disagree; by `run/4` otherwise. The gate's route is
   this call's alone: once the arguments are encoded the gate resolves nothing (a tensor
-  encoded later in the scope, by a `:telemetry` handler, say, takes the pipe), and
-  nothing of it outlives the call.
+  encoded later in the scope, by a `:telemetry` handler, say, goes into a slot only
+  where the arguments did), and nothing of it outlives the call.
   """
   @spec run_encoded(
           Runtime.t(),
