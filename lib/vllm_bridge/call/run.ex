@@ -113,7 +113,7 @@ defmodule VllmBridge.Call.Run do
   """
   @spec slots?({:ok, Route.t()} | {:remote, node(), atom()} | {:error, Error.t()}) ::
           boolean()
-  def slots?({:ok, %Route{meta: meta}}), do: VllmBridge.Shm.pool_reads?(meta)
+  def slots?({:ok, %Route{meta: meta}}), do: VllmBridge.Shm.Readers.pool_reads?(meta)
   def slots?(_resolved), do: false
 
   @doc false
@@ -293,7 +293,7 @@ defmodule VllmBridge.Call.Run do
   # the new worker would refuse the slot's name, so the request is refused here, its
   # reservation given back, before anything is sent.
   defp reads_slots(meta, index, kind) do
-    if VllmBridge.Shm.lent?() and not VllmBridge.Shm.worker_reads?(meta.name, index) do
+    if VllmBridge.Shm.lent?() and not VllmBridge.Shm.Readers.worker_reads?(meta.name, index) do
       Slots.release(meta, index)
 
       {:error,
