@@ -2,9 +2,10 @@ defmodule VllmBridge.Shm do
   @moduledoc false
   # Shared memory for large tensors (docs/PROTOCOL.md, "Tensors in slots (ext 8)"): the
   # node's slot directory and the slots that carry arguments to the workers. This module
-  # is the directory's facts (what workers get, which pools read it) and the process that
-  # keeps the books of the argument slots (which are lent, to whom, which are free); the
-  # caller's side (the scope of a call, writing a slot) is VllmBridge.Shm.Writer.
+  # is the directory's facts (what workers get; which pools read it is
+  # VllmBridge.Shm.Readers') and the process that keeps the books of the argument slots
+  # (which are lent, to whom, which are free); the caller's side (the scope of a call,
+  # writing a slot) is VllmBridge.Shm.Writer.
   #
   # One directory per BEAM, kept by VllmBridge.Shm.Keeper (which makes it when the
   # application starts and removes it when the BEAM dies by any means), so that this
@@ -84,59 +85,25 @@ defmodule VllmBridge.Shm do
   @spec own_env() :: [String.t()]
   def own_env, do: ["VLLM_BRIDGE_SHM_DIR", "VLLM_BRIDGE_SHM_MIN_BYTES"]
 
-  @doc """
-  Whether a worker's hello says it opened this node's slot directory: its `"shm"` names
-  the directory's path and inode. A worker started without the directory (a `python:`
-  wrapper that drops `VLLM_BRIDGE_SHM_DIR`, another uid, a directory that failed its
-  checks, a worker module of one's own) is sent no slot names.
-  """
+  @doc "Whether a worker's hello says it opened this node's slot directory."
   @spec reads?(map()) :: boolean()
-  def reads?(hello) do
-    case {dir(), hello} do
-      {%{path: path, ino: ino}, %{"shm" => %{"path" => path, "ino" => ino}}} -> true
-      _ -> false
-    end
-  end
+  defdelegate reads?(hello), to: VllmBridge.Shm.Readers
 
-  @doc """
-  The hello's slot directory when it is not this node's (`{:other, what}`), else `:ok`: a
-  worker that writes its results into another directory would send names this node
-  cannot read (its start fails, naming both).
-  """
+  @doc "The hello's slot directory when it is not this node's: `{:other, what}`, else `:ok`."
   @spec check_hello(map()) :: :ok | {:other, String.t()}
-  def check_hello(%{"shm" => %{} = theirs} = hello) do
-    cond do
-      reads?(hello) ->
-        :ok
+  defdelegate check_hello(hello), to: VllmBridge.Shm.Readers
 
-      dir() == :disabled ->
-        {:other, "#{inspect(theirs)}, but this node has none"}
-
-      true ->
-        {:other,
-         "#{inspect(theirs)}, but this node's is #{inspect(Map.take(dir(), [:path, :ino]))}"}
-    end
-  end
-
-  def check_hello(_hello), do: :ok
-
-  @doc """
-  Records whether the worker at `index` of the pool of `meta` reads the slot directory
-  (`reads?/1` of its hello; false while it starts).
-  """
+  @doc "Records whether the worker at `index` of the pool of `meta` reads the directory."
   @spec mark(VllmBridge.Pool.Meta.t(), non_neg_integer(), boolean()) :: :ok
-  def mark(%{shm: nil}, _index, _reads), do: :ok
-
-  def mark(%{shm: flags}, index, reads),
-    do: :atomics.put(flags, index + 1, if(reads, do: 1, else: 0))
+  defdelegate mark(meta, index, reads), to: VllmBridge.Shm.Readers
 
   @doc "Whether every worker of the pool of `meta` reads the slot directory (`mark/3`)."
   @spec pool_reads?(VllmBridge.Pool.Meta.t()) :: boolean()
-  def pool_reads?(%{shm: nil}), do: false
-  def pool_reads?(%{shm: flags, size: size}), do: all_set?(flags, size)
+  defdelegate pool_reads?(meta), to: VllmBridge.Shm.Readers
 
-  defp all_set?(_flags, 0), do: true
-  defp all_set?(flags, i), do: :atomics.get(flags, i) == 1 and all_set?(flags, i - 1)
+  @doc "Whether the worker now at `index` of the pool named `pool` reads the directory."
+  @spec worker_reads?(term(), non_neg_integer()) :: boolean()
+  defdelegate worker_reads?(pool, index), to: VllmBridge.Shm.Readers
 
   @doc """
   Whether the current scope has lent argument slots of this node's directory (encoded
@@ -144,23 +111,6 @@ defmodule VllmBridge.Shm do
   """
   @spec lent?() :: boolean()
   defdelegate lent?, to: VllmBridge.Shm.Writer
-
-  @doc """
-  Whether the worker now at `index` of the pool named `pool` reads the slot directory
-  (`mark/3`): the check, when a request whose arguments are in slots has its worker,
-  that this worker can read them (it, or its pool, may have restarted since the scope's
-  gate looked).
-  """
-  @spec worker_reads?(term(), non_neg_integer()) :: boolean()
-  def worker_reads?(pool, index) do
-    case VllmBridge.Pool.Directory.pool(pool) do
-      {:ok, %{shm: flags, size: size}} when flags != nil and index < size ->
-        :atomics.get(flags, index + 1) == 1
-
-      _ ->
-        false
-    end
-  end
 
   @doc """
   Runs `fun` with argument slots allowed where `gate` allows them: a tensor of at least

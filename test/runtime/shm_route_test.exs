@@ -40,13 +40,13 @@ defmodule VllmBridge.Runtime.ShmRouteTest do
     start_pool!(:rt_route_pipe,
       size: 1,
       allow: [@diag],
-      python: wrapper(tmp, "unset VLLM_BRIDGE_SHM_DIR")
+      python: python_wrapper(tmp, "unset VLLM_BRIDGE_SHM_DIR")
     )
 
     start_pool!(:rt_route_mixed,
       size: 2,
       allow: [@diag],
-      python: wrapper(tmp, "mkdir '#{tmp}/first' 2>/dev/null || unset VLLM_BRIDGE_SHM_DIR")
+      python: python_wrapper(tmp, "mkdir '#{tmp}/first' 2>/dev/null || unset VLLM_BRIDGE_SHM_DIR")
     )
 
     on_exit(fn ->
@@ -55,14 +55,6 @@ defmodule VllmBridge.Runtime.ShmRouteTest do
     end)
 
     %{tmp: tmp}
-  end
-
-  defp wrapper(tmp, line) do
-    path = Path.join(tmp, "python-#{System.unique_integer([:positive])}.sh")
-    python = Application.fetch_env!(:vllm_bridge, :python)
-    File.write!(path, "#!/bin/sh\n#{line}\nexec #{python} \"$@\"\n")
-    File.chmod!(path, 0o755)
-    path
   end
 
   # A float32 tensor of `n` elements whose values depend on `seed`.
@@ -215,7 +207,7 @@ defmodule VllmBridge.Runtime.ShmRouteTest do
       :ok = VllmBridge.stop_pool(pool)
 
       # (In the caller's process: start_pool!/2's on_exit is the test process's only.)
-      python = wrapper(tmp, "unset VLLM_BRIDGE_SHM_DIR")
+      python = python_wrapper(tmp, "unset VLLM_BRIDGE_SHM_DIR")
       {:ok, _} = VllmBridge.start_pool(pool, size: 1, allow: [@diag], python: python)
       :ok = VllmBridge.Pool.await_ready(pool, 60_000)
       refute Shm.pool_reads?(elem(Directory.pool(pool), 1))
@@ -251,7 +243,7 @@ defmodule VllmBridge.Runtime.ShmRouteTest do
        %{tmp: tmp} do
     pool = :"rt_route_restart_#{System.unique_integer([:positive])}"
     flag = Path.join(tmp, "started-#{pool}")
-    python = wrapper(tmp, "mkdir '#{flag}' 2>/dev/null || unset VLLM_BRIDGE_SHM_DIR")
+    python = python_wrapper(tmp, "mkdir '#{flag}' 2>/dev/null || unset VLLM_BRIDGE_SHM_DIR")
     start_pool!(pool, size: 1, allow: [@diag], python: python)
     await_idle!(pool)
     [w] = workers!(pool)

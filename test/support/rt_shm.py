@@ -3,6 +3,7 @@ the worker has read the tensor's slot and is still running when the test kills i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,3 +18,14 @@ def hold(tensor: torch.Tensor, started: str, gate: str) -> torch.Tensor:
     Path(started).touch()
     wait_for(gate)
     return tensor
+
+
+def chunks(n: int, numel: int) -> Iterator[torch.Tensor]:
+    """Yields ``n`` float32 tensors of ``numel`` elements, the i-th all ``i + 1.0`` (a
+    stream whose chunks are large enough for result slots, each telling which it is)."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int of at least 0, got {n!r}")
+    if not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be an int of at least 1, got {numel!r}")
+    for i in range(n):
+        yield torch.full((numel,), float(i + 1), dtype=torch.float32)

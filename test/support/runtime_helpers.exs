@@ -121,6 +121,18 @@ defmodule VllmBridge.RuntimeHelpers do
   @doc "Whether `device` is a worker's device as its hello gives it: \"cpu\" or \"cuda:N\"."
   def device?(device), do: device == "cpu" or (is_binary(device) and device =~ ~r/^cuda:\d+$/)
 
+  @doc """
+  A `python:` wrapper, a shell script in the folder `tmp`, that runs `line` (a shell
+  line: `unset VLLM_BRIDGE_SHM_DIR`, say) and then the interpreter; its path.
+  """
+  def python_wrapper(tmp, line) do
+    path = Path.join(tmp, "python-#{System.unique_integer([:positive])}.sh")
+    python = Application.fetch_env!(:vllm_bridge, :python)
+    File.write!(path, "#!/bin/sh\n#{line}\nexec #{python} \"$@\"\n")
+    File.chmod!(path, 0o755)
+    path
+  end
+
   @doc "Starts a pool for a test module and stops it when the module is done."
   def start_pool!(name, opts) do
     {:ok, _} = VllmBridge.start_pool(name, opts)

@@ -31,7 +31,8 @@ defmodule VllmBridge.Call.Run do
   # session's next call still finds the context exited.
   @cleanups ["exit", "release"]
 
-  # The route the gate of run_encoded/4 resolved, until the run takes it.
+  # The first part of the key of the route the gate of run_encoded/4 resolved (the second
+  # a reference of that call's own).
   @route {__MODULE__, :route}
 
   @doc """
@@ -51,9 +52,12 @@ defmodule VllmBridge.Call.Run do
   `VllmBridge.Shm.scope/2`: its large tensors go into argument slots when its route is a
   pool of this node whose every worker said in its hello that it reads this node's slot
   directory (`slots?/1`), else through the pipe. The route is resolved once: by the
-  scope's gate when a tensor over the threshold asks it, and the request then runs on
-  that route (`run/4`'s `route:`), so that where the tensors went and where the request
-  goes cannot disagree; by `run/4` otherwise.
+  scope's gate when a tensor over the threshold of its arguments asks it, and the
+  request then runs on that route (`run/4`'s `route:`), so that where the tensors went
+  and where the request goes cannot disagree; by `run/4` otherwise. The gate's route is
+  this call's alone: once the arguments are encoded the gate resolves nothing (a tensor
+  encoded later in the scope, by a `:telemetry` handler, say, goes into a slot only
+  where the arguments did), and nothing of it outlives the call.
   """
   @spec run_encoded(
           Runtime.t(),
@@ -62,28 +66,41 @@ defmodule VllmBridge.Call.Run do
           opts()
         ) :: {:ok, term()} | {:error, Error.t()}
   def run_encoded(%Runtime{} = rt, kind, encode, opts) do
+    # The gate's route is kept under a key of this call alone, and the gate resolves
+    # nothing once the arguments are encoded: a large tensor encoded later in this
+    # process inside the scope (a :telemetry handler of this call's events, say) would
+    # otherwise resolve a route nobody takes, and a later call would run on it. The key
+    # is gone when the call is, however it ends.
+    key = {@route, make_ref()}
+
     gate = fn ->
-      route = resolve(rt, kind, opts)
-      Process.put(@route, route)
-      slots?(route)
+      case Process.get(key) do
+        nil ->
+          route = resolve(rt, kind, opts)
+          Process.put(key, {:resolved, route})
+          slots?(route)
+
+        # (Its arguments are encoded: a tensor encoded now is no argument of this call.)
+        _done ->
+          false
+      end
     end
 
-    VllmBridge.Shm.scope(gate, fn ->
-      encoded =
-        try do
-          encode.()
-        catch
-          # (The gate's route goes with its call: no later call may find it.)
-          class, reason ->
-            Process.delete(@route)
-            :erlang.raise(class, reason, __STACKTRACE__)
-        end
+    try do
+      VllmBridge.Shm.scope(gate, fn ->
+        encoded = encode.()
+        resolved = Process.put(key, :encoded)
 
-      case Process.delete(@route) do
-        nil -> with {:ok, parts} <- encoded, do: run(rt, kind, parts, opts)
-        route -> with {:ok, parts} <- encoded, do: run(rt, kind, parts, opts ++ [route: route])
-      end
-    end)
+        with {:ok, parts} <- encoded do
+          case resolved do
+            {:resolved, route} -> run(rt, kind, parts, opts ++ [route: route])
+            nil -> run(rt, kind, parts, opts)
+          end
+        end
+      end)
+    after
+      Process.delete(key)
+    end
   end
 
   @doc """
@@ -96,7 +113,7 @@ defmodule VllmBridge.Call.Run do
   """
   @spec slots?({:ok, Route.t()} | {:remote, node(), atom()} | {:error, Error.t()}) ::
           boolean()
-  def slots?({:ok, %Route{meta: meta}}), do: VllmBridge.Shm.pool_reads?(meta)
+  def slots?({:ok, %Route{meta: meta}}), do: VllmBridge.Shm.Readers.pool_reads?(meta)
   def slots?(_resolved), do: false
 
   @doc false
@@ -276,7 +293,7 @@ defmodule VllmBridge.Call.Run do
   # the new worker would refuse the slot's name, so the request is refused here, its
   # reservation given back, before anything is sent.
   defp reads_slots(meta, index, kind) do
-    if VllmBridge.Shm.lent?() and not VllmBridge.Shm.worker_reads?(meta.name, index) do
+    if VllmBridge.Shm.lent?() and not VllmBridge.Shm.Readers.worker_reads?(meta.name, index) do
       Slots.release(meta, index)
 
       {:error,

@@ -16,6 +16,12 @@ defmodule VllmBridge.Codec.SlotExt do
 
   @type_code 8
   @result_name ~r/\Ar-[0-9]{1,10}-[0-9]{1,20}\z/
+  # A result slot is deleted before it is read only when its worker exited (the sweep of
+  # VllmBridge.Shm, or the worker itself), or when the worker needed a slot while all
+  # were lent and this one had been lent past its reclaim age (30 s unless the worker's
+  # VLLM_BRIDGE_SHM_RECLAIM_S says otherwise): both causes are named.
+  @gone "is gone (its worker exited, or it was lent past the worker's reclaim age " <>
+          "and reclaimed for another result, before it was read)"
   # Set while a frame nobody will read is decoded (unread/1).
   @unread {__MODULE__, :unread}
 
@@ -148,7 +154,7 @@ defmodule VllmBridge.Codec.SlotExt do
     case File.lstat(path, time: :posix) do
       {:ok, %File.Stat{type: :regular}} = ok -> ok
       {:ok, %File.Stat{type: type}} -> {:error, "is not a regular file (#{type})"}
-      {:error, :enoent} -> {:error, "is gone (its worker exited before it was read)"}
+      {:error, :enoent} -> {:error, @gone}
       {:error, reason} -> {:error, "cannot be read (#{reason})"}
     end
   end
@@ -156,7 +162,7 @@ defmodule VllmBridge.Codec.SlotExt do
   defp open(path) do
     case :file.open(path, [:read, :raw, :binary]) do
       {:ok, _} = ok -> ok
-      {:error, :enoent} -> {:error, "is gone (its worker exited before it was read)"}
+      {:error, :enoent} -> {:error, @gone}
       {:error, reason} -> {:error, "cannot be opened (#{reason})"}
     end
   end

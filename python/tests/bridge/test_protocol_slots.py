@@ -22,8 +22,10 @@ from vllm_bridge.bridge.protocol.decoder import Decoder
 from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.slots import (
+    RECLAIM_AFTER_S,
     SlotDir,
     open_slot_dir,
+    slot_dir_from_env,
     slot_payload,
     split_payload,
 )
@@ -218,7 +220,7 @@ def test_a_failed_encode_gives_its_slots_back(slots: SlotDir):
     assert None not in names
 
 
-def test_idle_result_slots_are_deleted_lent_ones_kept_until_the_reclaim_age(
+def test_idle_result_slots_are_deleted_lent_ones_kept_however_long_lent(
     slots: SlotDir, slot_root: Path
 ):
     # (expire() is given the time: no waiting, no timing.)
@@ -230,13 +232,56 @@ def test_idle_result_slots_are_deleted_lent_ones_kept_until_the_reclaim_age(
     assert slots.expire(soon) == []
     later = time.monotonic() + slots.idle_after_s
     assert sorted(slots.expire(later)) == sorted([handed, given])
-    # The lent one may still be read: it stays until the reclaim age.
-    assert os.listdir(slot_root) == [lent]
-    assert slots.expire(time.monotonic() + slots.reclaim_after_s) == [lent]
+    # The lent one may still be read (a stream chunk its consumer pulls late): the sweep
+    # never deletes it, however long it was lent; only a write that needs a slot when
+    # every one is lent reclaims it (test_a_slot_lent_past_the_reclaim_age_...).
+    for age in (slots.reclaim_after_s, 10 * slots.reclaim_after_s):
+        assert slots.expire(time.monotonic() + age) == []
+        assert os.listdir(slot_root) == [lent]
+    assert (slot_root / lent).read_bytes() == bytes(data)
+    # Handed back at last: idle from when it was written, deleted at the next sweep.
+    os.rename(slot_root / lent, slot_root / (lent + ".free"))
+    assert slots.expire(time.monotonic() + slots.idle_after_s) == [lent]
     assert os.listdir(slot_root) == []
     # Names are never used again: a late reader finds its slot gone, not other data.
     fresh = slots.write(data)
     assert fresh not in (handed, given, lent)
+
+
+def test_the_sweeper_leaves_a_lent_slot_past_the_reclaim_age(slot_root: Path):
+    # The thread itself, with ages short enough to pass many times over while it runs.
+    d = open_slot_dir(str(slot_root), min_bytes=MIN, reclaim_after_s=0.05, idle_after_s=0.05)
+    assert d is not None
+    try:
+        lent = d.write(memoryview(b"s" * 2000))
+        other = d.write(memoryview(b"t" * 2000))
+        os.rename(slot_root / other, slot_root / (other + ".free"))
+        # The free one goes: the sweeper ran, past both ages, and left the lent one.
+        assert wait_for(lambda: os.listdir(slot_root) == [lent], 15.0), os.listdir(slot_root)
+        time.sleep(0.3)  # (several more sweeps)
+        assert os.listdir(slot_root) == [lent]
+        assert (slot_root / lent).read_bytes() == b"s" * 2000
+    finally:
+        d.close()
+    assert os.listdir(slot_root) == []
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "0", "nan", "inf"])
+def test_bad_ages_in_the_environment_are_said_and_the_defaults_used(
+    slot_root: Path, monkeypatch, caplog, value: str
+):
+    monkeypatch.setenv("VLLM_BRIDGE_SHM_DIR", str(slot_root))
+    monkeypatch.setenv("VLLM_BRIDGE_SHM_RECLAIM_S", value)
+    monkeypatch.setenv("VLLM_BRIDGE_SHM_IDLE_S", "0.5")
+    with caplog.at_level("WARNING", logger="vllm_bridge.bridge.protocol.slots"):
+        d = slot_dir_from_env()
+    assert d is not None
+    try:
+        assert d.reclaim_after_s == RECLAIM_AFTER_S and d.idle_after_s == 0.5
+        said = [r.getMessage() for r in caplog.records]
+        assert any("VLLM_BRIDGE_SHM_RECLAIM_S" in m and repr(value) in m for m in said), said
+    finally:
+        d.close()
 
 
 def test_a_busy_workers_result_slot_is_reused_not_expired(slots: SlotDir, slot_root: Path):

@@ -7,7 +7,9 @@ worker's results (written here, read by Elixir). A reader that is done with a sl
 it back by renaming it ``<name>.free``; its writer takes it again by renaming it back, so
 a slot keeps its pages. An argument arrives without a copy: its tensor maps the slot
 privately, and the slot is held (``<name>.held-<pid>``) until the tensor is gone. A
-result slot unused for ``IDLE_AFTER_S`` is deleted (a thread runs while there are any).
+result slot handed back (or given back) and unused for ``IDLE_AFTER_S`` is deleted (a
+thread runs while there are any); a lent one is never deleted by that thread, since its
+frame may be decoded late (a stream chunk its consumer pulls minutes later).
 
 A frame names a slot, never a path: a name that is not of the pattern of what this side
 reads is refused; the file is opened relative to the directory with ``O_NOFOLLOW`` and
@@ -40,13 +42,17 @@ from vllm_bridge.bridge.protocol.errors import BadArgument
 DEFAULT_MIN_BYTES = 1024 * 1024
 #: Result slots a worker keeps at most (lent and free): past it a result takes the pipe.
 MAX_RESULT_SLOTS = 4
-#: A result slot lent this long without being handed back is taken to be lost (its frame
-#: was never decoded: the caller died with the reply in its mailbox, say): when a result
-#: needs a slot and none is free, it is deleted and a new one (a new name) made instead.
+#: A result slot lent this long without being handed back may be lost (its frame was
+#: never decoded: the caller died with the reply in its mailbox, say): when a result
+#: needs a slot and every one is lent, the one lent longest is deleted if lent this long,
+#: and a new one (a new name) made instead. Only then: a slot lent this long may still be
+#: read (a stream chunk waits undecoded until its consumer pulls it).
+#: (``VLLM_BRIDGE_SHM_RECLAIM_S`` sets it for a worker: the tests' short ages.)
 RECLAIM_AFTER_S = 30.0
 #: A result slot unused this long (handed back and not written since) is deleted, so
 #: that a worker that once returned a large result does not keep its pages for ever; a
 #: worker that returns large results back to back keeps reusing its slots.
+#: (``VLLM_BRIDGE_SHM_IDLE_S`` sets it for a worker.)
 IDLE_AFTER_S = 5.0
 
 _log = logging.getLogger(__name__)
@@ -222,7 +228,7 @@ class SlotDir:
                 self._said_full = True
                 _log.warning(
                     "every result slot of this worker is lent (%d): large results take the "
-                    "pipe until one is handed back or reclaimed after %.0f s",
+                    "pipe until one is handed back or reclaimed after %g s",
                     self.max_slots,
                     self.reclaim_after_s,
                 )
@@ -251,22 +257,19 @@ class SlotDir:
     # -- results: idle slots deleted --------------------------------------------------------
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Deletes the result slots unused for ``idle_after_s`` at ``now`` (default: the
-        monotonic clock): free ones (handed back by their reader, or given back) not
-        written since, and lent ones never handed back within ``reclaim_after_s`` (their
-        frame was never decoded: as ``_reclaim``). Their names are never used again.
-        Returns the names deleted."""
+        """Deletes the free result slots unused for ``idle_after_s`` at ``now`` (default:
+        the monotonic clock): handed back by their reader, or given back, and not written
+        since. A lent slot is kept however long it was lent: its frame may still be
+        decoded (a stream chunk is decoded when its consumer pulls it, which may be long
+        after it was sent), and deleting it would lose that chunk. A lent slot whose frame
+        is never decoded is ``_reclaim``'s, when a result needs its room. The names
+        deleted are never used again. Returns them."""
         now = time.monotonic() if now is None else now
         gone: list[str] = []
         with self._lock:
             for slot in list(self._slots):
-                idle = now - slot.lent_at
-                # (A lent slot not handed back may still be read: kept until it is lost.)
-                lost = slot.lent and idle >= self.reclaim_after_s
-                unused = idle >= self.idle_after_s and (
-                    not slot.lent or self._handed_back(slot)
-                )
-                if lost or unused:
+                free = not slot.lent or self._handed_back(slot)
+                if free and now - slot.lent_at >= self.idle_after_s:
                     self._drop(slot)
                     gone.append(slot.name)
         return gone
@@ -281,7 +284,7 @@ class SlotDir:
     def _expire_loop(self) -> None:
         """Runs ``expire`` every half idle period while this worker has result slots; ends
         (and is started again with the next slot) when it has none, or at ``close``."""
-        period = max(0.05, min(self.idle_after_s, self.reclaim_after_s) / 2)
+        period = max(0.05, self.idle_after_s / 2)
         while not self._closed.wait(period):
             self.expire()
             with self._lock:
@@ -345,7 +348,12 @@ class SlotDir:
             pass
 
 
-def open_slot_dir(path: str | None, min_bytes: int = DEFAULT_MIN_BYTES) -> SlotDir | None:
+def open_slot_dir(
+    path: str | None,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    reclaim_after_s: float = RECLAIM_AFTER_S,
+    idle_after_s: float = IDLE_AFTER_S,
+) -> SlotDir | None:
     """The slot directory at ``path``, or None (no path; not a directory of this uid with
     mode 0700; cannot be opened): then every tensor takes the pipe."""
     if not path:
@@ -358,14 +366,43 @@ def open_slot_dir(path: str | None, min_bytes: int = DEFAULT_MIN_BYTES) -> SlotD
     if st.st_uid != os.geteuid() or st.st_mode & 0o077:
         os.close(fd)
         return None
-    return SlotDir(path=path, fd=fd, min_bytes=min_bytes)
+    return SlotDir(
+        path=path,
+        fd=fd,
+        min_bytes=min_bytes,
+        reclaim_after_s=reclaim_after_s,
+        idle_after_s=idle_after_s,
+    )
 
 
 def slot_dir_from_env() -> SlotDir | None:
     """:func:`open_slot_dir` of ``VLLM_BRIDGE_SHM_DIR`` (threshold
-    ``VLLM_BRIDGE_SHM_MIN_BYTES``), or None."""
+    ``VLLM_BRIDGE_SHM_MIN_BYTES``; ages ``VLLM_BRIDGE_SHM_RECLAIM_S`` and
+    ``VLLM_BRIDGE_SHM_IDLE_S``, seconds, for tests), or None."""
     try:
         min_bytes = int(os.environ.get("VLLM_BRIDGE_SHM_MIN_BYTES", DEFAULT_MIN_BYTES))
     except ValueError:
         min_bytes = DEFAULT_MIN_BYTES
-    return open_slot_dir(os.environ.get("VLLM_BRIDGE_SHM_DIR"), max(1, min_bytes))
+    return open_slot_dir(
+        os.environ.get("VLLM_BRIDGE_SHM_DIR"),
+        max(1, min_bytes),
+        reclaim_after_s=_age_from_env("VLLM_BRIDGE_SHM_RECLAIM_S", RECLAIM_AFTER_S),
+        idle_after_s=_age_from_env("VLLM_BRIDGE_SHM_IDLE_S", IDLE_AFTER_S),
+    )
+
+
+def _age_from_env(name: str, default: float) -> float:
+    """Seconds from the variable ``name``, a finite number above 0; ``default`` when it is
+    not set, or (said in the log, naming the value) when it is not such a number: a bad
+    age must not cost the worker its start."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        _log.warning("%s=%r is not a number of seconds above 0: %s s used", name, raw, default)
+        return default
+    return value
