@@ -27,7 +27,7 @@ from vllm_bridge.bridge.protocol.errors import CallInterrupted
 from vllm_bridge.bridge.protocol.framing import FrameReader, write_frame
 from vllm_bridge.bridge.protocol.messages import Invoke
 from vllm_bridge.bridge.worker.executor import Executor
-from vllm_bridge.bridge.worker.interrupt import INTERRUPT_SIGNAL, RETRY_SECONDS
+from vllm_bridge.bridge.worker.interrupt import INTERRUPT_SIGNAL, RETRY_SECONDS, Interruptible
 
 D = "vllm_bridge.bridge.diag"
 
@@ -107,7 +107,7 @@ def test_an_interruption_landing_in_logging_is_tried_again_later(interrupter) ->
     interrupter.again = lambda req, delay: again.append((req, delay))
     req = Invoke("call", 5, None, None)
     req.cancelled = True
-    own = interrupter.interruptible(req)
+    own = Interruptible(interrupter, req)
     interrupter._armed = own
     try:
         interrupter._on_signal(INTERRUPT_SIGNAL, logging_frame)  # deferred, not raised
