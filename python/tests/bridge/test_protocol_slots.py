@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from vllm_bridge.bridge.protocol.decoder import Decoder
 from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.slots import (
+    IDLE_AFTER_S,
     RECLAIM_AFTER_S,
     SlotDir,
     open_slot_dir,
@@ -266,20 +268,51 @@ def test_the_sweeper_leaves_a_lent_slot_past_the_reclaim_age(slot_root: Path):
     assert os.listdir(slot_root) == []
 
 
-@pytest.mark.parametrize("value", ["soon", "-1", "0", "nan", "inf"])
+@pytest.mark.parametrize("which", ["RECLAIM", "IDLE"])
+@pytest.mark.parametrize("value", ["soon", "-1", "0", "nan", "inf", "86400.5", "2e10", "1e308"])
 def test_bad_ages_in_the_environment_are_said_and_the_defaults_used(
-    slot_root: Path, monkeypatch, caplog, value: str
+    slot_root: Path, monkeypatch, caplog, value: str, which: str
 ):
+    # Too large is bad too: an idle age of 2e10 s made the sweeper's timed wait overflow
+    # the platform's timers, and the thread died with the sweep never started again.
+    good = {"RECLAIM": "7", "IDLE": "0.5"}
     monkeypatch.setenv("VLLM_BRIDGE_SHM_DIR", str(slot_root))
-    monkeypatch.setenv("VLLM_BRIDGE_SHM_RECLAIM_S", value)
-    monkeypatch.setenv("VLLM_BRIDGE_SHM_IDLE_S", "0.5")
+    for name, v in good.items():
+        monkeypatch.setenv(f"VLLM_BRIDGE_SHM_{name}_S", value if name == which else v)
     with caplog.at_level("WARNING", logger="vllm_bridge.bridge.protocol.slots"):
         d = slot_dir_from_env()
     assert d is not None
     try:
-        assert d.reclaim_after_s == RECLAIM_AFTER_S and d.idle_after_s == 0.5
+        ages = {"RECLAIM": d.reclaim_after_s, "IDLE": d.idle_after_s}
+        defaults = {"RECLAIM": RECLAIM_AFTER_S, "IDLE": IDLE_AFTER_S}
+        for name in good:
+            assert ages[name] == (defaults[name] if name == which else float(good[name]))
         said = [r.getMessage() for r in caplog.records]
-        assert any("VLLM_BRIDGE_SHM_RECLAIM_S" in m and repr(value) in m for m in said), said
+        var = f"VLLM_BRIDGE_SHM_{which}_S"
+        assert any(var in m and repr(value) in m for m in said), said
+    finally:
+        d.close()
+
+
+def test_a_sweeper_that_dies_is_started_again_with_the_next_slot(slot_root: Path, monkeypatch):
+    d = open_slot_dir(str(slot_root), min_bytes=MIN, idle_after_s=0.05)
+    assert d is not None
+    calls: list = []
+    died: list = []
+
+    def failing_expire(now=None):
+        calls.append(now)
+        raise RuntimeError("sweep failed")
+
+    try:
+        monkeypatch.setattr(d, "expire", failing_expire)
+        monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+        d.write(memoryview(b"a" * 100))
+        assert wait_for(lambda: died and d._sweeper is None, 10.0), (calls, died, d._sweeper)
+        assert isinstance(died[0], RuntimeError)
+        monkeypatch.undo()  # the real expire from here on
+        d.write(memoryview(b"b" * 100))
+        assert d._sweeper is not None and d._sweeper.is_alive()
     finally:
         d.close()
 

@@ -284,13 +284,18 @@ class SlotDir:
     def _expire_loop(self) -> None:
         """Runs ``expire`` every half idle period while this worker has result slots; ends
         (and is started again with the next slot) when it has none, or at ``close``."""
-        period = max(0.05, self.idle_after_s / 2)
-        while not self._closed.wait(period):
-            self.expire()
+        period = min(max(0.05, self.idle_after_s / 2), MAX_AGE_S)
+        try:
+            while not self._closed.wait(period):
+                self.expire()
+                with self._lock:
+                    if not self._slots:
+                        return
+        finally:
+            # Also when the loop died of an error: the next slot starts a sweeper again.
             with self._lock:
-                if not self._slots:
+                if self._sweeper is threading.current_thread():
                     self._sweeper = None
-                    return
 
     def _reclaim(self) -> bool:
         """Drops the slot lent longest, if past the reclaim age (its reader is taken to be
@@ -391,10 +396,15 @@ def slot_dir_from_env() -> SlotDir | None:
     )
 
 
+#: The largest age the environment may set (a day): a timed wait of half of it stays far
+#: inside what the platform's timers take (``threading.TIMEOUT_MAX``).
+MAX_AGE_S = 86_400.0
+
+
 def _age_from_env(name: str, default: float) -> float:
-    """Seconds from the variable ``name``, a finite number above 0; ``default`` when it is
-    not set, or (said in the log, naming the value) when it is not such a number: a bad
-    age must not cost the worker its start."""
+    """Seconds from the variable ``name``, a number above 0 and at most :data:`MAX_AGE_S`;
+    ``default`` when it is not set, or (said in the log, naming the value) when it is not
+    such a number: a bad age must not cost the worker its start, nor its sweep."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -402,7 +412,10 @@ def _age_from_env(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = float("nan")
-    if not (0 < value < float("inf")):
-        _log.warning("%s=%r is not a number of seconds above 0: %s s used", name, raw, default)
+    if not (0 < value <= MAX_AGE_S):
+        _log.warning(
+            "%s=%r is not a number of seconds above 0 and at most %g: %s s used",
+            name, raw, MAX_AGE_S, default,
+        )
         return default
     return value
