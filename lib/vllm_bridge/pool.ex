@@ -257,14 +257,16 @@ defmodule VllmBridge.Pool do
   @spec status(name(), keyword()) :: {:ok, VllmBridge.Pool.Status.t()} | {:error, Error.t()}
   def status(name, opts \\ []) do
     case Keyword.get(opts, :timeout, 1_000) do
-      t when is_integer(t) and t >= 0 ->
+      # (At most what `receive ... after` takes: a larger one would raise there.)
+      t when is_integer(t) and t >= 0 and t <= 4_294_967_295 ->
         with {:ok, meta} <- meta(name), do: {:ok, VllmBridge.Pool.Status.collect(meta, t)}
 
       t ->
         {:error,
          Error.new(
            :bad_argument,
-           "status timeout must be a non-negative integer (ms), got #{inspect(t)}"
+           "status timeout must be a non-negative integer (ms) of at most 4294967295, " <>
+             "got #{inspect(t)}"
          )}
     end
   end

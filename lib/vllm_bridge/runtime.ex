@@ -5,9 +5,9 @@ defmodule VllmBridge.Runtime do
 
   | option | values | default |
   |---|---|---|
-  | `:timeout` | ms (non-negative integer) or `:infinity` | the profile's |
+  | `:timeout` | ms (an integer from 0 to 4 294 967 295, about 49 days) or `:infinity` | the profile's |
   | `:timeout_profile` | `:default`, `:ml_inference`, `:batch_job`, `:streaming` | `:default` |
-  | `:stream_timeout` | ms or `:infinity` | the profile's |
+  | `:stream_timeout` | ms (as `:timeout`) or `:infinity` | the profile's |
   | `:session_id` | a session id (string), a `%VllmBridge.Session{}`, or `nil` | the process's current session (`VllmBridge.Session.current/0`), else `nil` |
   | `:pool_name` | the name of a started pool | `:default` |
   | `:affinity` | `:hint`, `:strict_queue`, `:strict_fail_fast` | `:strict_queue` |

@@ -218,5 +218,11 @@ defmodule VllmBridge.Runtime.PoolStatusTest do
              Pool.status(@pool, timeout: -1)
 
     assert m =~ "-1"
+
+    # Longer than `receive ... after` takes: refused, not raised in the wait.
+    assert {:error, %VllmBridge.Error{type: :bad_argument, message: m}} =
+             Pool.status(@pool, timeout: 5_000_000_000)
+
+    assert m =~ "5000000000"
   end
 end

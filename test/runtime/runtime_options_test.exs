@@ -167,7 +167,16 @@ defmodule VllmBridge.Runtime.RuntimeOptionsTest do
 
     test "bad values are still refused by name" do
       assert refused(timeout: -1) =~
-               "timeout must be a non-negative integer (ms) or :infinity, got -1"
+               "timeout must be a non-negative integer (ms) of at most 4294967295 " <>
+                 "(about 49 days) or :infinity, got -1"
+
+      # Longer than `receive ... after` takes: refused by name, not raised in the receive.
+      for key <- [:timeout, :stream_timeout], ms <- [4_294_967_296, 5_000_000_000] do
+        assert refused([{key, ms}]) =~ "#{key} must be a non-negative integer (ms) of at most"
+        assert refused([{key, ms}]) =~ "got #{ms}"
+      end
+
+      assert resolve!(timeout: 4_294_967_295).timeout == 4_294_967_295
 
       assert refused(affinity: :nearest) =~ ":nearest"
 

@@ -12,6 +12,11 @@ defmodule VllmBridge.Call.Runtime do
   @keys VllmBridge.Runtime.keys()
   @affinities VllmBridge.Runtime.affinities()
 
+  # The longest finite timeout: what `receive ... after` takes (2^32 - 1 ms, about 49.7
+  # days). A larger one raised `:timeout_value` in the caller's receive instead of being
+  # refused here, naming it.
+  @max_ms 4_294_967_295
+
   defstruct timeout: 120_000,
             stream_timeout: 1_800_000,
             profile: :default,
@@ -109,7 +114,7 @@ defmodule VllmBridge.Call.Runtime do
 
   defp quick_put(key, ms, rt)
        when key in [:timeout, :stream_timeout] and
-              ((is_integer(ms) and ms >= 0) or ms == :infinity),
+              ((is_integer(ms) and ms >= 0 and ms <= @max_ms) or ms == :infinity),
        do: {:ok, Map.put(rt, key, ms)}
 
   defp quick_put(:affinity, a, rt) when a in @affinities, do: {:ok, %{rt | affinity: a}}
@@ -210,9 +215,17 @@ defmodule VllmBridge.Call.Runtime do
       end
 
     case value do
-      :infinity -> {:ok, :infinity}
-      ms when is_integer(ms) and ms >= 0 -> {:ok, ms}
-      bad -> bad("#{key} must be a non-negative integer (ms) or :infinity, got #{inspect(bad)}")
+      :infinity ->
+        {:ok, :infinity}
+
+      ms when is_integer(ms) and ms >= 0 and ms <= @max_ms ->
+        {:ok, ms}
+
+      bad ->
+        bad(
+          "#{key} must be a non-negative integer (ms) of at most #{@max_ms} (about 49 days) " <>
+            "or :infinity, got #{inspect(bad)}"
+        )
     end
   end
 
