@@ -55,9 +55,9 @@ defmodule VllmBridge.Call.Run do
   scope's gate when a tensor over the threshold of its arguments asks it, and the
   request then runs on that route (`run/4`'s `route:`), so that where the tensors went
   and where the request goes cannot disagree; by `run/4` otherwise. The gate's route is
-  this call's alone: once the arguments are encoded the gate resolves nothing (a tensor
-  encoded later in the scope, by a `:telemetry` handler, say, goes into a slot only
-  where the arguments did), and nothing of it outlives the call.
+  this call's alone: once the arguments are encoded the gate resolves nothing and the
+  scope lends no more slots (a tensor encoded later in the scope, by a `:telemetry`
+  handler, say, takes the pipe), and nothing of it outlives the call.
   """
   @spec run_encoded(
           Runtime.t(),
@@ -89,6 +89,7 @@ defmodule VllmBridge.Call.Run do
     try do
       VllmBridge.Shm.scope(gate, fn ->
         encoded = encode.()
+        VllmBridge.Shm.Writer.disarm()
         resolved = Process.put(key, :encoded)
 
         with {:ok, parts} <- encoded do

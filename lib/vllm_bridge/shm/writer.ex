@@ -73,6 +73,17 @@ defmodule VllmBridge.Shm.Writer do
     end
   end
 
+  @doc """
+  The current scope lends no more slots (its call's arguments are encoded): a tensor
+  encoded later in it (by a `:telemetry` handler of the call, say) takes the pipe, so
+  that no binary outlives the call naming a slot the call hands back.
+  """
+  @spec disarm() :: :ok
+  def disarm do
+    if Process.get(@gate) != nil, do: Process.put(@gate, false)
+    :ok
+  end
+
   @doc "`VllmBridge.Shm.without/1`."
   @spec without((() -> result)) :: result when result: term()
   def without(fun) do
