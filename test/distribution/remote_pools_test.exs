@@ -45,6 +45,17 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
     pid
   end
 
+  # The remote worker's generator `name` ended cancelled (closed between two chunks, or
+  # interrupted in its sleep: cancelled either way), and the pool's load is back to 0.
+  defp await_cancelled_remotely(b, name) do
+    wait_until(fn ->
+      {:ok, log} = diag("exit_log", [], pool_name: @remote)
+      Enum.any?(log, &(&1["name"] == name and &1["type"] in @cancelled))
+    end)
+
+    wait_until(fn -> remote_load(b, @remote) == 0 end)
+  end
+
   defp remote_load(b, pool) do
     {:ok, ws} = :erpc.call(b, Pool, :workers, [pool])
     ws |> Enum.reject(&is_nil/1) |> Enum.map(& &1.load) |> Enum.sum()
@@ -350,13 +361,7 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
 
       assert Enum.take(s, 3) == [0, 1, 2]
 
-      wait_until(fn ->
-        {:ok, log} = diag("exit_log", [], pool_name: @remote)
-        # Closed between two chunks, or interrupted in its sleep: cancelled either way.
-        Enum.any?(log, &(&1["name"] == name and &1["type"] in @cancelled))
-      end)
-
-      wait_until(fn -> remote_load(b, @remote) == 0 end)
+      await_cancelled_remotely(b, name)
     end
 
     test "a stream's error is raised here" do
@@ -438,12 +443,7 @@ defmodule VllmBridge.Distribution.RemotePoolsTest do
       {:ok, s} = VllmBridge.stream({@diag, "count"}, [5, 3.0, name], %{}, pool_name: @remote)
       assert Enum.take(s, 1) == [0]
 
-      wait_until(fn ->
-        {:ok, log} = diag("exit_log", [], pool_name: @remote)
-        Enum.any?(log, &(&1["name"] == name and &1["type"] in @cancelled))
-      end)
-
-      wait_until(fn -> remote_load(b, @remote) == 0 end)
+      await_cancelled_remotely(b, name)
     end
 
     # A remote request's proxy is spawned asynchronously (Remote.spawn_proxy/3): with

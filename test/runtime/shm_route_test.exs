@@ -67,6 +67,18 @@ defmodule VllmBridge.Runtime.ShmRouteTest do
   # Runs `fun` in a fresh process traced for the calls that decide a route: `{result,
   # route resolutions, Directory.pool/1 look-ups made by Run (its lean path), ext 8
   # encodes}`.
+  # diag.echo(big) through Run.run_encoded/4, its arguments encoded by `encode` (which
+  # changes the pool meanwhile), traced as traced/1 says.
+  defp traced_echo(rt, big, encode) do
+    traced(fn ->
+      Run.run_encoded(rt, "call", encode,
+        what: {@diag, "echo"},
+        bound: nil,
+        payload: {[big], %{}}
+      )
+    end)
+  end
+
   defp traced(fun) do
     me = self()
 
@@ -214,14 +226,7 @@ defmodule VllmBridge.Runtime.ShmRouteTest do
       encoded
     end
 
-    {result, resolves, lean_pools, slots} =
-      traced(fn ->
-        Run.run_encoded(rt, "call", encode,
-          what: {@diag, "echo"},
-          bound: nil,
-          payload: {[big], %{}}
-        )
-      end)
+    {result, resolves, lean_pools, slots} = traced_echo(rt, big, encode)
 
     assert slots == 1, "the tensor went into a slot for the first pool's worker"
     assert {:error, %Error{type: :worker_exit}} = result
@@ -267,14 +272,7 @@ defmodule VllmBridge.Runtime.ShmRouteTest do
       encoded
     end
 
-    {result, resolves, lean_pools, slots} =
-      traced(fn ->
-        Run.run_encoded(rt, "call", encode,
-          what: {@diag, "echo"},
-          bound: nil,
-          payload: {[big], %{}}
-        )
-      end)
+    {result, resolves, lean_pools, slots} = traced_echo(rt, big, encode)
 
     assert slots == 1
     assert {:error, %Error{type: :worker_exit, message: m}} = result
