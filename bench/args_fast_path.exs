@@ -12,7 +12,7 @@
 # 100 000 generated calls (random parameter lists of every mode and type, arguments that
 # fit them and arguments that do not), seeded: the run stops on the first difference.
 #
-# Not part of `make bench`. Figures: bench/README.md, "Args fast path".
+# Not part of `make bench`. Figures: bench/results/fast-paths.md, "Args fast path".
 
 defmodule VllmBridge.Bench.ArgsFastPath do
   alias VllmBridge.Bindings.Args

@@ -1,7 +1,8 @@
 # What gen_server's dispatch adds to a message, against a plain receive loop (issue 19;
-# bench/README.md, "What changed, measured"): a ping-pong of N messages with each, the
-# server holding a state map of 27 keys as VllmBridge.Worker does and updating one key
-# per message. No port, no Python: the cost of the process's framework alone.
+# bench/results/erlport-round-trip-continued.md, "The worker process and the Python
+# worker, measured"): a ping-pong of N messages with each, the server holding a state
+# map of 27 keys as VllmBridge.Worker does and updating one key per message. No port, no
+# Python: the cost of the process's framework alone.
 #
 #   elixir bench/genserver_dispatch.exs [messages rounds]    (defaults 200 000, 5)
 

@@ -1,6 +1,7 @@
 # How long the worker process and the caller are scheduled in per call (issue 19;
-# bench/README.md, "What changed, measured"): `:erlang.trace/3` with `:running` and
-# monotonic timestamps on both, summed by a tracer process, over N calls of
+# bench/results/erlport-round-trip-continued.md, "The worker process and the Python
+# worker, measured"): `:erlang.trace/3` with `:running` and monotonic timestamps on both,
+# summed by a tracer process, over N calls of
 #
 #   wproc  a request built once, sent with VllmBridge.Call.Request.call/3 straight to
 #          the worker process (as bench/roundtrip_breakdown.exs);

@@ -7,8 +7,8 @@ Like a worker, it asks for 1 MiB pipe buffers (``F_SETPIPE_SZ``, Linux), so that
 of a comparison use the same transport.
 Started by ``mix vllm.bench`` (``bench/README.md``) as ``python bench/raw_echo.py`` on an
 Erlang port opened with ``{:packet, 4}`` and ``:nouse_stdio`` (a worker's port is opened in
-``:stream`` mode and framed by the worker process, which bounds frames: bench/README.md,
-"Frame size"; the floor keeps the driver's own framing).
+``:stream`` mode and framed by the worker process, which bounds frames:
+bench/results/frame-size.md, "Frame size"; the floor keeps the driver's own framing).
 """
 
 import fcntl

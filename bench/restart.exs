@@ -6,7 +6,8 @@
 #
 #     mix run bench/restart.exs [runs]      # default 7; prints the medians
 #
-# Not part of `make bench` (each run kills a process). See bench/README.md, "Startup".
+# Not part of `make bench` (each run kills a process). See bench/results/startup.md,
+# "Startup".
 
 defmodule VllmBridge.Bench.Restart do
   alias VllmBridge.Pool

@@ -3,9 +3,9 @@
 #
 #   mix run bench/round_trip_loop.exs [calls] [rounds]
 #
-# To compare two trees in one run (bench/README.md, "Status and logs"), run it in each
-# tree in turn with the same interpreter; BENCH_PYTHONPATH puts that tree's python/ first
-# on the worker's PYTHONPATH (so each tree's worker code runs).
+# To compare two trees in one run (bench/results/telemetry-and-status.md, "Status and
+# logs"), run it in each tree in turn with the same interpreter; BENCH_PYTHONPATH puts
+# that tree's python/ first on the worker's PYTHONPATH (so each tree's worker code runs).
 {calls, rounds} =
   case System.argv() do
     [c, r] -> {String.to_integer(c), String.to_integer(r)}

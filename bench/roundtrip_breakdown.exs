@@ -1,6 +1,6 @@
-# Where one small call's round trip goes (issue 19; bench/README.md, "Where a round trip
-# goes"). One caller, one call at a time, subjects alternating in rounds so that a busy
-# moment of the shared machine lands on all of them:
+# Where one small call's round trip goes (issue 19; bench/results/erlport-round-trip.md,
+# "Where a round trip goes"). One caller, one call at a time, subjects alternating in
+# rounds so that a busy moment of the shared machine lands on all of them:
 #
 #   full      the trivial call through the whole stack (binding -> pool -> worker process
 #             -> port -> Python worker -> back), a pool of 2 workers, as part 1;

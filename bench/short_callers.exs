@@ -1,17 +1,17 @@
 # What a caller's monitor costs the worker process, for long-lived callers and for
-# one-process-per-call callers (bench/README.md, "The worker process and the Python
-# worker, measured"): the trivial call through a pool of 2 workers (max_in_flight 32) by
-# 64 concurrent loops, each loop either calling itself (`long`: one caller makes every
-# call) or spawning a `Task` per call and awaiting it (`short`: a process per call, as a
-# process per HTTP request; each caller dies right after its only call). Rounds alternate
-# long, short, long, short ... For each round: calls/s, the reductions of the pool's two
-# worker processes per call (the throughput bottleneck's work, monitor and :DOWN
-# handling included), and the BEAM's CPU time per call (`:erlang.statistics(:runtime)`,
-# all schedulers). Then one more round of each load with the two worker processes traced
-# (`:running`, as bench/process_time.exs): their scheduled-in time per call (the trace's
-# cost is in it alike for both loads and every build; the port write that wakes a Python
-# worker on the same CPU counts as in). Medians over the rounds are printed at the end.
-# Run it in two builds in turn for an A/B.
+# one-process-per-call callers (bench/results/erlport-round-trip-continued.md, "The worker
+# process and the Python worker, measured"): the trivial call through a pool of 2 workers
+# (max_in_flight 32) by 64 concurrent loops, each loop either calling itself (`long`: one
+# caller makes every call) or spawning a `Task` per call and awaiting it (`short`: a
+# process per call, as a process per HTTP request; each caller dies right after its only
+# call). Rounds alternate long, short, long, short ... For each round: calls/s, the
+# reductions of the pool's two worker processes per call (the throughput bottleneck's
+# work, monitor and :DOWN handling included), and the BEAM's CPU time per call
+# (`:erlang.statistics(:runtime)`, all schedulers). Then one more round of each load with
+# the two worker processes traced (`:running`, as bench/process_time.exs): their
+# scheduled-in time per call (the trace's cost is in it alike for both loads and every
+# build; the port write that wakes a Python worker on the same CPU counts as in). Medians
+# over the rounds are printed at the end. Run it in two builds in turn for an A/B.
 #
 #   mix run bench/short_callers.exs [rounds duration_ms]
 #

@@ -1,9 +1,10 @@
-# Part 9's small-call figures alone (issue 19; bench/README.md, "What changed, measured"):
-# the trivial call through the whole stack beside erlport's :python.call of the same
-# function and the raw echo, in alternating rounds (VllmBridge.Bench.Erlport.run/3 without
-# its binary echoes): p50 and p99 with one caller, calls/s with 64 callers over a pool of
-# 2 workers (max_in_flight 32) and 2 erlport processes, best of 2 rounds. A quicker A/B
-# than `mix vllm.bench`: run it in two builds in turn.
+# Part 9's small-call figures alone (issue 19; bench/results/erlport-round-trip.md, "What
+# changed, measured"): the trivial call through the whole stack beside erlport's
+# :python.call of the same function and the raw echo, in alternating rounds
+# (VllmBridge.Bench.Erlport.run/3 without its binary echoes): p50 and p99 with one caller,
+# calls/s with 64 callers over a pool of 2 workers (max_in_flight 32) and 2 erlport
+# processes, best of 2 rounds. A quicker A/B than `mix vllm.bench`: run it in two builds
+# in turn.
 #
 #   ERLPORT_DIR=/tmp/erlport mix run bench/small_call.exs [calls rounds duration_ms]
 #

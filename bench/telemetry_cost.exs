@@ -14,7 +14,7 @@
 # the event: "idle" and "on" are indicative, "off" is exact.
 #
 # To compare with a build without telemetry (before issue 18), run the same script in
-# both trees, alternating (see bench/README.md, "Telemetry"):
+# both trees, alternating (see bench/results/telemetry-and-status.md, "Telemetry"):
 #
 #   mix run bench/telemetry_cost.exs [--modes off,idle,on] [--rounds 5] [--calls 5000]
 #                                    [--pin 0] [--label name]

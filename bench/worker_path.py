@@ -5,8 +5,8 @@ its write. fd 3 is a file of ``--calls`` trivial-call request frames (read as th
 would be, 64 KiB at a time), replies go to ``/dev/null``; the figure is the thread's CPU
 time per request (``time.thread_time``), so a busy machine's preemptions do not count.
 
-Issue 19 (bench/README.md, "The Python worker's path"): run it from two trees in turn to
-compare them, each tree's ``python/`` first on the path::
+Issue 19 (bench/results/erlport-round-trip-continued.md, "The Python worker's path"): run
+it from two trees in turn to compare them, each tree's ``python/`` first on the path::
 
     .venv/bin/python bench/worker_path.py [--calls N] [--rounds R]
 """

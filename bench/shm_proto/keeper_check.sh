@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Throwaway check of the lifetime rule the shared-memory design relies on (issue 19,
-# part 3; bench/README.md, "Shared memory for large tensors"): a directory on /dev/shm
-# whose owner is a BEAM is removed when that BEAM is killed with SIGKILL, by a keeper
-# process (`/bin/sh`: `cat` until its stdin, a pipe from the BEAM, reaches EOF, then
+# part 3; bench/results/shared-memory.md, "Shared memory for large tensors"): a directory
+# on /dev/shm whose owner is a BEAM is removed when that BEAM is killed with SIGKILL, by a
+# keeper process (`/bin/sh`: `cat` until its stdin, a pipe from the BEAM, reaches EOF, then
 # `rm -rf`), even though nothing of the BEAM runs any more. Run from anywhere:
 #
 #   bench/shm_proto/keeper_check.sh

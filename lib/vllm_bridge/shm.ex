@@ -18,7 +18,8 @@ defmodule VllmBridge.Shm do
   # the result slots of the worker of that os pid. A reader that has copied a slot out
   # hands it back by renaming it to `<name>.free`; its writer takes it again by renaming
   # it back (`rename` is atomic: there is one winner), so a slot keeps its pages and the
-  # next transfer is a memcpy each way (bench/README.md, "Shared memory for large tensors").
+  # next transfer is a memcpy each way (bench/results/shared-memory.md, "Shared memory for
+  # large tensors").
   #
   # Lifetimes: an argument slot is lent to the calling process (monitored) while its
   # call runs (`scope/2`, when the call's route is a pool of this node). When the call ends, a slot the worker did not hand back (it

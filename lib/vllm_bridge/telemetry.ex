@@ -5,7 +5,8 @@ defmodule VllmBridge.Telemetry do
   The library cannot depend on hex packages, so it calls `:telemetry` only when the host
   application has it loaded: an app that depends on `:telemetry` receives ordinary events
   (`:telemetry.attach/4` works as usual), and one that does not pays one BIF call per
-  request (`enabled?/0`) and builds nothing (bench/README.md, "Telemetry", measures it).
+  request (`enabled?/0`) and builds nothing (bench/results/telemetry-and-status.md,
+  "Telemetry", measures it).
 
   Conventions, as `:telemetry.span/3`'s: a span is `prefix ++ [:start]`, then
   `prefix ++ [:stop]` or `prefix ++ [:exception]`, from the same process and with the

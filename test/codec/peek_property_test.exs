@@ -4,7 +4,8 @@ defmodule VllmBridge.Codec.PeekPropertyTest do
   read from its first bytes) answers exactly as its general path, `peek_general/1` (a
   full decode), for every well-formed frame: generated frames of every kind a worker
   sends, ids at every msgpack integer width and ids that are not ids, values of every
-  kind, and shapes of other lengths. bench/README.md ("Fast paths") has what it saves.
+  kind, and shapes of other lengths. bench/results/fast-paths.md ("Fast paths beside
+  general paths") has what it saves.
   """
   use ExUnit.Case, async: true
 

@@ -5,7 +5,7 @@ defmodule VllmBridge.Codec.ReplyFastPathTest do
   decode), for every reply: generated `ok` replies with ids at every msgpack width and
   scalars of every encoding (and the specials, containers and other kinds the fast path
   leaves to the general one), and the same frames cut short or with bytes added.
-  bench/README.md ("What changed, measured") has what it saves.
+  bench/results/erlport-round-trip.md ("What changed, measured") has what it saves.
   """
   use ExUnit.Case, async: true
 

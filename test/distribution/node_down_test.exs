@@ -70,7 +70,7 @@ defmodule VllmBridge.Distribution.NodeDownTest do
     # The issue's bound: all three answer within a second of the node's going. As an
     # order: a one-second sleep started at the kill is still running once they have.
     # Deliberately the one bound in time this suite keeps, because it is the contract;
-    # measured at 19-27 ms (bench/README.md), about 40 times inside it.
+    # measured at 19-27 ms (bench/results/remote.md), about 40 times inside it.
     second = Task.async(fn -> Process.sleep(1_000) end)
 
     assert {:error, %Error{type: :worker_exit, message: m1}} = Task.await(call, 15_000)

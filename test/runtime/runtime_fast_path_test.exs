@@ -5,7 +5,8 @@ defmodule VllmBridge.Runtime.RuntimeFastPathTest do
   values of every option, unknown keys, keys given twice, lists that are not keyword
   lists, both kinds, inside and outside a current session. The general path is forced by
   a `:runtime` config that changes nothing (`affinity: :strict_queue`, the default).
-  bench/README.md ("Fast paths") has what the one-pass path saves.
+  bench/results/fast-paths.md ("Fast paths beside general paths") has what the one-pass
+  path saves.
   """
   use ExUnit.Case, async: false
 

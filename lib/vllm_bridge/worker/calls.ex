@@ -12,14 +12,14 @@ defmodule VllmBridge.Worker.Calls do
   #
   # Callers whose death must cancel their calls are monitored once per caller while they
   # call (`callers`: pid => {monitor, live calls}). Which callers keep their monitor between
-  # calls is chosen by what each costs the worker process (bench/README.md, "The
-  # worker process and the Python worker, measured"): a caller's first call ends with a
-  # demonitor, as a caller of one call (a process per request, a `Task` per call) would
-  # otherwise send a :DOWN to this process when it dies; a caller seen calling again
-  # within the sweep's second (`recent`) keeps its monitor while it has no call in flight,
-  # so one that calls again and again costs no monitor and no demonitor per call, and is
-  # let go at the next sweep (`sweep/3`) once idle; its death meanwhile finds nothing to
-  # cancel.
+  # calls is chosen by what each costs the worker process
+  # (bench/results/erlport-round-trip-continued.md, "The worker process and the Python
+  # worker, measured"): a caller's first call ends with a demonitor, as a caller of one call
+  # (a process per request, a `Task` per call) would otherwise send a :DOWN to this process
+  # when it dies; a caller seen calling again within the sweep's second (`recent`) keeps its
+  # monitor while it has no call in flight, so one that calls again and again costs no
+  # monitor and no demonitor per call, and is let go at the next sweep (`sweep/3`) once
+  # idle; its death meanwhile finds nothing to cancel.
 
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Wire}

@@ -9,7 +9,7 @@ defmodule VllmBridge.Worker.Framer do
   # bound on it, so one bad header would grow the BEAM by up to 4 GiB. Here a body takes
   # memory only as its bytes arrive (the driver's chunks of up to 64 KiB, kept as a list
   # and joined once), bounded by the limit. docs/PROTOCOL.md ("Transport") and
-  # bench/README.md have the measurements behind the choice.
+  # bench/results/frame-size.md have the measurements behind the choice.
   #
   # A body that shares a chunk with others is a sub-binary of that chunk (up to 64 KiB),
   # as a body used to be a binary of its own frame's size: a caller that keeps a string

@@ -4,14 +4,14 @@ defmodule VllmBridge.Worker.Output do
   #
   # The Python process's fds 1 and 2 are two private FIFOs, each read by a `cat` port that
   # this process owns (one process per worker, beside it, linked). Why the reading end is
-  # outside the Python process (not a thread in it): the last lines a process writes
-  # before it dies (a C extension's abort message, faulthandler's traceback) are the ones
-  # that matter, and a reader thread dies with them unread (measured: a line written just
-  # before `os._exit` was lost 198 times in 200 with an in-process reader thread, 0 times
-  # with a FIFO read by another process; bench/README.md, "Worker output"). Whatever
-  # writes to the fds is covered the same way: print, `os.write(1, ...)`, C code, child
-  # processes that inherit them. And a flood of output never touches the worker process's
-  # mailbox, where replies pass.
+  # outside the Python process (not a thread in it): the last lines a process writes before
+  # it dies (a C extension's abort message, faulthandler's traceback) are the ones that
+  # matter, and a reader thread dies with them unread (measured: a line written just before
+  # `os._exit` was lost 198 times in 200 with an in-process reader thread, 0 times with a
+  # FIFO read by another process; bench/results/telemetry-and-status.md, "Status and logs").
+  # Whatever writes to the fds is covered the same way: print, `os.write(1, ...)`, C code,
+  # child processes that inherit them. And a flood of output never touches the worker
+  # process's mailbox, where replies pass.
   #
   # Each line goes to Logger (stdout at :info, stderr at :warning) with the metadata
   # `vllm_pool`, `vllm_worker` (the index), `os_pid` and `python_stream`. A line is cut at

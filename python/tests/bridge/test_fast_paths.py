@@ -12,7 +12,7 @@ The inputs mix the common case with the edges that make the general path differ:
 (``str`` subclasses) for the kind, session, target parts and keys, booleans and floats
 where ints go, NaN and infinite timeouts, integers at the 64-bit bounds, tuples for lists,
 text that is not valid UTF-8, values over the frame limit. bench/fast_paths.py measures
-what each fast path saves (figures in bench/README.md).
+what each fast path saves (figures in bench/results/python-worker.md, "fast_paths.py").
 """
 
 from __future__ import annotations
