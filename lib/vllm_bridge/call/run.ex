@@ -66,6 +66,17 @@ defmodule VllmBridge.Call.Run do
           opts()
         ) :: {:ok, term()} | {:error, Error.t()}
   def run_encoded(%Runtime{} = rt, kind, encode, opts) do
+    # Arguments of plain data (no struct: only a tensor takes a slot) can lend no slot:
+    # they are encoded and run without the scope, its gate and its route key, which cost
+    # a small call about a microsecond (bench/README.md, "The BEAM's path, pared").
+    if VllmBridge.Shm.Writer.plain?(Keyword.get(opts, :payload)) do
+      with {:ok, parts} <- encode.(), do: run(rt, kind, parts, opts)
+    else
+      scoped(rt, kind, encode, opts)
+    end
+  end
+
+  defp scoped(rt, kind, encode, opts) do
     # The gate's route is kept under a key of this call alone, and the gate resolves
     # nothing once the arguments are encoded: a large tensor encoded later in this
     # process inside the scope (a :telemetry handler of this call's events, say) would

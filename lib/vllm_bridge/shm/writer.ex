@@ -20,6 +20,39 @@ defmodule VllmBridge.Shm.Writer do
   @spec lent?() :: boolean()
   def lent?, do: match?([_ | _], Process.get(@lent))
 
+  # How many values `plain?/1` looks at before it gives up (and says "not plain").
+  @plain_budget 64
+
+  @doc """
+  Whether `term` is plain data that cannot lend a slot when encoded: no struct anywhere
+  in it (a `VllmBridge.Tensor` is a struct, and so is any value whose encoding could make
+  one). Looks at no more than #{@plain_budget} values: a larger term is not called plain
+  (its call takes the scope, as every call did before), so the check costs a small call
+  little and a large one nothing it would notice.
+  """
+  @spec plain?(term()) :: boolean()
+  def plain?(term)
+  # (A call's payload, `{args, kwargs}`: no arguments is the common case of a binding.)
+  def plain?({[], kwargs}) when kwargs == %{}, do: true
+  def plain?(term), do: plain?([term], @plain_budget)
+
+  defp plain?([], _budget), do: true
+  defp plain?(_stack, 0), do: false
+
+  defp plain?([x | stack], n) do
+    case x do
+      [] -> plain?(stack, n - 1)
+      # (`t` may be an improper tail: any term, looked at as one.)
+      [h | t] -> plain?([h, t | stack], n - 1)
+      %{__struct__: _} -> false
+      %{} when map_size(x) < n -> plain?([:maps.to_list(x) | stack], n - 1)
+      %{} -> false
+      _ when is_tuple(x) and tuple_size(x) < n -> plain?([Tuple.to_list(x) | stack], n - 1)
+      _ when is_tuple(x) -> false
+      _ -> plain?(stack, n - 1)
+    end
+  end
+
   @doc "`VllmBridge.Shm.scope/2`."
   @spec scope((() -> boolean()), (() -> result)) :: result when result: term()
   def scope(gate, fun) do

@@ -81,7 +81,9 @@ defmodule VllmBridge.Bench.Erlport do
     end
   end
 
-  defp start_peer(python) do
+  @doc "Starts an erlport Python instance on `python`, its module imported: its pid."
+  @spec start_peer(String.t()) :: pid()
+  def start_peer(python) do
     {:ok, p} =
       apply(:python, :start, [
         [
@@ -96,7 +98,9 @@ defmodule VllmBridge.Bench.Erlport do
     p
   end
 
-  defp call_peer(p), do: apply(:python, :call, [p, @mod, @fun, []])
+  @doc "The trivial call through erlport instance `p` (a boolean back)."
+  @spec call_peer(pid()) :: term()
+  def call_peer(p), do: apply(:python, :call, [p, @mod, @fun, []])
 
   defp latency(pool, python, peer, opts) do
     calls = Keyword.get(opts, :calls, 10_000)
