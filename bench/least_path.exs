@@ -1,6 +1,7 @@
 # The least the BEAM side of a call could do (VllmBridge.Bench.LeastPath), beside the
-# whole stack and erlport, in one run (issue 19; bench/README.md, "The least a call could
-# do on the BEAM"): is the gap to the targets on the BEAM side, or past it?
+# whole stack and erlport, in one run (issue 19; bench/results/least-path-and-batching.md,
+# "The least a call could do on the BEAM"): is the gap to the targets on the BEAM side,
+# or past it?
 #
 #   ERLPORT_DIR=/tmp/erlport mix run bench/least_path.exs [rounds] [duration_ms] [pin]
 #

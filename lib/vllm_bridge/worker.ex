@@ -280,8 +280,8 @@ defmodule VllmBridge.Worker do
   # it (up to @batch in all): admitted one by one in their order, then written to the
   # port in one command, so that requests that come together (many callers) cost one
   # write and one wake-up of the Python reader, not one each: about 1.5 us of BEAM CPU
-  # less a call at 64 callers (bench/results/erlport-round-trip-continued.md, "Requests
-  # that arrive together, written together"). Only requests are taken ahead of the
+  # less a call at 64 callers (bench/results/least-path-and-batching.md, "Requests that
+  # arrive together, written together"). Only requests are taken ahead of the
   # other messages, and a caller sends its settle or credit after its request, so each
   # still follows its own request. With no other request waiting (one caller) it is one
   # `receive ... after 0` more than `submit/2`. The mailbox it scans holds at most the

@@ -68,7 +68,8 @@ defmodule VllmBridge.Call.Run do
   def run_encoded(%Runtime{} = rt, kind, encode, opts) do
     # Arguments of plain data (no struct: only a tensor takes a slot) can lend no slot:
     # they are encoded and run without the scope, its gate and its route key, which cost
-    # a small call about a microsecond (bench/README.md, "The BEAM's path, pared").
+    # a small call 0.3-0.45 us (bench/results/least-path-and-batching.md, "A call's plain
+    # arguments skip the slot scope").
     if VllmBridge.Shm.Writer.plain?(Keyword.get(opts, :payload)) do
       with {:ok, parts} <- encode.(), do: run(rt, kind, parts, opts)
     else

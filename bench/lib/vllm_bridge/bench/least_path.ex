@@ -1,8 +1,8 @@
 defmodule VllmBridge.Bench.LeastPath do
   @moduledoc """
   The least the BEAM side of a call could do, on a real Python worker: the bound a
-  redesign of the bridge's Elixir path could reach (issue 19; bench/README.md, "The
-  least a call could do on the BEAM").
+  redesign of the bridge's Elixir path could reach (issue 19;
+  bench/results/least-path-and-batching.md, "The least a call could do on the BEAM").
 
   A process owns the port of a Python worker started as a pool starts it and runs a
   plain receive loop: it writes each request to the port, keeps `id => alias` in a map,
