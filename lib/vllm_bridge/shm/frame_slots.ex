@@ -43,6 +43,10 @@ defmodule VllmBridge.Shm.FrameSlots do
   # The result slot names of the worker of `prefix` that `frame` holds in ext 8 values
   # (in no particular order; [] for most frames).
   @spec names(binary(), prefix()) :: [String.t()]
+  # Shorter than the least frame that names a slot (`[kind, id, ext 8]`: 12 bytes and
+  # the name's prefix, at least): a tiny reply (`["ok", 5, 42]`) is not even searched.
+  def names(frame, {p, _pattern}) when byte_size(frame) < byte_size(p) + 12, do: []
+
   def names(frame, {_p, pattern} = prefix) when byte_size(frame) <= @scan_max do
     case :binary.match(frame, pattern) do
       :nomatch -> []
