@@ -33,6 +33,10 @@ defmodule VllmBridge.Worker do
   #   * **Timeouts, callers that die, and `cancel_grace`.** A call whose caller gives up or
   #     dies is cancelled in Python, and the Python process is killed when the call does
   #     not stop within `cancel_grace` (VllmBridge.Worker.Cancel).
+  #   * **Result slots of callers that die.** A reply or chunk that names result slots
+  #     (found without decoding it; a small frame pays one search) has them remembered
+  #     with its caller, who is monitored: a caller that dies before decoding it has them
+  #     handed back (VllmBridge.Shm.Loans).
   #   * **Logs.** `log` frames go to `Logger` with the Python logger's name
   #     (VllmBridge.Worker.PythonLog); the Python process's stdout and stderr are read by
   #     a process beside this one (VllmBridge.Worker.Output), never through this mailbox.
