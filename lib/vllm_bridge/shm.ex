@@ -17,8 +17,9 @@ defmodule VllmBridge.Shm do
   # argument slots (written by callers, named and lent by this process), `r-<os pid>-<n>`
   # the result slots of the worker of that os pid. A reader that has copied a slot out
   # hands it back by renaming it to `<name>.free`; its writer takes it again by renaming
-  # it back (`rename` is atomic: there is one winner), so a slot keeps its pages and the
-  # next transfer is a memcpy each way (bench/results/shared-memory.md, "Shared memory for
+  # it (`rename` is atomic: there is one winner; an argument slot back to its name, a
+  # result slot to a new one, so that a worker lends each name once), so a slot keeps its
+  # pages and the next transfer is a memcpy each way (bench/results/shared-memory.md, "Shared memory for
   # large tensors").
   #
   # Lifetimes: an argument slot is lent to the calling process (monitored) while its
@@ -26,7 +27,9 @@ defmodule VllmBridge.Shm do
   # never read it: the call was refused, timed out, or its worker died) is deleted, never
   # reused, so a late reader finds it gone rather than someone else's data; the same
   # when the caller dies. Free slots unused for @idle_ms are deleted. Result slots of a
-  # worker whose os process is gone are deleted by a sweep every @sweep_ms.
+  # worker whose os process is gone are deleted by a sweep every @sweep_ms; those of a
+  # frame whose caller died before decoding it are handed back by the worker process
+  # that passed it on (VllmBridge.Shm.Loans).
 
   use GenServer
 

@@ -33,6 +33,10 @@ defmodule VllmBridge.Worker do
   #   * **Timeouts, callers that die, and `cancel_grace`.** A call whose caller gives up or
   #     dies is cancelled in Python, and the Python process is killed when the call does
   #     not stop within `cancel_grace` (VllmBridge.Worker.Cancel).
+  #   * **Result slots of callers that die.** A reply or chunk that names result slots
+  #     (found without decoding it; a small frame pays one search) has them remembered
+  #     with its caller, who is monitored: a caller that dies before decoding it has them
+  #     handed back (VllmBridge.Shm.Loans).
   #   * **Logs.** `log` frames go to `Logger` with the Python logger's name
   #     (VllmBridge.Worker.PythonLog); the Python process's stdout and stderr are read by
   #     a process beside this one (VllmBridge.Worker.Output), never through this mailbox.
@@ -50,6 +54,7 @@ defmodule VllmBridge.Worker do
 
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Runtime, Wire}
+  alias VllmBridge.Shm.Loans
   alias VllmBridge.Worker.{Calls, Cancel, Down, Events, Framer, Hello, Launcher, Messages}
   alias VllmBridge.Worker.{PythonLog, Starting}
   alias VllmBridge.Worker.Messages.Submit
@@ -232,10 +237,17 @@ defmodule VllmBridge.Worker do
 
   def handle_info(Messages.grace(id), state), do: {:noreply, Cancel.grace(state, id)}
 
-  def handle_info({:DOWN, mon, :process, caller, _reason}, state),
-    do: {:noreply, Cancel.abandoned(state, mon, caller)}
+  # A caller died: its frames' result slots still lent go back (VllmBridge.Shm.Loans),
+  # or its calls are cancelled (the monitors of VllmBridge.Worker.Calls).
+  def handle_info({:DOWN, mon, :process, caller, _reason}, state) do
+    case Loans.down(state.loans, mon, caller) do
+      {:ok, loans} -> {:noreply, %{state | loans: loans}}
+      :error -> {:noreply, Cancel.abandoned(state, mon, caller)}
+    end
+  end
 
-  def handle_info(:sweep, state), do: {:noreply, Cancel.sweep(state)}
+  def handle_info(:sweep, state),
+    do: {:noreply, Cancel.sweep(%{state | loans: Loans.prune(state.loans)})}
 
   # The worker's end (VllmBridge.Worker.Down).
   def handle_info({port, {:exit_status, status}}, %{port: port} = state),
@@ -337,15 +349,20 @@ defmodule VllmBridge.Worker do
   def route(state, bin) do
     case Wire.peek(bin) do
       {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
+        state = lend(state, id, bin)
         %{state | calls: Calls.finish(state.calls, id, :reply, bin)}
 
       {:chunk, id} when id != nil ->
         case Calls.live(state.calls, id) do
-          nil -> Calls.drop(bin)
-          alias -> Messages.send_chunk(alias, bin)
-        end
+          nil ->
+            Calls.drop(bin)
+            state
 
-        state
+          alias ->
+            state = lend(state, id, bin)
+            Messages.send_chunk(alias, bin)
+            state
+        end
 
       {:end, id} when id != nil ->
         %{state | calls: Calls.finish(state.calls, id, :end, nil)}
@@ -362,6 +379,18 @@ defmodule VllmBridge.Worker do
         )
 
         state
+    end
+  end
+
+  # A frame about to go to the caller of call `id`: the result slots it names (if any)
+  # are remembered for that caller, before it can die with the frame unread
+  # (VllmBridge.Shm.Loans). A frame nobody waits for is not: Calls hands its slots back.
+  defp lend(%{loans: nil} = state, _id, _bin), do: state
+
+  defp lend(%{loans: loans} = state, id, bin) do
+    case Loans.names(loans, bin) do
+      [] -> state
+      names -> %{state | loans: Loans.lend(loans, Calls.caller(state.calls, id), names)}
     end
   end
 

@@ -59,6 +59,13 @@ defmodule VllmBridge.Runtime.ShmTest do
   defp slots(dir),
     do: dir |> ls() |> Enum.map(&String.replace(&1, ~r/\.(free|held-\d+)\z/, "")) |> Enum.uniq()
 
+  # The slot files, whatever their names: a worker lends a result slot's file again under
+  # a new name (a name is lent once), so a file reused is seen by its inode. (A name
+  # renamed between the listing and its lstat is missed: the callers ask again.)
+  defp files(dir, names) do
+    for name <- names, {:ok, st} <- [File.lstat(Path.join(dir, name))], uniq: true, do: st.inode
+  end
+
   test "large tensors travel both ways through slots, small ones through the pipe", %{dir: dir} do
     big = tensor(8, 1)
     assert {:ok, ^big} = echo(big)
@@ -71,7 +78,8 @@ defmodule VllmBridge.Runtime.ShmTest do
     assert Enum.any?(names, &(&1 =~ ~r/\Ae-\d+\z/)), "the argument went through a slot"
 
     # Reused once handed back (the worker holds an argument's slot until its tensor is
-    # gone, just after the reply): the same files carry the next large round trip.
+    # gone, just after the reply): the same files carry the next large round trip (a
+    # result's under a new name: compared by inode).
     # (Free slots expire after 2 s idle: on a loaded machine a round trip may come after
     # that, so reuse is asked of two round trips in a row, a bounded number of times.)
     other = tensor(5, 7)
@@ -79,16 +87,16 @@ defmodule VllmBridge.Runtime.ShmTest do
     wait_until(
       fn ->
         wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
-        before = slots(dir)
+        before = Enum.sort(files(dir, ls(dir)))
         assert {:ok, ^other} = echo(other)
-        before != [] and slots(dir) == before
+        before != [] and Enum.sort(files(dir, ls(dir))) == before
       end,
       30_000,
       "the next round trip reuses the same slot files"
     )
 
-    names = slots(dir)
     wait_until(fn -> not Enum.any?(ls(dir), &(&1 =~ ".held-")) end, 15_000, "hand-back")
+    names = slots(dir)
 
     # Below the threshold: the pipe, and the same answer.
     %{min_bytes: min} = Shm.dir()
@@ -139,12 +147,8 @@ defmodule VllmBridge.Runtime.ShmTest do
   test "a busy worker's result slots are reused, an idle worker's go", %{dir: dir} do
     pid = os_pid()
 
-    results = fn ->
-      for name <- ls(dir),
-          String.starts_with?(name, "r-#{pid}-"),
-          uniq: true,
-          do: String.replace_suffix(name, ".free", "")
-    end
+    # Its result slot files, by inode (a file is lent again under a new name).
+    results = fn -> files(dir, Enum.filter(ls(dir), &String.starts_with?(&1, "r-#{pid}-"))) end
 
     big = tensor(2, 11)
     assert {:ok, ^big} = echo(big)
@@ -168,7 +172,7 @@ defmodule VllmBridge.Runtime.ShmTest do
     )
 
     wait_until(fn -> results.() == [] end, 30_000, "the idle worker's result slots go")
-    # The next large result gets a new slot, under a new name.
+    # The next large result gets a new slot file.
     assert {:ok, ^big} = echo(big)
     assert [_ | _] = again = results.()
     assert MapSet.disjoint?(MapSet.new(again), MapSet.new(first))

@@ -29,3 +29,11 @@ def chunks(n: int, numel: int) -> Iterator[torch.Tensor]:
         raise ValueError(f"numel must be an int of at least 1, got {numel!r}")
     for i in range(n):
         yield torch.full((numel,), float(i + 1), dtype=torch.float32)
+
+
+def filled(numel: int, value: float) -> torch.Tensor:
+    """A float32 tensor of ``numel`` elements, all ``value``: a small request whose reply
+    is large enough for a result slot, telling whose it is."""
+    if not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"numel must be an int of at least 1, got {numel!r}")
+    return torch.full((numel,), float(value), dtype=torch.float32)

@@ -176,6 +176,17 @@ defmodule VllmBridge.Worker.Calls do
   end
 
   @doc false
+  # The process whose death cancels call `id` while it is live (the process its replies
+  # go to: it made the alias), or nil (not live, or no such process).
+  @spec caller(t(), non_neg_integer()) :: pid() | nil
+  def caller(%__MODULE__{map: map}, id) do
+    case map do
+      %{^id => %Entry{caller: caller, status: :live}} -> caller
+      _ -> nil
+    end
+  end
+
+  @doc false
   # The last frame of call `id` (`tag` :reply or :end): the call leaves the table, its
   # slot comes back, and its caller gets the frame (or, when nobody waits, the
   # references in it are released).

@@ -98,6 +98,9 @@ defmodule VllmBridge.Worker.Starting do
         index: index,
         meta: meta,
         calls: Calls.new(meta, index),
+        # The result slots in frames passed to callers (VllmBridge.Shm.Loans; set at the
+        # hello, nil for a worker that writes none).
+        loans: nil,
         # While starting: the requests that came (newest first) and the callers of
         # await_ready/2 and close/1 (newest first), served once the start is done.
         pending: [],
@@ -273,7 +276,8 @@ defmodule VllmBridge.Worker.Starting do
         os_pid: hello["pid"],
         stream_window: Hello.stream_window(hello),
         handshake_time: System.monotonic_time() - state.started_at,
-        stderr: nil
+        stderr: nil,
+        loans: VllmBridge.Shm.Loans.new(hello)
     }
 
     if state.meta, do: VllmBridge.Shm.mark(state.meta, state.index, VllmBridge.Shm.reads?(hello))

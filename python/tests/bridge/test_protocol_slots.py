@@ -181,10 +181,20 @@ def test_result_slots_are_reused_once_handed_back_and_bounded(slots: SlotDir, sl
     names = [slots.write(data) for _ in range(slots.max_slots)]
     assert len(set(names)) == slots.max_slots
     assert slots.write(data) is None  # every slot lent: the pipe
+    inode = os.stat(slot_root / names[2]).st_ino
     os.rename(slot_root / names[2], slot_root / (names[2] + ".free"))  # the reader is done
-    assert slots.write(memoryview(b"x" * 100)) == names[2]
-    assert (slot_root / names[2]).read_bytes() == b"x" * 100
-    slots.give_back(names[0])  # its frame was not sent
+    # The same file again (its pages kept), under a new name: a name is lent once.
+    again = slots.write(memoryview(b"x" * 100))
+    assert again is not None and again not in names
+    assert os.stat(slot_root / again).st_ino == inode
+    assert (slot_root / again).read_bytes() == b"x" * 100
+    assert not (slot_root / names[2]).exists() and not (slot_root / (names[2] + ".free")).exists()
+    # So a late hand-back of the old name (the Elixir side's, for a caller that died)
+    # finds nothing and cannot free the new lend.
+    with pytest.raises(FileNotFoundError):
+        os.rename(slot_root / names[2], slot_root / (names[2] + ".free"))
+    assert (slot_root / again).exists()
+    slots.give_back(names[0])  # its frame was not sent: nobody has its name
     assert slots.write(data) == names[0]
     slots.close()
     assert os.listdir(slot_root) == []
@@ -319,13 +329,18 @@ def test_a_sweeper_that_dies_is_started_again_with_the_next_slot(slot_root: Path
 
 def test_a_busy_workers_result_slot_is_reused_not_expired(slots: SlotDir, slot_root: Path):
     data = memoryview(bytes(range(256)) * 8)
-    first = slots.write(data)
+    name = slots.write(data)
+    inode = os.stat(slot_root / name).st_ino
+    seen = {name}
     for _ in range(20):
-        os.rename(slot_root / first, slot_root / (first + ".free"))
+        os.rename(slot_root / name, slot_root / (name + ".free"))
         # Each write within the idle period of the one before: nothing expires.
         assert slots.expire(time.monotonic() + slots.idle_after_s / 2) == []
-        assert slots.write(data) == first
-    assert os.listdir(slot_root) == [first]
+        name = slots.write(data)
+        # The same file each time, under a name never lent before.
+        assert name not in seen and os.listdir(slot_root) == [name]
+        assert os.stat(slot_root / name).st_ino == inode
+        seen.add(name)
 
 
 def test_the_sweeper_deletes_idle_slots_then_ends(slot_root: Path):

@@ -4,8 +4,9 @@ The Elixir side makes one directory per BEAM (mode 0700, on ``/dev/shm``) and gi
 its workers in ``VLLM_BRIDGE_SHM_DIR``. A slot is a plain file there, named by its writer:
 ``e-<n>`` for arguments (written by Elixir callers, read here), ``r-<pid>-<n>`` for this
 worker's results (written here, read by Elixir). A reader that is done with a slot hands
-it back by renaming it ``<name>.free``; its writer takes it again by renaming it back, so
-a slot keeps its pages. An argument arrives without a copy: its tensor maps the slot
+it back by renaming it ``<name>.free``; its writer takes it again by renaming it, so a
+slot keeps its pages (an argument slot back to its name; a result slot to a new name, so
+that a name is lent once: see :meth:`SlotDir._take`). An argument arrives without a copy: its tensor maps the slot
 privately, and the slot is held (``<name>.held-<pid>``) until the tensor is gone. A
 result slot handed back (or given back) and unused for ``IDLE_AFTER_S`` is deleted (a
 thread runs while there are any); a lent one is never deleted by that thread, since its
@@ -43,10 +44,11 @@ DEFAULT_MIN_BYTES = 1024 * 1024
 #: Result slots a worker keeps at most (lent and free): past it a result takes the pipe.
 MAX_RESULT_SLOTS = 4
 #: A result slot lent this long without being handed back may be lost (its frame was
-#: never decoded: the caller died with the reply in its mailbox, say): when a result
-#: needs a slot and every one is lent, the one lent longest is deleted if lent this long,
-#: and a new one (a new name) made instead. Only then: a slot lent this long may still be
-#: read (a stream chunk waits undecoded until its consumer pulls it).
+#: never decoded by a caller that is still alive; the Elixir side hands back the slots of
+#: a frame whose caller died before decoding it): when a result needs a slot and every
+#: one is lent, the one lent longest is deleted if lent this long, and a new one (a new
+#: name) made instead. Only then: a slot lent this long may still be read (a stream
+#: chunk waits undecoded until its consumer pulls it).
 #: (``VLLM_BRIDGE_SHM_RECLAIM_S`` sets it for a worker: the tests' short ages.)
 RECLAIM_AFTER_S = 30.0
 #: A result slot unused this long (handed back and not written since) is deleted, so
@@ -217,10 +219,17 @@ class SlotDir:
             if not slot.lent:
                 return slot
         for slot in self._slots:
+            # Taken again under a new name (the same file, its pages kept): a name is lent
+            # once, so a frame's name can never come to mean a later lend of its file.
+            # The Elixir side relies on it: it hands back the slots of a frame whose
+            # caller died unread by renaming the frame's names `.free`, which must not
+            # touch the file once it has been handed back and lent again.
+            fresh = self._new_name()
             try:
-                os.rename(slot.name + ".free", slot.name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+                os.rename(slot.name + ".free", fresh, src_dir_fd=self.fd, dst_dir_fd=self.fd)
             except OSError:
                 continue
+            slot.name = fresh
             slot.lent = False
             return slot
         if len(self._slots) >= self.max_slots and not self._reclaim():
@@ -233,8 +242,7 @@ class SlotDir:
                     self.reclaim_after_s,
                 )
             return None
-        name = f"r-{os.getpid()}-{self._next}"
-        self._next += 1
+        name = self._new_name()
         try:
             fd = os.open(
                 name,
@@ -253,6 +261,12 @@ class SlotDir:
             )
             self._sweeper.start()
         return slot
+
+    def _new_name(self) -> str:
+        """A result slot name never used before by this process (``r-<pid>-<n>``)."""
+        name = f"r-{os.getpid()}-{self._next}"
+        self._next += 1
+        return name
 
     # -- results: idle slots deleted --------------------------------------------------------
 
