@@ -1,9 +1,8 @@
 # What the worker process pays per reply or chunk to find the result slots it names
 # (VllmBridge.Shm.FrameSlots.names/2, called on every frame of a worker that writes
-# slots; bench/results/shared-memory.md, "Result slots of callers that
-# die"): frames of the shapes a
-# worker sends, each measured over `n` calls in `rounds` rounds (median and range of the
-# rounds, per call). No worker: the function alone, in this BEAM.
+# slots; bench/results/shared-memory.md, "Result slots of callers that die"): frames of
+# the shapes a worker sends, each measured over `n` calls in `rounds` rounds (median and
+# range of the rounds, per call). No worker: the function alone, in this BEAM.
 #
 #   mix run bench/frame_slots.exs [rounds] [n]
 
