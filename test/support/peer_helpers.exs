@@ -149,6 +149,9 @@ defmodule VllmBridge.PeerHelpers do
   until `thaw/1`, and at the latest `limit` ms from now whatever becomes of the caller (a
   test that fails, or a call that waits on the stopped node, must not leave it stopped).
   Take the OS pid (`beam_os_pid/1`) before: the node answers nothing once stopped.
+  Returns once the OS says the process is stopped: a signal is delivered when the
+  process next runs, and on a busy machine a node that ran on a little could take a
+  request sent after `kill` returned (the window DEPLOYMENT.md, "Netsplits", describes).
   """
   @spec freeze(pos_integer(), pos_integer()) :: frozen()
   def freeze(os_pid, limit \\ 10_000) do
@@ -160,7 +163,23 @@ defmodule VllmBridge.PeerHelpers do
         System.cmd("kill", ["-CONT", "#{os_pid}"])
       end)
 
-    {os_pid, net}
+    frozen = {os_pid, net}
+    await_stopped(frozen, 500)
+    frozen
+  end
+
+  defp await_stopped(frozen, tries) do
+    cond do
+      frozen?(frozen) ->
+        :ok
+
+      tries == 0 ->
+        raise "the BEAM of OS pid #{elem(frozen, 0)} did not stop after SIGSTOP"
+
+      true ->
+        Process.sleep(10)
+        await_stopped(frozen, tries - 1)
+    end
   end
 
   @doc "Resumes a BEAM stopped by `freeze/2` (SIGCONT)."
