@@ -40,7 +40,7 @@ from typing import Any
 
 from vllm_bridge.bridge.protocol.errors import DeadlineExceeded, python_type_name, safe_str
 from vllm_bridge.bridge.protocol.flow import STREAM_WINDOW, Flow
-from vllm_bridge.bridge.protocol.framing import FrameError, FrameReader
+from vllm_bridge.bridge.protocol.framing import FrameReader
 from vllm_bridge.bridge.protocol.messages import Abandon, Request
 from vllm_bridge.bridge.worker.watcher import (
     POLL_SECONDS,
@@ -66,6 +66,7 @@ class Executor(Watcher):
         poll: float = POLL_SECONDS,
         interrupt: Callable[[], None] = lambda: None,
         failed: Callable[[Request, str], Any] | None = None,
+        own_frame: Callable[[bytearray | memoryview], Request | None] | None = None,
     ) -> None:
         """
         Args:
@@ -87,11 +88,15 @@ class Executor(Watcher):
             failed: The reply of a request whose ``handle`` (or ``expired``) raised after
                 all, given a message that says so: every request is answered. ``None``:
                 such a request is only logged.
+            own_frame: ``on_frame`` for the frames the execution thread reads itself
+                (the worker's lane: :mod:`vllm_bridge.bridge.worker.lane`); default
+                ``on_frame``.
         """
         self._handle = handle
         self._expired = expired
         self._write = write
         self._on_frame = on_frame
+        self._own_frame = on_frame if own_frame is None else own_frame
         self._reader = reader
         self._on_eof = on_eof
         self._eof_told = False
@@ -352,7 +357,7 @@ class Executor(Watcher):
             body = self._read()
             if body is None:
                 return None
-            request = self._on_frame(body)
+            request = self._own_frame(body)
             if request is None:
                 continue
             with self._lock:
@@ -360,39 +365,6 @@ class Executor(Watcher):
                     return None
                 self._role = ROLE_NOBODY
                 return self._begin(request)
-
-    # -- both -------------------------------------------------------------------------------
-
-    def _read(self) -> bytearray | memoryview | None:
-        """One frame; on EOF or a broken stream: stop (once) and return ``None``."""
-        try:
-            body = self._reader.read_frame()
-        except FrameError as exc:
-            # Ends the worker as EOF does. Logged once the output is closed (on_eof), so
-            # that the record goes to stderr rather than to the peer that broke the stream,
-            # and before the halt: the halt lets the main thread finish and the process
-            # exit, which a record still to be written by this (daemon) thread would miss.
-            self._tell_eof()
-            _log.error("input stream broken: %s", exc)
-            self._halt(eof=True)
-            return None
-        if body is None:
-            self._halt(eof=True)
-        return body
-
-    def _tell_eof(self) -> None:
-        # on_eof, once, whichever thread gets here first.
-        with self._lock:
-            told, self._eof_told = self._eof_told, True
-        if not told:
-            self._on_eof()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups already
-            pass
-
 
 def _stop_flow(request: Request) -> None:
     """A stream waiting for credit stops waiting (it was cancelled, or the input ended)."""
