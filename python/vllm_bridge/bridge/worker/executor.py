@@ -127,11 +127,12 @@ class Executor(Watcher):
         """Run requests on this thread until EOF or :meth:`stop`; then ``final``."""
         self.thread = threading.current_thread()
         try:
+            reading = False
             while True:
-                request = self._next()
+                request = self._next(reading)
                 if request is None:
                     break
-                self._execute(request)
+                reading = self._execute(request)
                 # Not kept while the next frame is awaited: its arguments (a large
                 # tensor, say) would live on until then.
                 del request
@@ -280,7 +281,9 @@ class Executor(Watcher):
 
     # -- the execution thread ------------------------------------------------------------
 
-    def _execute(self, request: Request) -> None:
+    def _execute(self, request: Request) -> bool:
+        """Run ``request`` and send its reply; True when this thread took the reading
+        role back as the request ended (see :meth:`_next`)."""
         reply = None
         escaped: BaseException | None = None
         try:
@@ -302,10 +305,19 @@ class Executor(Watcher):
         finally:
             with self._lock:
                 self._running = None
+                # _next's first look, taken in this same hold of the lock (one lock a
+                # request fewer): nothing queued and nobody reading, so this thread
+                # reads next. Its reply is still written first, as before.
+                reading = (
+                    not self._stopping and not self._queue and self._role == ROLE_NOBODY
+                )
+                if reading:
+                    self._role = ROLE_EXEC
         if reply is not None:
             self._write(reply)
         if escaped is not None and not isinstance(escaped, Exception):
             raise escaped  # KeyboardInterrupt, SystemExit: answered, then let through
+        return reading
 
     def _last_resort(self, request: Request, exc: BaseException) -> Any:
         """The error reply of a request whose handler raised (never raises itself)."""
@@ -337,22 +349,28 @@ class Executor(Watcher):
         self._urgent = False
         return request
 
-    def _next(self) -> Request | None:
-        """The next request to run: from the queue, or read from fd 3 by this thread."""
-        with self._lock:
-            while True:
-                if self._stopping:
-                    return None
-                if self._queue:
-                    self._want_back = False
-                    return self._begin(self._queue.popleft())
-                if self._role == ROLE_NOBODY:
-                    self._role = ROLE_EXEC
-                    break
-                if self._role == ROLE_WATCH and not self._want_back:
-                    self._want_back = True
-                    self._wake()
-                self._cond.wait()
+    def _next(self, reading: bool = False) -> Request | None:
+        """The next request to run: from the queue, or read from fd 3 by this thread.
+        ``reading``: this thread took the reading role already (:meth:`_execute`); a
+        stop that came since is seen here, as the first look would have seen it."""
+        if reading:
+            if self._stopping:
+                return None
+        else:
+            with self._lock:
+                while True:
+                    if self._stopping:
+                        return None
+                    if self._queue:
+                        self._want_back = False
+                        return self._begin(self._queue.popleft())
+                    if self._role == ROLE_NOBODY:
+                        self._role = ROLE_EXEC
+                        break
+                    if self._role == ROLE_WATCH and not self._want_back:
+                        self._want_back = True
+                        self._wake()
+                    self._cond.wait()
         while True:
             body = self._read()
             if body is None:
@@ -365,6 +383,7 @@ class Executor(Watcher):
                     return None
                 self._role = ROLE_NOBODY
                 return self._begin(request)
+
 
 def _stop_flow(request: Request) -> None:
     """A stream waiting for credit stops waiting (it was cancelled, or the input ended)."""
