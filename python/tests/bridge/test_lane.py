@@ -45,6 +45,8 @@ from vllm_bridge.bridge.worker.server import Worker
 HEADER = struct.Struct(">I")
 DIAG = "vllm_bridge.bridge.diag"
 INSTANCE = "0123456789abcdef"
+#: The workers' frame limit: a reply of 80 000 characters is over it.
+FRAME_LIMIT = 70_010
 ENCODER = Encoder(TypeRegistry(tuple(PUBLIC_MODULES)))
 
 # What a call names and passes: the common case and its edges.
@@ -54,7 +56,7 @@ TARGETS = [
     ["m", DIAG, "Sample"], ["m", DIAG, "Level"], ["m", DIAG, "sleep"],
     ["m", DIAG, "Opaque.bump"], ["m", DIAG, "__name__"], ["m", DIAG, "_check_seconds"],
     ["m", DIAG, "nope"], ["m", DIAG, "os"], ["m", DIAG, ""], ["m", DIAG, "Level.HIGH"],
-    ["m", "os", "getcwd"], ["m", DIAG, "_VAR"], ["m", "vllm_bridge.forward_context",
+    ["m", "os", "getcwd"], ["m", DIAG, "_VAR"], ["m", DIAG, "dataclass"], ["m", "vllm_bridge.forward_context",
     "is_forward_context_available"], ["r", Ref(INSTANCE, 1, None, "x"), "bump"],
     ["r", Ref(INSTANCE, 2, "s1", "x"), None], ["m", DIAG], [Atom("m"), DIAG, "add"],
 ]  # fmt: skip
@@ -73,6 +75,8 @@ PLAIN = [
     ("add", [1, 2], {}), ("add", [1.5, 2], {}), ("add", ["a", "b"], {}), ("get_var", [], {}),
     ("set_var", [7], {}), ("set_var", ["x"], {}), ("level_name", [Atom("high")], {}),
     ("add", [], {"a": 2**63, "b": 2**63}), ("echo", [None], {}), ("sleep", [0], {}),
+    ("echo", ["x" * 80_000], {}),  # a plain reply over the frame limit (see run_worker)
+    ("dataclass", [], {}),  # a callable of diag's namespace defined elsewhere: refused
 ]  # fmt: skip
 
 
@@ -149,6 +153,8 @@ def run_worker(stream: Path, out: Path, lane: bool) -> tuple[int, int]:
     modules = tuple(PUBLIC_MODULES)
     worker = Worker(modules, 8, lane=lane)
     worker.sessions.instance = INSTANCE
+    # Set after the start, as test_fast_paths.py does: read per reply, never kept.
+    worker.channel.max_frame = FRAME_LIMIT
     taken = packed = 0
     if worker.lane is not None:
         through, pack = worker.lane._in_session, worker.lane._pack

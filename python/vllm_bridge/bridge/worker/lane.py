@@ -65,7 +65,7 @@ class CallLane:
         self._guard_passed = resolver.guard.passed
         self._calls_passed = resolver.guard.calls.passed
         self._interrupter = dispatcher.interrupter
-        self._max_frame = dispatcher.channel.max_frame
+        self._channel = dispatcher.channel  # its max_frame read per reply, as _reply does
         # The execution thread's own decoding pass (the only thread that decodes with it).
         self._pass = decoder.small_pass()
         self._hook = self._pass.hook
@@ -153,7 +153,7 @@ class CallLane:
                 t is int and -(1 << 63) <= result < (1 << 64)
             ):
                 body = self._pack(["ok", req.id, result])
-                if len(body) > self._max_frame:
+                if len(body) > self._channel.max_frame:
                     self._dispatcher._check_size(len(body))
                 return [body]
             return self._dispatcher._encode_reply(req, session, "ok", result)
