@@ -19,8 +19,9 @@ allow-list, references), atoms converted by annotation, tuples, dataclasses and 
 references made and used, code that raises, results that become references, and bodies
 cut short, with bytes after the value, with a reserved byte, or with a map whose keys
 collide. The count of requests the lane itself ran is checked too, so the comparison is
-not vacuous. Cancel, liveness and log frames of lane calls run in real worker processes
-(test_worker_cancel.py, test_worker_interrupt.py and the last test here).
+not vacuous. Cancel, liveness (pings answered by the watcher during a long lane call), a
+passed deadline, sessions and log frames of lane calls run in real worker processes (the
+last two tests).
 """
 
 from __future__ import annotations
@@ -236,9 +237,38 @@ def test_the_lane_answers_every_frame_as_the_general_path(
 
 
 def test_a_lane_call_logs_and_is_answered_in_a_real_worker(worker) -> None:
-    # diag.log: a plain one-step call, taken by the lane; its record goes out as a log
-    # frame (the fixture keeps those apart from replies).
+    # diag.log, vetted by its first call and taken by the lane from the second on: its
+    # record goes out as a log frame (the fixture keeps those apart from replies).
+    assert worker.call(DIAG, "log", "vetting") is None
     rid = 77
     worker.send(["call", rid, None, 60_000, ["m", DIAG, "log"], ["from the lane"], {}])
     assert worker.recv() == ["ok", rid, None]
     assert ["log", "warning", DIAG, "from the lane"] in worker.logs
+
+
+def test_a_lane_call_answers_pings_is_cancelled_and_times_out_in_a_real_worker(worker) -> None:
+    # The first call of a function vets it (the general path); from the second on, a
+    # call of it is the lane's own route. So the long sleep below runs in the lane:
+    # the watcher answers pings while it runs (naming it), a cancel interrupts it, and
+    # one whose deadline passed is not started.
+    assert worker.call(DIAG, "sleep", 0) == 0
+    assert worker.call(DIAG, "set_var", "kept", session="lane") is None
+    rid = 9001
+    worker.send(["call", rid, "lane", 600_000, ["m", DIAG, "sleep"], [600], {}])
+    for _ in range(10_000):
+        status = worker.ping()
+        if status["running"] == rid:
+            break
+    else:
+        raise AssertionError(f"call {rid} never ran")
+    assert status["running_for"] is not None
+    worker.send(["cancel", rid])
+    kind, got, err = worker.reply(rid)
+    assert (kind, got, err["type"]) == ("error", rid, "cancelled"), err
+    assert f"call {rid} was interrupted: its caller gave up" in err["message"]
+    assert worker.ping()["running"] is None
+    late = 9002
+    kind, got, err = worker.request(["call", late, "lane", 0, ["m", DIAG, "sleep"], [600], {}])
+    assert (kind, got, err["type"]) == ("error", late, "timeout"), err
+    assert worker.call(DIAG, "get_var", session="lane") == "kept"
+    assert worker.call(DIAG, "get_var") is None
