@@ -45,7 +45,8 @@ def targets() -> dict[tuple[str, str], Any]:
 def floor_round(path: str, calls: int) -> float:
     """CPU microseconds per request of the floor loop over the frames in ``path``."""
     table = targets()
-    unpackb, packb, unpack_from, pack = msgpack.unpackb, msgpack.packb, _HEADER.unpack_from, _HEADER.pack
+    unpackb, packb = msgpack.unpackb, msgpack.packb
+    unpack_from, pack = _HEADER.unpack_from, _HEADER.pack
     read, write = os.read, os.write
     fd = os.open(path, os.O_RDONLY)
     out = os.open(os.devnull, os.O_WRONLY)

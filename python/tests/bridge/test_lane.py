@@ -57,8 +57,9 @@ TARGETS = [
     ["m", DIAG, "Sample"], ["m", DIAG, "Level"], ["m", DIAG, "sleep"],
     ["m", DIAG, "Opaque.bump"], ["m", DIAG, "__name__"], ["m", DIAG, "_check_seconds"],
     ["m", DIAG, "nope"], ["m", DIAG, "os"], ["m", DIAG, ""], ["m", DIAG, "Level.HIGH"],
-    ["m", "os", "getcwd"], ["m", DIAG, "_VAR"], ["m", DIAG, "dataclass"], ["m", "vllm_bridge.forward_context",
-    "is_forward_context_available"], ["r", Ref(INSTANCE, 1, None, "x"), "bump"],
+    ["m", "os", "getcwd"], ["m", DIAG, "_VAR"], ["m", DIAG, "dataclass"],
+    ["m", "vllm_bridge.forward_context", "is_forward_context_available"],
+    ["r", Ref(INSTANCE, 1, None, "x"), "bump"],
     ["r", Ref(INSTANCE, 2, "s1", "x"), None], ["m", DIAG], [Atom("m"), DIAG, "add"],
 ]  # fmt: skip
 ARGS = [
@@ -179,6 +180,12 @@ def run_worker(stream: Path, out: Path, lane: bool) -> tuple[int, int]:
     finally:
         os.close(worker.executor._reader.fd)
         os.close(worker.channel.fd)
+    if worker.lane is not None:
+        # The lane reads the guards' verdict tables it was given: they must be the ones
+        # the guards still clear (never replaced), or a verdict dropped there would stay.
+        guard = worker.dispatcher.resolver.guard
+        assert worker.lane._guard_passed is guard.passed
+        assert worker.lane._calls_passed is guard.calls.passed
     return taken, packed
 
 

@@ -59,7 +59,7 @@ class CallLane:
         self._dispatcher = dispatcher
         self._sessions = dispatcher.sessions
         resolver = dispatcher.resolver
-        self._allowed = resolver._allowed
+        self._allowed = resolver.guard.allowed
         # Cleared in place (never replaced) by the guard and the call rule whenever what
         # they decide on changes: read here as the resolver and the dispatcher read them.
         self._guard_passed = resolver.guard.passed
