@@ -247,9 +247,9 @@ class Worker:
                 # is answered under its id, whatever its values hold.
                 self.channel.error(peek_request_id(body), exc.error_type, str(exc))
                 return None
-            return self.on_value(body, decoded.value, decoded.special, now)
         except Exception as exc:  # a last guard: reading must go on
             return self._not_handled(body, exc)
+        return self.on_value(body, decoded.value, decoded.special, now)
 
     def undecodable(self, body: bytes | bytearray | memoryview, exc: Exception) -> None:
         """Refuse ``body``, whose decoding failed with ``exc``, as :meth:`on_frame` does
