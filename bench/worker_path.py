@@ -5,8 +5,12 @@ its write. fd 3 is a file of ``--calls`` trivial-call request frames (read as th
 would be, 64 KiB at a time), replies go to ``/dev/null``; the figure is the thread's CPU
 time per request (``time.thread_time``), so a busy machine's preemptions do not count.
 
-Issue 19 (bench/results/erlport-round-trip-continued.md, "The Python worker's path"): run
-it from two trees in turn to compare them, each tree's ``python/`` first on the path::
+Issue 19 (bench/results/erlport-round-trip-continued.md, "The Python worker's path", and
+bench/results/python-worker-second-pass.md): run it from two trees in turn to compare
+them, each tree's ``python/`` first on the path. Each round of the worker alternates with
+a round of the floor (``worker_floor.py``: unpack, look up, call, pack, write, and nothing
+else) over the same frames, so the gap between them, the price of the worker's
+bookkeeping, is measured in the same run::
 
     .venv/bin/python bench/worker_path.py [--calls N] [--rounds R]
 """
@@ -26,6 +30,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 sys.path.insert(0, str(HERE))
 
 import worker_alone  # noqa: E402  (this directory's: the request frames)
+import worker_floor  # noqa: E402  (this directory's: the floor loop)
 from vllm_bridge import PUBLIC_MODULES  # noqa: E402
 from vllm_bridge.bridge.worker.server import Worker, _import_allowed  # noqa: E402
 
@@ -58,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b"".join(frames[i % len(frames)] for i in range(opts.calls)))
-        us = [one_round(path, opts.calls) for _ in range(opts.rounds)]
+        us, floor = [], []
+        for _ in range(opts.rounds):
+            us.append(one_round(path, opts.calls))
+            floor.append(worker_floor.floor_round(path, opts.calls))
     finally:
         os.unlink(path)
     print(
         f"{HERE.parent}: CPU us per request, best {min(us):.2f}, median "
-        f"{statistics.median(us):.2f} ({opts.rounds} rounds of {opts.calls})"
+        f"{statistics.median(us):.2f}; the floor in the same run: best {min(floor):.2f}, "
+        f"median {statistics.median(floor):.2f} ({opts.rounds} alternating rounds of "
+        f"{opts.calls})"
     )
     return 0
 

@@ -69,8 +69,19 @@ class Decoder:
     ``slots``: the slot directory tensors in slots (ext 8) are read from; without one, an
     ext 8 is refused (``BadArgument``)."""
 
+    #: Frames shorter than this hold no tensor large enough to splice.
+    SMALL = SPLICE_MIN_FRAME
+
     def __init__(self, slots: SlotDir | None = None) -> None:
         self.slots = slots
+
+    def small_pass(self) -> _Pass:
+        """A decoding pass for frames shorter than :attr:`SMALL`, for one thread to reuse:
+        ``pass.hook`` and :func:`checked_dict` as ``msgpack.unpackb``'s ``ext_hook`` and
+        ``object_pairs_hook`` (and ``strict_map_key=False``) decode as :meth:`decode` does;
+        ``pass.special`` says what :attr:`Decoded.special` would (reset it before each
+        use). A failure is named by :func:`undecodable`."""
+        return _Pass(None, slots=self.slots)
 
     def decode(self, data: bytes | bytearray | memoryview) -> Decoded:
         """Decode one body.
@@ -87,11 +98,11 @@ class Decoder:
         try:
             value = p.unpack(spliced.body if spliced is not None else data)
         except Exception as exc:  # noqa: BLE001 - every failure is named, then re-raised
-            raise _undecodable(data, exc) from None
+            raise undecodable(data, exc) from None
         return Decoded(value, p.special)
 
 
-def _undecodable(data: bytes | bytearray | memoryview, exc: Exception) -> BadArgument:
+def undecodable(data: bytes | bytearray | memoryview, exc: Exception) -> BadArgument:
     """The error for a body that failed to decode with ``exc``: where it went wrong
     (a second, slower pass over the body, on this path only) and what."""
     what = locate.describe_failure(exc)
@@ -121,7 +132,7 @@ class _Pass:
         self.special = False
         self.spliced = spliced
         self.lenient = lenient
-        self.pairs = Pairs if lenient else _checked_dict
+        self.pairs = Pairs if lenient else checked_dict
 
     def unpack(self, data: Any) -> Any:
         return msgpack.unpackb(
@@ -221,7 +232,7 @@ class _Pass:
         return tensor_from_slot(self.slots.read(name, nbytes), header)
 
 
-def _checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+def checked_dict(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     """The dict of a decoded map; refuses a key Python cannot hash and keys that are
     equal once decoded (a plain dict would keep the last of them, silently)."""
     if not pairs:  # the common empty kwargs: a third of the hook's cost

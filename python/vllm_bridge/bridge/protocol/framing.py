@@ -227,26 +227,33 @@ class FrameReader:
             FrameError: the stream ended inside a frame.
         """
         # _fill is called only when what is buffered falls short (a small request comes
-        # whole in one read: the body's fill would be a call that does nothing).
-        if len(self._buf) - self._pos < 4 and not self._fill(4):
-            return None
-        (length,) = _HEADER.unpack_from(self._buf, self._pos)
+        # whole in one read: the body's fill would be a call that does nothing). The
+        # buffer is one bytearray for good (_fill and the cuts below change it in place).
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < 4:
+            if not self._fill(4):
+                return None
+            pos = self._pos
+        (length,) = _HEADER.unpack_from(buf, pos)
         if length > self.max_frame:
             raise FrameTooLarge(length, self.max_frame)
-        self._pos += 4
-        if length > len(self._buf) - self._pos:
+        pos += 4
+        if length > len(buf) - pos:
+            self._pos = pos
             if length >= self.reuse_min:
                 return self._read_large(length)
             if not self._fill(length):
                 raise FrameError(f"EOF before a body of {length} bytes")
-        body = self._buf[self._pos : self._pos + length]
-        self._pos += length
-        if self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        elif self._pos >= self._chunk:
-            del self._buf[: self._pos]
-            self._pos = 0
+            pos = self._pos
+        end = pos + length
+        body = buf[pos:end]
+        if end == len(buf):
+            buf.clear()
+            end = 0
+        elif end >= self._chunk:
+            del buf[:end]
+            end = 0
+        self._pos = end
         return body
 
     def release(self) -> bool:

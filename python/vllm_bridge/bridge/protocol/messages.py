@@ -66,6 +66,8 @@ class Invoke(Request):
     kwargs: dict[str, Any] = field(default_factory=dict)
     #: True when args or kwargs hold dataclass/enum values or references.
     special: bool = False
+    #: The common call, taken by the worker's lane (:mod:`vllm_bridge.bridge.worker.lane`).
+    lane: bool = False
 
 
 @dataclass(slots=True)

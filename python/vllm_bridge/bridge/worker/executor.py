@@ -40,7 +40,7 @@ from typing import Any
 
 from vllm_bridge.bridge.protocol.errors import DeadlineExceeded, python_type_name, safe_str
 from vllm_bridge.bridge.protocol.flow import STREAM_WINDOW, Flow
-from vllm_bridge.bridge.protocol.framing import FrameError, FrameReader
+from vllm_bridge.bridge.protocol.framing import FrameReader
 from vllm_bridge.bridge.protocol.messages import Abandon, Request
 from vllm_bridge.bridge.worker.watcher import (
     POLL_SECONDS,
@@ -66,6 +66,7 @@ class Executor(Watcher):
         poll: float = POLL_SECONDS,
         interrupt: Callable[[], None] = lambda: None,
         failed: Callable[[Request, str], Any] | None = None,
+        own_frame: Callable[[bytearray | memoryview], Request | None] | None = None,
     ) -> None:
         """
         Args:
@@ -87,11 +88,15 @@ class Executor(Watcher):
             failed: The reply of a request whose ``handle`` (or ``expired``) raised after
                 all, given a message that says so: every request is answered. ``None``:
                 such a request is only logged.
+            own_frame: ``on_frame`` for the frames the execution thread reads itself
+                (the worker's lane: :mod:`vllm_bridge.bridge.worker.lane`); default
+                ``on_frame``.
         """
         self._handle = handle
         self._expired = expired
         self._write = write
         self._on_frame = on_frame
+        self._own_frame = on_frame if own_frame is None else own_frame
         self._reader = reader
         self._on_eof = on_eof
         self._eof_told = False
@@ -122,11 +127,12 @@ class Executor(Watcher):
         """Run requests on this thread until EOF or :meth:`stop`; then ``final``."""
         self.thread = threading.current_thread()
         try:
+            reading = False
             while True:
-                request = self._next()
+                request = self._next(reading)
                 if request is None:
                     break
-                self._execute(request)
+                reading = self._execute(request)
                 # Not kept while the next frame is awaited: its arguments (a large
                 # tensor, say) would live on until then.
                 del request
@@ -275,7 +281,9 @@ class Executor(Watcher):
 
     # -- the execution thread ------------------------------------------------------------
 
-    def _execute(self, request: Request) -> None:
+    def _execute(self, request: Request) -> bool:
+        """Run ``request`` and send its reply; True when this thread took the reading
+        role back as the request ended (see :meth:`_next`)."""
         reply = None
         escaped: BaseException | None = None
         try:
@@ -297,10 +305,19 @@ class Executor(Watcher):
         finally:
             with self._lock:
                 self._running = None
+                # _next's first look, taken in this same hold of the lock (one lock a
+                # request fewer): nothing queued and nobody reading, so this thread
+                # reads next. Its reply is still written first, as before.
+                reading = (
+                    not self._stopping and not self._queue and self._role == ROLE_NOBODY
+                )
+                if reading:
+                    self._role = ROLE_EXEC
         if reply is not None:
             self._write(reply)
         if escaped is not None and not isinstance(escaped, Exception):
             raise escaped  # KeyboardInterrupt, SystemExit: answered, then let through
+        return reading
 
     def _last_resort(self, request: Request, exc: BaseException) -> Any:
         """The error reply of a request whose handler raised (never raises itself)."""
@@ -332,27 +349,33 @@ class Executor(Watcher):
         self._urgent = False
         return request
 
-    def _next(self) -> Request | None:
-        """The next request to run: from the queue, or read from fd 3 by this thread."""
-        with self._lock:
-            while True:
-                if self._stopping:
-                    return None
-                if self._queue:
-                    self._want_back = False
-                    return self._begin(self._queue.popleft())
-                if self._role == ROLE_NOBODY:
-                    self._role = ROLE_EXEC
-                    break
-                if self._role == ROLE_WATCH and not self._want_back:
-                    self._want_back = True
-                    self._wake()
-                self._cond.wait()
+    def _next(self, reading: bool = False) -> Request | None:
+        """The next request to run: from the queue, or read from fd 3 by this thread.
+        ``reading``: this thread took the reading role already (:meth:`_execute`); a
+        stop that came since is seen here, as the first look would have seen it."""
+        if reading:
+            if self._stopping:
+                return None
+        else:
+            with self._lock:
+                while True:
+                    if self._stopping:
+                        return None
+                    if self._queue:
+                        self._want_back = False
+                        return self._begin(self._queue.popleft())
+                    if self._role == ROLE_NOBODY:
+                        self._role = ROLE_EXEC
+                        break
+                    if self._role == ROLE_WATCH and not self._want_back:
+                        self._want_back = True
+                        self._wake()
+                    self._cond.wait()
         while True:
             body = self._read()
             if body is None:
                 return None
-            request = self._on_frame(body)
+            request = self._own_frame(body)
             if request is None:
                 continue
             with self._lock:
@@ -360,38 +383,6 @@ class Executor(Watcher):
                     return None
                 self._role = ROLE_NOBODY
                 return self._begin(request)
-
-    # -- both -------------------------------------------------------------------------------
-
-    def _read(self) -> bytearray | memoryview | None:
-        """One frame; on EOF or a broken stream: stop (once) and return ``None``."""
-        try:
-            body = self._reader.read_frame()
-        except FrameError as exc:
-            # Ends the worker as EOF does. Logged once the output is closed (on_eof), so
-            # that the record goes to stderr rather than to the peer that broke the stream,
-            # and before the halt: the halt lets the main thread finish and the process
-            # exit, which a record still to be written by this (daemon) thread would miss.
-            self._tell_eof()
-            _log.error("input stream broken: %s", exc)
-            self._halt(eof=True)
-            return None
-        if body is None:
-            self._halt(eof=True)
-        return body
-
-    def _tell_eof(self) -> None:
-        # on_eof, once, whichever thread gets here first.
-        with self._lock:
-            told, self._eof_told = self._eof_told, True
-        if not told:
-            self._on_eof()
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:  # the pipe is full of wake-ups already
-            pass
 
 
 def _stop_flow(request: Request) -> None:

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from vllm_bridge import PROTOCOL_VERSION
-from vllm_bridge.bridge.protocol.decoder import Decoder
+from vllm_bridge.bridge.protocol.decoder import Decoder, undecodable
 from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.errors import BadArgument, ProtocolError, safe_str
 from vllm_bridge.bridge.protocol.flow import STREAM_WINDOW
@@ -69,6 +69,7 @@ from vllm_bridge.bridge.worker.cli import (  # noqa: F401
 from vllm_bridge.bridge.worker.dispatch import Dispatcher
 from vllm_bridge.bridge.worker.executor import Executor
 from vllm_bridge.bridge.worker.interrupt import Interrupter
+from vllm_bridge.bridge.worker.lane import CallLane
 from vllm_bridge.bridge.worker.lifeline import watch_parent
 from vllm_bridge.bridge.worker.sessions import Sessions
 from vllm_bridge.bridge.worker.status import cuda_memory
@@ -154,7 +155,10 @@ class Worker:
         import_errors: dict[str, str] | None = None,
         max_frame: int = DEFAULT_MAX_FRAME_BYTES,
         log_level: int = logging.WARNING,
+        lane: bool = True,
     ) -> None:
+        """``lane``: run the common call through :mod:`~vllm_bridge.bridge.worker.lane`
+        (off: every request takes the general path; the lane's test compares the two)."""
         self.modules = modules
         self.log_level = log_level
         self.max_frame = max_frame
@@ -176,8 +180,9 @@ class Worker:
             lambda request: self.executor.open_flow(request),
             self.interrupter,
         )
+        self.lane = CallLane(self, self.dispatcher, self.decoder) if lane else None
         self.executor = Executor(
-            self.dispatcher.handle,
+            self.dispatcher.handle if self.lane is None else self.lane.handle,
             self.dispatcher.refuse,
             self.channel.write,
             self.on_frame,
@@ -186,6 +191,7 @@ class Worker:
             on_eof=self.channel.close,
             interrupt=self.interrupter.interrupt,
             failed=self.dispatcher.failed,
+            own_frame=None if self.lane is None else self.lane.on_frame,
         )
         self.interrupter.again = self.executor.interrupt_again
 
@@ -233,7 +239,6 @@ class Worker:
         """Handle one frame on the thread that read it: the request to run, or ``None``
         when the frame was answered here (a control message, a refusal)."""
         try:
-            # Decode and check in this one frame (the hot path: no helper call per request).
             now = time.monotonic()
             try:
                 decoded = self.decoder.decode(body)
@@ -242,22 +247,43 @@ class Worker:
                 # is answered under its id, whatever its values hold.
                 self.channel.error(peek_request_id(body), exc.error_type, str(exc))
                 return None
+        except Exception as exc:  # a last guard: reading must go on
+            return self._not_handled(body, exc)
+        return self.on_value(body, decoded.value, decoded.special, now)
+
+    def undecodable(self, body: bytes | bytearray | memoryview, exc: Exception) -> None:
+        """Refuse ``body``, whose decoding failed with ``exc``, as :meth:`on_frame` does
+        (the lane's decoding: :mod:`~vllm_bridge.bridge.worker.lane`)."""
+        try:
+            refusal = undecodable(body, exc)
+            self.channel.error(peek_request_id(body), refusal.error_type, str(refusal))
+        except Exception as failed:  # a last guard: reading must go on
+            self._not_handled(body, failed)
+
+    def on_value(
+        self, body: bytes | bytearray | memoryview, value: Any, special: bool, now: float
+    ) -> Request | None:
+        """:meth:`on_frame` once ``body`` is decoded to ``value`` (``special``: as
+        :attr:`Decoded.special`), received at ``now`` (``time.monotonic()``)."""
+        try:
             try:
-                req = parse_request(decoded.value, now)
+                req = parse_request(value, now)
             except RequestError as exc:
                 self.channel.error(exc.request_id, "protocol", str(exc))
                 return None
             if isinstance(req, Control):
                 return self._control(req)
-            if decoded.special and isinstance(req, Invoke):
+            if special and isinstance(req, Invoke):
                 req.special = True
             return req
         except Exception as exc:  # a last guard: reading must go on
-            _log.exception("frame of %d bytes could not be handled", len(body))
-            self.channel.error(
-                peek_request_id(body), "protocol", f"frame not handled: {safe_str(exc):.2000}"
-            )
-            return None
+            return self._not_handled(body, exc)
+
+    def _not_handled(self, body: bytes | bytearray | memoryview, exc: Exception) -> None:
+        _log.exception("frame of %d bytes could not be handled", len(body), exc_info=exc)
+        self.channel.error(
+            peek_request_id(body), "protocol", f"frame not handled: {safe_str(exc):.2000}"
+        )
 
     def _control(self, req: Control) -> Request | None:
         if req.kind == "ping":

@@ -3,11 +3,13 @@
 Part of :class:`~vllm_bridge.bridge.worker.executor.Executor` (see its module for who
 reads fd 3 when): :class:`Watcher` holds the watcher's loop, and the executor, which
 derives from it, the state it reads (the lock, the running request, the role). Apart so
-that each half reads on its own: the execution thread there, the watcher here.
+that each half reads on its own: the execution thread there, the watcher here (with the
+reading both threads do: one frame, the end of the input, the wake-up pipe).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import threading
@@ -15,8 +17,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vllm_bridge.bridge.protocol.framing import FrameReader
+from vllm_bridge.bridge.protocol.framing import FrameError, FrameReader
 from vllm_bridge.bridge.protocol.messages import Request
+
+_log = logging.getLogger("vllm_bridge.bridge.worker")
 
 #: Seconds between two looks of the watcher at the running request.
 POLL_SECONDS = 0.002
@@ -50,7 +54,10 @@ class Watcher:
     _poll: float
     _reader: FrameReader
     _on_frame: Callable[[bytearray | memoryview], Request | None]
-    _read: Callable[[], bytearray | memoryview | None]
+    _on_eof: Callable[[], None]
+    _eof_told: bool
+    _wake_w: int
+    _halt: Callable[..., bool]
     submit: Callable[[Request], None]
 
     def watch(self) -> None:
@@ -118,3 +125,35 @@ class Watcher:
                     self._role = ROLE_NOBODY
                     self._cond.notify_all()
                     return True
+
+    # -- both threads ------------------------------------------------------------------
+
+    def _read(self) -> bytearray | memoryview | None:
+        """One frame; on EOF or a broken stream: stop (once) and return ``None``."""
+        try:
+            body = self._reader.read_frame()
+        except FrameError as exc:
+            # Ends the worker as EOF does. Logged once the output is closed (on_eof), so
+            # that the record goes to stderr rather than to the peer that broke the stream,
+            # and before the halt: the halt lets the main thread finish and the process
+            # exit, which a record still to be written by this (daemon) thread would miss.
+            self._tell_eof()
+            _log.error("input stream broken: %s", exc)
+            self._halt(eof=True)
+            return None
+        if body is None:
+            self._halt(eof=True)
+        return body
+
+    def _tell_eof(self) -> None:
+        # on_eof, once, whichever thread gets here first.
+        with self._lock:
+            told, self._eof_told = self._eof_told, True
+        if not told:
+            self._on_eof()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
