@@ -55,7 +55,8 @@ defmodule VllmBridge.Worker do
   alias VllmBridge.Error
   alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Shm.Loans
-  alias VllmBridge.Worker.{Calls, Cancel, Down, Events, Framer, Hello, Launcher, Messages}
+  alias VllmBridge.Worker.{Calls, Cancel, Down, Events, Framer, Hello, Intake, Launcher}
+  alias VllmBridge.Worker.Messages
   alias VllmBridge.Worker.{PythonLog, Starting}
   alias VllmBridge.Worker.Messages.Submit
 
@@ -221,12 +222,12 @@ defmodule VllmBridge.Worker do
     end
   end
 
-  def handle_info(Messages.submit(s), state), do: {:noreply, submit_arrived(state, s)}
+  def handle_info(Messages.submit(s), state), do: {:noreply, Intake.arrived(state, s)}
 
   # A stream's consumer gives room back (VllmBridge.Stream): passed on while it is live.
   def handle_info(Messages.credit(id, n), state) do
     if Calls.live(state.calls, id),
-      do: Port.command(state.port, Wire.request("credit", id, [Wire.value(n)]))
+      do: Intake.write(state, Wire.request("credit", id, [Wire.value(n)]))
 
     {:noreply, state}
   end
@@ -281,67 +282,7 @@ defmodule VllmBridge.Worker do
   # A request from a caller (VllmBridge.Call.Request): written to the port and put in the
   # table of calls in flight (VllmBridge.Worker.Calls), unless the table refuses it.
   @spec submit(map(), Submit.t()) :: map()
-  def submit(state, %Submit{} = s) do
-    case admit(state, s) do
-      {state, nil} -> state
-      {state, frame} -> write(state, frame)
-    end
-  end
-
-  # A request that arrived while :ready, with the requests already in the mailbox behind
-  # it (up to @batch in all): admitted one by one in their order, then written to the
-  # port in one command, so that requests that come together (many callers) cost one
-  # write and one wake-up of the Python reader, not one each: about 1.5 us of BEAM CPU
-  # less a call at 64 callers (bench/results/least-path-and-batching.md, "Requests that
-  # arrive together, written together"). Only requests are taken ahead of the
-  # other messages, and a caller sends its settle or credit after its request, so each
-  # still follows its own request. With no other request waiting (one caller) it is one
-  # `receive ... after 0` more than `submit/2`. The mailbox it scans holds at most the
-  # calls in flight and their replies (a pool bounds them, `max_in_flight`).
-  defp submit_arrived(state, s) do
-    case admit(state, s) do
-      {state, nil} -> more_submits(state, [], 1)
-      {state, frame} -> more_submits(state, [frame], 1)
-    end
-  end
-
-  @batch 64
-
-  defp more_submits(state, frames, n) when n < @batch do
-    receive do
-      Messages.submit(s) ->
-        case admit(state, s) do
-          {state, nil} -> more_submits(state, frames, n + 1)
-          {state, frame} -> more_submits(state, [frame | frames], n + 1)
-        end
-    after
-      0 -> write(state, :lists.reverse(frames))
-    end
-  end
-
-  defp more_submits(state, frames, _n), do: write(state, :lists.reverse(frames))
-
-  defp write(state, []), do: state
-
-  defp write(state, iodata) do
-    Port.command(state.port, iodata)
-    state
-  end
-
-  # A request into the table of calls: `{state, frame to write}`, or `{state, nil}` when
-  # the table refused it (its caller is answered). A stream's reader is told the window
-  # first (before any chunk can reach it). (A body too long to be framed, frame nil, is
-  # over any limit and refused: `max_frame` is capped at what a frame's length can say.)
-  defp admit(state, %Submit{} = s) do
-    case Calls.admit(state.calls, s, state.max_frame) do
-      {:ok, calls} ->
-        if s.replies == :stream, do: Messages.send_window(s.alias, state.stream_window)
-        {%{state | calls: Calls.add(calls, s)}, s.frame}
-
-      {:refused, calls} ->
-        {%{state | calls: calls}, nil}
-    end
-  end
+  def submit(state, %Submit{} = s), do: Intake.one(state, s)
 
   @doc false
   # One whole frame: a reply or chunk goes to its caller as it is (the caller decodes it).

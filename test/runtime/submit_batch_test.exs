@@ -43,15 +43,17 @@ defmodule VllmBridge.Runtime.SubmitBatchTest do
     :ok = :sys.suspend(worker)
     waiting = send_all.()
 
-    wait_until(
-      fn -> elem(Process.info(worker, :message_queue_len), 1) >= n end,
-      30_000,
-      "#{n} requests in the worker's mailbox"
-    )
+    wait_until(fn -> requests_queued(worker) >= n end, 30_000, "#{n} requests queued")
 
     1 = :erlang.trace(worker, true, [:call])
     :ok = :sys.resume(worker)
     {waiting, worker}
+  end
+
+  # Requests in the worker's mailbox (its sweep's timer may be there too).
+  defp requests_queued(worker) do
+    {:messages, messages} = Process.info(worker, :messages)
+    Enum.count(messages, &match?({:"$vb_req", _}, &1))
   end
 
   # The port writes the worker made up to now (its trace flag then off).
@@ -94,6 +96,57 @@ defmodule VllmBridge.Runtime.SubmitBatchTest do
 
     assert writes(w) == 1
     assert Worker.in_flight(w) == 0
+  end
+
+  test "requests queued behind the port's exit are answered with why the worker went",
+       %{worker: w} do
+    # The Python process is killed while the worker process is suspended with a request
+    # in its mailbox; a second request comes after the port's exit_status. The port is
+    # closed when they are taken: their writes take nothing, and the exit answers both.
+    port = :sys.get_state(w).port
+    mon = Process.monitor(w)
+    os_pid = Worker.os_pid(w)
+    :ok = :sys.suspend(w)
+    first = Task.async(fn -> Worker.call(w, @diag, "echo", [1], %{}, 30_000) end)
+    wait_until(fn -> requests_queued(w) == 1 end, 30_000, "the first request queued")
+    {_, 0} = System.cmd("kill", ["-9", "#{os_pid}"])
+
+    wait_until(
+      fn ->
+        {:messages, messages} = Process.info(w, :messages)
+        Enum.any?(messages, &match?({^port, {:exit_status, _}}, &1))
+      end,
+      30_000,
+      "the port's exit_status queued"
+    )
+
+    second = Task.async(fn -> Worker.call(w, @diag, "echo", [2], %{}, 30_000) end)
+    wait_until(fn -> requests_queued(w) == 2 end, 30_000, "the second request queued")
+    :ok = :sys.resume(w)
+
+    for task <- [first, second] do
+      assert {:error, %Error{type: :worker_exit, message: message}} = Task.await(task, 30_000)
+      assert message =~ "exit", message
+      refute message =~ "badarg", message
+    end
+
+    assert_receive {:DOWN, ^mon, :process, ^w, reason}, 30_000
+    refute match?({:badarg, _}, reason), inspect(reason, limit: 6)
+  end
+
+  test "behind a long mailbox, requests are written one by one, each answered", %{worker: w} do
+    # 300 messages that are no requests behind 5 requests: a request taken then would
+    # walk them all to find the next request, so each is written alone.
+    {tasks, _} =
+      burst(w, 5, fn ->
+        tasks = for i <- 1..5, do: Task.async(fn -> Worker.call(w, @diag, "echo", [i]) end)
+        wait_until(fn -> requests_queued(w) == 5 end, 30_000, "5 requests queued")
+        for _ <- 1..300, do: send(w, :not_a_request)
+        tasks
+      end)
+
+    assert Task.await_many(tasks, 60_000) == for(i <- 1..5, do: {:ok, i})
+    assert writes(w) == 5
   end
 
   test "one caller's requests in a burst run in the order it sent them", %{worker: w} do

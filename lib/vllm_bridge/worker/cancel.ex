@@ -28,7 +28,7 @@ defmodule VllmBridge.Worker.Cancel do
 
   alias VllmBridge.Call.Wire
   alias VllmBridge.Worker
-  alias VllmBridge.Worker.{Calls, Launcher, Messages}
+  alias VllmBridge.Worker.{Calls, Intake, Launcher, Messages}
 
   @sweep_every 1_000
 
@@ -96,7 +96,7 @@ defmodule VllmBridge.Worker.Cancel do
   defp cancel(state, id) do
     case Calls.cancel(state.calls, id, System.monotonic_time(:millisecond)) do
       {:cancelled, calls} ->
-        Port.command(state.port, Wire.request("cancel", id, []))
+        Intake.write(state, Wire.request("cancel", id, []))
         Process.send_after(self(), Messages.grace(id), state.cancel_grace)
         %{state | calls: calls}
 
