@@ -200,6 +200,35 @@ def test_result_slots_are_reused_once_handed_back_and_bounded(slots: SlotDir, sl
     assert os.listdir(slot_root) == []
 
 
+def test_a_slot_taken_back_never_replaces_a_file_a_dead_process_left(slot_root: Path):
+    # A worker that died left r-<pid>-<n> files, and a new worker got the same os pid
+    # (here: this process): the names it makes must pass over them, a new slot's file
+    # and a handed-back slot's fresh name alike, leaving the old files as they were (a
+    # caller may still hold a frame that names one).
+    pid = os.getpid()
+    stale = {n: slot_root / f"r-{pid}-{n}" for n in [0, 2, 3, 4, 5]}
+
+    def plant(ns: list[int]) -> None:
+        for n in ns:
+            stale[n].write_bytes(b"OLD%d" % n * 8)
+
+    plant([0])  # before the first slot's file is made
+    slots = open_slot_dir(str(slot_root), min_bytes=1)
+    try:
+        first = slots.write(memoryview(b"A" * 32))
+        assert first == f"r-{pid}-1"
+        plant([2, 3, 4, 5])  # where the next fresh names would go
+        inodes = {n: os.stat(p).st_ino for n, p in stale.items()}
+        os.rename(slot_root / first, slot_root / (first + ".free"))  # read and handed back
+        again = slots.write(memoryview(b"NEW!" * 8))
+        assert again == f"r-{pid}-6"
+        assert (slot_root / again).read_bytes() == b"NEW!" * 8
+        for n, path in stale.items():
+            assert path.read_bytes() == b"OLD%d" % n * 8 and os.stat(path).st_ino == inodes[n]
+    finally:
+        slots.close()
+
+
 def test_a_slot_lent_past_the_reclaim_age_is_replaced_under_a_new_name(
     slots: SlotDir, slot_root: Path, caplog
 ):

@@ -214,6 +214,28 @@ class SlotDir:
                 if slot.name == name:
                     slot.lent = False
 
+    def _take_back(self, free: str) -> str | None:
+        """The handed-back slot ``free`` under a fresh name, or None (not handed back).
+
+        A link, then the unlink of ``free``, not a rename: a rename would replace a file
+        that has the fresh name already (a slot a dead process of the same os pid left,
+        which a caller may still hold a frame of), a link refuses to (``EEXIST``: the
+        next name is tried)."""
+        for _ in range(8):
+            fresh = self._new_name()
+            try:
+                os.link(free, fresh, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            except FileExistsError:
+                continue
+            except OSError:
+                return None
+            try:
+                os.unlink(free, dir_fd=self.fd)
+            except OSError:
+                pass  # (gone meanwhile: the fresh name holds the file all the same)
+            return fresh
+        return None
+
     def _take(self) -> _Slot | None:
         for slot in self._slots:
             if not slot.lent:
@@ -224,10 +246,8 @@ class SlotDir:
             # The Elixir side relies on it: it hands back the slots of a frame whose
             # caller died unread by renaming the frame's names `.free`, which must not
             # touch the file once it has been handed back and lent again.
-            fresh = self._new_name()
-            try:
-                os.rename(slot.name + ".free", fresh, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-            except OSError:
+            fresh = self._take_back(slot.name + ".free")
+            if fresh is None:
                 continue
             slot.name = fresh
             slot.lent = False
@@ -242,15 +262,22 @@ class SlotDir:
                     self.reclaim_after_s,
                 )
             return None
-        name = self._new_name()
-        try:
-            fd = os.open(
-                name,
-                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-                dir_fd=self.fd,
-            )
-        except OSError:
+        for _ in range(8):
+            # (A name a dead process of the same os pid left is passed over, not reused.)
+            name = self._new_name()
+            try:
+                fd = os.open(
+                    name,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                    dir_fd=self.fd,
+                )
+                break
+            except FileExistsError:
+                continue
+            except OSError:
+                return None
+        else:
             return None
         os.close(fd)
         slot = _Slot(name, lent_at=time.monotonic())
