@@ -141,6 +141,10 @@ defmodule VllmBridge.Codec.FrameSlotsTest do
     assert names(frame(many ++ [slot])) == [name]
     # The prefix among many values, but only in a string: still nothing.
     assert names(frame(many ++ [@prefix <> "9"])) == []
+    # Past 16 384 values a frame is not walked at all (its slots are left to the
+    # worker's reclaim), so no frame holds up the worker process for long.
+    assert names(frame(Enum.to_list(1..20_000) ++ [slot])) == []
+    assert names(frame(Enum.to_list(1..16_000) ++ [slot])) == [name]
   end
 
   test "a 64 MiB tensor inline is skipped by its length, whatever its data holds" do

@@ -25,6 +25,12 @@ defmodule VllmBridge.Shm.FrameSlots do
 
   @scan_max 4096
   @budget 256
+  # The most values a frame that holds the prefix is walked for (its names taken exactly):
+  # past that, none are taken, and a caller that dies with that frame unread leaves its
+  # slots to the worker's reclaim (docs/PROTOCOL.md, "Bounds"). All of a worker's frames
+  # pass through its process: a reply of a million small values beside a slot would
+  # otherwise hold the others up for tens of ms there (review finding).
+  @exact_max 16_384
   @slot 8
   @nested [2, 4]
 
@@ -68,7 +74,7 @@ defmodule VllmBridge.Shm.FrameSlots do
   end
 
   defp exact(frame, prefix) do
-    case walk(frame, 1, [], :infinity, prefix, []) do
+    case walk(frame, 1, [], @exact_max, prefix, []) do
       {:ok, names} -> names
       _ -> []
     end

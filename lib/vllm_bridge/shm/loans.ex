@@ -30,6 +30,7 @@ defmodule VllmBridge.Shm.Loans do
   alias VllmBridge.Shm.FrameSlots
 
   @prune_at 32
+  @names_max 16
 
   defstruct [:prefix, :dir, callers: %{}, count: 0]
 
@@ -67,7 +68,10 @@ defmodule VllmBridge.Shm.Loans do
   # monitored.
   @spec lend(t(), pid() | nil, [String.t()]) :: t()
   def lend(t, nil, _names), do: t
-  def lend(t, caller, names), do: t |> hold(caller, names) |> maybe_prune()
+  # (A real frame names at most a worker's 4 result slots, each once: a frame that names
+  # more, or one name many times, is cut to @names_max distinct names.)
+  def lend(t, caller, names),
+    do: t |> hold(caller, names |> Enum.uniq() |> Enum.take(@names_max)) |> maybe_prune()
 
   defp hold(t, caller, names) do
     callers =
@@ -103,7 +107,9 @@ defmodule VllmBridge.Shm.Loans do
   # of the frame that named it lasts); otherwise the rename fails and nothing changes.
   defp hand_back(dir, name) do
     path = Path.join(dir, name)
-    _ = :file.rename(path, path <> ".free")
+    # (:prim_file, not :file: in this process, not a call to the node's file server,
+    # which every caller's slot read also uses.)
+    _ = :prim_file.rename(path, path <> ".free")
     :ok
   end
 
@@ -133,7 +139,8 @@ defmodule VllmBridge.Shm.Loans do
     %{t | callers: callers, count: count}
   end
 
-  defp lent?(dir, name), do: match?({:ok, _}, :file.read_link_info(Path.join(dir, name)))
+  defp lent?(dir, name),
+    do: match?({:ok, _}, :prim_file.read_link_info(Path.join(dir, name)))
 
   @doc false
   # How many names the table holds (for tests and diagnostics).
