@@ -190,11 +190,12 @@ defmodule VllmBridge.PeerHelpers do
     :ok
   end
 
-  @doc "Whether a BEAM stopped by `freeze/2` is still stopped (its OS state is T)."
+  @doc "Whether a BEAM stopped by `freeze/2` is still stopped (every thread's OS state is T)."
   @spec frozen?(frozen()) :: boolean()
   def frozen?({os_pid, _net}) do
-    {out, 0} = System.cmd("ps", ["-o", "state=", "-p", "#{os_pid}"])
-    String.trim(out) == "T"
+    {out, 0} = System.cmd("ps", ["-L", "-o", "state=", "-p", "#{os_pid}"])
+    states = String.split(out)
+    states != [] and Enum.all?(states, &(&1 == "T"))
   end
 
   @doc """

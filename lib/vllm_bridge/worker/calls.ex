@@ -105,8 +105,9 @@ defmodule VllmBridge.Worker.Calls do
   end
 
   @doc false
-  # A request just written to the port: its caller (if any) is monitored, so that a
-  # caller that dies has its calls cancelled (`abandoned/3`).
+  # A request admitted (written to the port next, VllmBridge.Worker.Intake): its caller
+  # (if any) is monitored, so that a caller that dies has its calls cancelled
+  # (`abandoned/3`).
   @spec add(t(), Submit.t()) :: t()
   def add(t, %Submit{id: id, alias: alias, caller: caller} = s) do
     status = if alias || caller, do: :live, else: :detached
