@@ -294,6 +294,20 @@ def write_frame(body: bytes, fd: int = WRITE_FD, limit: int = MAX_FRAME) -> None
     write_segments([body], fd, limit)
 
 
+def frame_bytes(body: bytes) -> bytes:
+    """Header and ``body`` as one ``bytes`` (a small frame to write later)."""
+    return _HEADER.pack(len(body)) + body
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to ``fd`` whole, retrying short writes (a pipe nearly full)."""
+    written = os.write(fd, data)
+    if written < len(data):
+        view = memoryview(data)[written:]
+        while view.nbytes:
+            view = view[os.write(fd, view) :]
+
+
 def write_segments(
     segments: Sequence[bytes | memoryview], fd: int = WRITE_FD, limit: int = MAX_FRAME
 ) -> None:

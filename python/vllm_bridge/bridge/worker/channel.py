@@ -22,8 +22,14 @@ from vllm_bridge.bridge.protocol.framing import (
     WRITE_FD,
     FrameTooLarge,
     check_max_frame,
+    frame_bytes,
+    write_all,
     write_segments,
 )
+
+#: The replies :meth:`Channel.hold` keeps at most, and the largest body it keeps.
+HOLD_MAX = 32
+HOLD_MAX_BYTES = 4096
 
 
 class Channel:
@@ -41,6 +47,8 @@ class Channel:
         # The thread writing a frame now (under the lock), or None: what ``writing`` asks.
         # An attribute, not a threading.local (two stores per frame cost half as much).
         self._writer: int | None = None
+        # Small replies held to go out with the next write (hold/flush), whole frames.
+        self._held: list[bytes] = []
         #: Set once the peer is known to be gone: writes are dropped from then on.
         self.closed = False
 
@@ -64,7 +72,54 @@ class Channel:
         with self._lock:
             self._writer = get_ident()
             try:
+                if self._held:
+                    # Held replies go first, so frames keep the order they were made in;
+                    # with a small frame, in the same write.
+                    held, self._held = self._held, []
+                    if len(segments) == 1 and type(segments[0]) is bytes:
+                        if len(segments[0]) < HOLD_MAX_BYTES:
+                            held.append(frame_bytes(segments[0]))
+                            write_all(self.fd, b"".join(held))
+                            return
+                    write_all(self.fd, b"".join(held))
                 write_segments(segments, self.fd, self.max_frame)
+            except (BrokenPipeError, ConnectionResetError):
+                if not self.closed:
+                    _peer_gone()
+            finally:
+                self._writer = None
+
+    def hold(self, segments: list[Segment]) -> bool:
+        """Keep a small reply to go out with the next write instead of writing it now
+        (the execution thread, when the next request is already read: a burst of
+        requests is answered in one write and one wake-up of the reader, not one each):
+        True when held; False for a reply that must be written now (over
+        :data:`HOLD_MAX_BYTES`, not one ``bytes``, or :data:`HOLD_MAX` held already).
+        What is held goes out at the next :meth:`write` (any thread's, before its own
+        frame) or :meth:`flush`."""
+        if (
+            len(segments) != 1
+            or type(segments[0]) is not bytes
+            or len(segments[0]) >= HOLD_MAX_BYTES
+            or len(self._held) >= HOLD_MAX
+        ):
+            return False
+        frame = frame_bytes(segments[0])
+        with self._lock:
+            self._held.append(frame)
+        return True
+
+    def flush(self) -> None:
+        """Write the held replies now, if any (one write)."""
+        if not self._held or self.closed:
+            return
+        with self._lock:
+            if not self._held:
+                return
+            held, self._held = self._held, []
+            self._writer = get_ident()
+            try:
+                write_all(self.fd, b"".join(held))
             except (BrokenPipeError, ConnectionResetError):
                 if not self.closed:
                     _peer_gone()

@@ -67,6 +67,8 @@ class Executor(Watcher):
         interrupt: Callable[[], None] = lambda: None,
         failed: Callable[[Request, str], Any] | None = None,
         own_frame: Callable[[bytearray | memoryview], Request | None] | None = None,
+        hold: Callable[[Any], bool] | None = None,
+        flush: Callable[[], None] = lambda: None,
     ) -> None:
         """
         Args:
@@ -91,6 +93,10 @@ class Executor(Watcher):
             own_frame: ``on_frame`` for the frames the execution thread reads itself
                 (the worker's lane: :mod:`vllm_bridge.bridge.worker.lane`); default
                 ``on_frame``.
+            hold: Keeps a reply for the next write (True) when the next request is read
+                already (``Channel.hold``; ``None``: none kept). ``flush`` writes them:
+                before this thread waits for input, at each watcher's look while a
+                request runs (one ``poll`` at most behind a long one), at the end.
         """
         self._handle = handle
         self._expired = expired
@@ -103,6 +109,9 @@ class Executor(Watcher):
         self._poll = poll
         self._interrupt = interrupt
         self._failed = failed
+        self._hold = hold
+        self._flush = flush
+        self._holding = False  # this thread held a reply since it last flushed
         self._queue: deque[Request] = deque()
         # The condition's lock, entered directly where no wait or notify follows: `with` on a
         # Condition is a Python-level call (three a request), on the RLock a C one.
@@ -138,6 +147,7 @@ class Executor(Watcher):
                 del request
         finally:
             try:
+                self._flush()
                 if final is not None:
                     final()
             finally:
@@ -314,7 +324,12 @@ class Executor(Watcher):
                 if reading:
                     self._role = ROLE_EXEC
         if reply is not None:
-            self._write(reply)
+            # Held while the next request is read already (by this thread: it reads next).
+            hold = reading and self._hold is not None and self._reader.has_frame()
+            if hold and self._hold(reply):
+                self._holding = True
+            else:
+                self._write(reply)
         if escaped is not None and not isinstance(escaped, Exception):
             raise escaped  # KeyboardInterrupt, SystemExit: answered, then let through
         return reading
@@ -372,6 +387,9 @@ class Executor(Watcher):
                         self._wake()
                     self._cond.wait()
         while True:
+            if self._holding and not self._reader.has_frame():
+                self._holding = False
+                self._flush()  # before this thread waits for input
             body = self._read()
             if body is None:
                 return None

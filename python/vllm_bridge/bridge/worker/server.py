@@ -156,9 +156,13 @@ class Worker:
         max_frame: int = DEFAULT_MAX_FRAME_BYTES,
         log_level: int = logging.WARNING,
         lane: bool = True,
+        hold: bool = True,
     ) -> None:
         """``lane``: run the common call through :mod:`~vllm_bridge.bridge.worker.lane`
-        (off: every request takes the general path; the lane's test compares the two)."""
+        (off: every request takes the general path; the lane's test compares the two).
+        ``hold``: a reply made while the next request is already read goes out with the
+        next write (:meth:`~vllm_bridge.bridge.worker.channel.Channel.hold`; off: each
+        reply is written at once)."""
         self.modules = modules
         self.log_level = log_level
         self.max_frame = max_frame
@@ -192,6 +196,8 @@ class Worker:
             interrupt=self.interrupter.interrupt,
             failed=self.dispatcher.failed,
             own_frame=None if self.lane is None else self.lane.on_frame,
+            hold=self.channel.hold if hold else None,
+            flush=self.channel.flush,
         )
         self.interrupter.again = self.executor.interrupt_again
 

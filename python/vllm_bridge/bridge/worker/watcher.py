@@ -58,6 +58,7 @@ class Watcher:
     _eof_told: bool
     _wake_w: int
     _halt: Callable[..., bool]
+    _flush: Callable[[], None]
     submit: Callable[[Request], None]
 
     def watch(self) -> None:
@@ -78,6 +79,10 @@ class Watcher:
                 seen = self._started
                 if take:
                     self._role = ROLE_WATCH
+            if running:
+                # Replies held behind the running request go out at every look: at most
+                # one poll late (Executor's `hold`).
+                self._flush()
             if take:
                 if not self._read_as_watcher():
                     return
