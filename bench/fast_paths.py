@@ -1,4 +1,4 @@
-"""What the worker's two Python fast paths save: ``_plain_call`` (parsing a common ``call``
+"""What the worker's two Python fast paths save: ``plain_call`` (parsing a common ``call``
 without the checks that name errors, protocol/messages.py) and ``_reply``'s plain-scalar
 branch (a reply packed by msgpack directly, without the encoder, worker/dispatch.py).
 
@@ -94,22 +94,22 @@ def main(argv: list[str] | None = None) -> int:
                   f"saves {general - fast:6.3f}")  # fmt: skip
 
         body = bytearray(msgpack.packb(CALLS["trivial call"]))
-        plain_call, reply = messages._plain_call, Dispatcher._reply
+        plain_call, reply = messages.plain_call, Dispatcher._reply
         variants: dict[str, tuple[Any, Any]] = {
             "both fast paths": (plain_call, reply),
-            "without _plain_call": (lambda msg, now: None, reply),
+            "without plain_call": (lambda msg, now: None, reply),
             "without _reply's": (plain_call, Dispatcher._encode_reply),
             "without both": (lambda msg, now: None, Dispatcher._encode_reply),
         }
         results: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(opts.rounds):
             for name, (parse, encode) in variants.items():
-                messages._plain_call, Dispatcher._reply = parse, encode
+                messages.plain_call, Dispatcher._reply = parse, encode
                 try:
                     whole_call(worker, body, opts.calls // 10)  # warm
                     results[name].append(whole_call(worker, body, opts.calls))
                 finally:
-                    messages._plain_call, Dispatcher._reply = plain_call, reply
+                    messages.plain_call, Dispatcher._reply = plain_call, reply
         base = statistics.median(results["both fast paths"])
         print("the whole trivial call in this process, us per call")
         for name, times in results.items():

@@ -1,7 +1,7 @@
 """The worker's two Python fast paths answer exactly as their general paths, over
 generated inputs (stdlib ``random`` with fixed seeds).
 
-* ``messages._plain_call``, taken by :func:`parse_request` for a 7-field ``call``: the
+* ``messages.plain_call``, taken by :func:`parse_request` for a 7-field ``call``: the
   request it builds (every field, with its type) or the error it leads to is what
   :func:`parse_checked`, which checks every field, gives for the same message.
 * ``Dispatcher._reply``'s branch for a plain scalar (msgpack packs it directly): the reply
@@ -87,7 +87,7 @@ def call_messages(seed: int, count: int) -> list[list[Any]]:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_plain_call_parses_as_the_checked_path(seed: int) -> None:
+def testplain_call_parses_as_the_checked_path(seed: int) -> None:
     msgs = call_messages(seed, 500)
     now = 1000.0 + seed
     fast_taken = 0
@@ -95,12 +95,12 @@ def test_plain_call_parses_as_the_checked_path(seed: int) -> None:
         fast = outcome(lambda: messages.parse_request(msg, now))
         general = outcome(lambda: messages.parse_checked(msg, now))
         assert fast == general, msg
-        fast_taken += messages._plain_call(msg, now) is not None
+        fast_taken += messages.plain_call(msg, now) is not None
     # The fast path was taken, and passed over, often enough for the comparison to count.
     assert 50 < fast_taken < len(msgs) - 50, fast_taken
 
 
-def test_plain_call_on_its_edges() -> None:
+def testplain_call_on_its_edges() -> None:
     """The cases the general path turns into another type: each agrees all the same."""
     now = 5.0
     for msg in (

@@ -129,7 +129,7 @@ def test_unencodable_values_nest_as_references(shared_worker):
     assert close(w, s) == {"refs": 3, "contexts": 0}
 
 
-def test_a_generator_from_a_plain_call_is_a_reference_that_can_be_streamed(shared_worker):
+def test_a_generator_from_aplain_call_is_a_reference_that_can_be_streamed(shared_worker):
     gen = shared_worker.call(D, "count", 3, session="gen")
     assert isinstance(gen, Ref) and gen.type_name == "builtins.generator"
     assert shared_worker.stream(["r", gen, None], [], session="gen") == [0, 1, 2]

@@ -190,7 +190,7 @@ def parse_request(msg: Any, now: float | None = None) -> Request | Control:
         RequestError: anything malformed; the message names the field and its value.
     """
     if type(msg) is list and len(msg) == 7 and msg[0] == "call":
-        fast = _plain_call(msg, time.monotonic() if now is None else now)
+        fast = plain_call(msg, time.monotonic() if now is None else now)
         if fast is not None:
             return fast
     return parse_checked(msg, now)
@@ -257,9 +257,10 @@ def parse_checked(msg: Any, now: float | None = None) -> Request | Control:
     return Invoke(kind, rid, session, deadline, target=target, args=args, kwargs=kwargs)
 
 
-def _plain_call(msg: list[Any], now: float) -> Invoke | None:
+def plain_call(msg: list[Any], now: float) -> Invoke | None:
     """The common ``call`` (a module target, plain field types) without the checks that
-    name errors; ``None`` sends anything else through the full checks."""
+    name errors; ``None`` sends anything else through the full checks. (``msg``: a list
+    of 7 whose first item is ``"call"``; also the worker's lane's check.)"""
     _, rid, session, timeout, target, args, kwargs = msg
     if (
         type(rid) is int

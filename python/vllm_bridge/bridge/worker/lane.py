@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from vllm_bridge.bridge.protocol.decoder import Decoder, checked_dict
-from vllm_bridge.bridge.protocol.messages import Invoke, ModuleTarget, Request
+from vllm_bridge.bridge.protocol.messages import Invoke, Request, plain_call
 from vllm_bridge.bridge.worker.coerce import coerce_arguments
 from vllm_bridge.bridge.worker.dispatch import Dispatcher, Frame
 from vllm_bridge.bridge.worker.interrupt import Interruptible
@@ -88,29 +88,11 @@ class CallLane:
         except Exception as exc:  # noqa: BLE001 - refused as the general path refuses it
             return self._worker.undecodable(body, exc)
         if type(msg) is list and len(msg) == 7 and msg[0] == "call" and not p.special:
-            _, rid, session, timeout, target, args, kwargs = msg
-            if (
-                type(rid) is int
-                and rid >= 0
-                and (session is None or type(session) is str)
-                and (
-                    timeout is None
-                    or ((type(timeout) is int or type(timeout) is float) and timeout == timeout)
-                )
-                and type(target) is list
-                and len(target) == 3
-                and target[0] == "m"
-                and type(target[1]) is str
-                and type(target[2]) is str
-                and type(args) is list
-                and type(kwargs) is dict
-                and (not kwargs or all(type(k) is str for k in kwargs))
-            ):
-                deadline = None if timeout is None else now + timeout / 1000.0
-                return Invoke(
-                    "call", rid, session, deadline, False, None,
-                    ModuleTarget(target[1], target[2]), args, kwargs, False, True,
-                )
+            # The same check parse_request's common path makes (one copy of it).
+            req = plain_call(msg, now)
+            if req is not None:
+                req.lane = True
+                return req
         return self._worker.on_value(body, msg, p.special, now)
 
     def handle(self, req: Request) -> Frame | None:
