@@ -78,16 +78,26 @@ class Encoder:
         #: Where tensors of at least ``slots.min_bytes`` go (ext 8); None: the pipe.
         self.slots = slots
 
-    def encode(self, value: Any, make_ref: MakeRef | None = None) -> list[Segment]:
+    def encode(
+        self,
+        value: Any,
+        make_ref: MakeRef | None = None,
+        check: Callable[[int], None] | None = None,
+    ) -> list[Segment]:
         """Encode ``value`` into segments whose concatenation is one msgpack body.
 
         Args:
             value: Any value. Values with no by-value encoding become references.
             make_ref: Creates those references; without it they raise ``TypeError``.
+            check: Called with the body's length once it is encoded; what it raises
+                (a body over the frame limit) refuses the frame as a failed encode does.
         """
         p = _Pass(self, make_ref)
         try:
-            return p.pack(value)
+            segments = p.pack(value)
+            if check is not None:
+                check(segments_length(segments))
+            return segments
         except BaseException:
             # The frame will not be sent: its result slots are free again.
             if self.slots is not None:

@@ -19,7 +19,7 @@ from typing import Any
 from msgpack import packb as _packb
 
 from vllm_bridge.bridge.protocol.decoder import materialize_field
-from vllm_bridge.bridge.protocol.encoder import Segment, segments_length
+from vllm_bridge.bridge.protocol.encoder import Segment
 from vllm_bridge.bridge.protocol.errors import (
     BadArgument,
     BridgeError,
@@ -358,8 +358,11 @@ class Dispatcher:
             return ref
 
         try:
-            segments = self.channel.encoder.encode([kind, req.id, value], make_ref)
-            self._check_size(segments_length(segments))
+            # The size is checked inside the encode: a frame refused for it gives back
+            # the result slots its tensors went into, as a failed encode does.
+            segments = self.channel.encoder.encode(
+                [kind, req.id, value], make_ref, self._check_size
+            )
         except BaseException:
             for ref_id in created:
                 self.sessions.drop(session, ref_id)
