@@ -58,6 +58,10 @@ defmodule VllmBridge.Remote.Proxy do
   @doc false
   @spec start(pid(), reference(), timeout(), tuple()) :: term()
   def start(caller, reply, wait, job) do
+    # The request's milliseconds left count from here, not from the go: the go's trip
+    # back and forth between the nodes (and a busy node's delay) comes out of them, so
+    # the request ends at its caller's deadline, as it would on the caller's node.
+    started = System.monotonic_time(:millisecond)
     runner = self()
     stream? = elem(job, 0) == :stream
     # Spawned before the go comes, so that a caller that dies (or whose node goes) while
@@ -74,7 +78,7 @@ defmodule VllmBridge.Remote.Proxy do
     # is not refused for lack of patience, and one that cannot come any more is not
     # waited for.
     receive do
-      {:go, ^reply} -> run(caller, reply, watcher, job)
+      {:go, ^reply} -> run(caller, reply, watcher, job, started)
     after
       wait -> exit(@unwanted)
     end
@@ -183,10 +187,9 @@ defmodule VllmBridge.Remote.Proxy do
   @spec halt_grace() :: non_neg_integer()
   def halt_grace, do: @halt_grace
 
-  defp run(caller, reply, _watcher, {:run, rt, left, kind, parts, opts}) do
+  defp run(caller, reply, _watcher, {:run, rt, left, kind, parts, opts}, started) do
     LooseRefs.act_for(caller)
-    now = System.monotonic_time(:millisecond)
-    rt = %{rt | deadline: Runtime.deadline(now, left), node: node()}
+    rt = %{rt | deadline: Runtime.deadline(started, left), node: node()}
     refs = List.wrap(opts[:bound]) ++ List.wrap(opts[:payload])
 
     # (A reference's request runs in its own session unless one was named.)
@@ -201,8 +204,16 @@ defmodule VllmBridge.Remote.Proxy do
     send(reply, {reply, :result, result})
   end
 
-  defp run(caller, reply, watcher, {:stream, target, args, kwargs, opts, current}) do
+  # A stream's whole time (`stream_timeout`, what was left of its deadline when its
+  # caller sent it) loses what passed here before the go, as a request's does.
+  defp run(caller, reply, watcher, {:stream, target, args, kwargs, opts, current}, started) do
     LooseRefs.act_for(caller)
+    opts =
+      case Keyword.fetch(opts, :stream_timeout) do
+        {:ok, left} -> Keyword.put(opts, :stream_timeout, after_go(left, started))
+        :error -> opts
+      end
+
     send(reply, {reply, :watcher, watcher})
 
     named =
@@ -216,6 +227,11 @@ defmodule VllmBridge.Remote.Proxy do
       e -> send(reply, {reply, :error, e})
     end
   end
+
+  defp after_go(:infinity, _started), do: :infinity
+
+  defp after_go(left, started),
+    do: max(left - (System.monotonic_time(:millisecond) - started), 0)
 
   defp stream(reply, watcher, {target, args, kwargs, opts, current}) do
     in_session(current, fn ->
