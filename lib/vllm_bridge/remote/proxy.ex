@@ -208,6 +208,7 @@ defmodule VllmBridge.Remote.Proxy do
   # caller sent it) loses what passed here before the go, as a request's does.
   defp run(caller, reply, watcher, {:stream, target, args, kwargs, opts, current}, started) do
     LooseRefs.act_for(caller)
+
     opts =
       case Keyword.fetch(opts, :stream_timeout) do
         {:ok, left} -> Keyword.put(opts, :stream_timeout, after_go(left, started))
