@@ -3,7 +3,8 @@ defmodule VllmBridge.Pool.Directory do
   # Where callers look things up without sending a message: one public ETS table (owned by
   # this process, started by the application) holding
   #
-  #   * `{{:pool, name}, %VllmBridge.Pool.Meta{}}` - each started pool;
+  #   * `{{:pool, name}, %VllmBridge.Pool.Meta{}}` - each started pool (for `pools/0`; a
+  #     caller reads the same meta from `:persistent_term`, below);
   #   * `{{:worker, name, index}, pid, instance}` - each worker that finished its handshake
   #     (removed when it goes down);
   #   * `{{:instance, instance}, name, index, pid}` - the same, by handshake instance (how a
@@ -17,6 +18,17 @@ defmodule VllmBridge.Pool.Directory do
   #
   # Reads are concurrent; each writer owns its rows (a pool's queue its `:pool` row, a
   # worker its `:worker`/`:instance` rows, the session manager the session rows).
+  #
+  # A pool's meta, read on every call, is also kept in `:persistent_term` under
+  # `{VllmBridge.Pool.Directory, {:pool, name}}`, written and erased with its row: a read
+  # there takes 30-40 ns and copies nothing, against 200-230 ns for the table's (its read
+  # lock, the key's hash and a copy of the struct;
+  # bench/results/least-path-and-batching.md, "The caller's path, trimmed"). A pool's
+  # meta is written when its queue starts and erased when it stops, so the price of
+  # `:persistent_term` (a write or erase makes every process look for the old value once)
+  # is paid per pool start and stop, never per call. A directory that starts over (after
+  # a crash, its table gone with every row) erases what an earlier one left, so both
+  # places forget the same pools.
   use GenServer
 
   @spec child_spec(term()) :: Supervisor.child_spec()
@@ -32,6 +44,10 @@ defmodule VllmBridge.Pool.Directory do
   @impl true
   def init(nil) do
     :ets.new(@table, [:set, :public, :named_table, read_concurrency: true])
+
+    for {{__MODULE__, {:pool, _}} = key, _meta} <- :persistent_term.get(),
+        do: :persistent_term.erase(key)
+
     {:ok, nil}
   end
 
@@ -42,12 +58,10 @@ defmodule VllmBridge.Pool.Directory do
   @doc "A started pool's meta data."
   @spec pool(term()) :: {:ok, Meta.t()} | :error
   def pool(name) do
-    case :ets.lookup(@table, {:pool, name}) do
-      [{_, meta}] -> {:ok, meta}
-      [] -> :error
+    case :persistent_term.get({__MODULE__, {:pool, name}}, nil) do
+      %Meta{} = meta -> {:ok, meta}
+      nil -> :error
     end
-  rescue
-    ArgumentError -> :error
   end
 
   @doc "Every started pool's name ([] while the application is not started)."
@@ -87,11 +101,17 @@ defmodule VllmBridge.Pool.Directory do
 
   @doc false
   @spec put_pool(Meta.t()) :: true
-  def put_pool(%Meta{name: name} = meta), do: :ets.insert(@table, {{:pool, name}, meta})
+  def put_pool(%Meta{name: name} = meta) do
+    :ets.insert(@table, {{:pool, name}, meta})
+    :persistent_term.put({__MODULE__, {:pool, name}}, meta)
+    true
+  end
 
   @doc false
   @spec delete_pool(term()) :: true
   def delete_pool(name) do
+    # (Erased first: a caller that still finds the meta finds its rows too, or none.)
+    :persistent_term.erase({__MODULE__, {:pool, name}})
     :ets.match_delete(@table, {{:down, name, :_}, :_, :_})
     :ets.delete(@table, {:pool, name})
   end

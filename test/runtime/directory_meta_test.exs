@@ -1,0 +1,51 @@
+defmodule VllmBridge.Runtime.DirectoryMetaTest do
+  @moduledoc """
+  A pool's meta, which every call reads, is kept in `:persistent_term` beside the
+  directory's table (VllmBridge.Pool.Directory): both say the same while the pool runs,
+  a queue that restarts republishes it (its new pid, the same counters), and a pool that
+  stops leaves nothing behind, so a call to it is refused by name, and a pool started
+  again under the name gets a meta of its own.
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+
+  import VllmBridge.RuntimeHelpers
+
+  alias VllmBridge.Error
+  alias VllmBridge.Pool.Directory
+
+  @pool :rt_directory_meta
+  @key {Directory, {:pool, @pool}}
+
+  defp ping, do: VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, pool_name: @pool)
+
+  test "the meta lives as long as its pool, in both places" do
+    {:ok, _} = VllmBridge.start_pool(@pool, size: 1)
+    assert {:ok, meta} = Directory.pool(@pool)
+    assert :persistent_term.get(@key) == meta
+    assert [{_, ^meta}] = :ets.lookup(Directory.table(), {:pool, @pool})
+    assert {:ok, 3} = ping()
+
+    # A queue that dies is restarted by its pool: the meta names the new one.
+    Process.exit(meta.queue, :kill)
+    wait_until(fn -> match?({:ok, %{queue: q}} when q != meta.queue, Directory.pool(@pool)) end)
+    {:ok, again} = Directory.pool(@pool)
+    assert Process.alive?(again.queue) and again.slots == meta.slots
+    assert [{_, ^again}] = :ets.lookup(Directory.table(), {:pool, @pool})
+    assert {:ok, 3} = ping()
+
+    :ok = VllmBridge.stop_pool(@pool)
+    assert Directory.pool(@pool) == :error
+    assert :persistent_term.get(@key, :none) == :none
+    assert :ets.lookup(Directory.table(), {:pool, @pool}) == []
+    assert {:error, %Error{type: :bad_argument, message: message}} = ping()
+    assert message =~ inspect(@pool)
+
+    # The same name again: a meta of its own (new counters), not the old one.
+    {:ok, _} = VllmBridge.start_pool(@pool, size: 1)
+    on_exit(fn -> VllmBridge.stop_pool(@pool) end)
+    assert {:ok, fresh} = Directory.pool(@pool)
+    assert fresh.slots != meta.slots
+    assert {:ok, 3} = ping()
+  end
+end
