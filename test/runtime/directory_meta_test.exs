@@ -17,7 +17,8 @@ defmodule VllmBridge.Runtime.DirectoryMetaTest do
   @pool :rt_directory_meta
   @key {Directory, {:pool, @pool}}
 
-  defp ping, do: VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, pool_name: @pool)
+  defp ping,
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, pool_name: @pool)
 
   test "the meta lives as long as its pool, in both places" do
     {:ok, _} = VllmBridge.start_pool(@pool, size: 1)
