@@ -1,10 +1,11 @@
 defmodule VllmBridge.Runtime.DirectoryMetaTest do
   @moduledoc """
-  A pool's meta, which every call reads, is kept in `:persistent_term` beside the
-  directory's table (VllmBridge.Pool.Directory): both say the same while the pool runs,
-  a queue that restarts republishes it (its new pid, the same counters), and a pool that
-  stops leaves nothing behind, so a call to it is refused by name, and a pool started
-  again under the name gets a meta of its own.
+  A pool's meta and its workers' pids, which every call reads, are kept in
+  `:persistent_term` beside the directory's table (VllmBridge.Pool.Directory): both say
+  the same while the pool runs, a worker that restarts puts its successor's pid there, a
+  queue that restarts republishes the meta (its new pid, the same counters), and a pool
+  that stops leaves nothing behind, so a call to it is refused by name, and a pool
+  started again under the name gets a meta of its own.
   """
   use ExUnit.Case, async: false
   @moduletag :capture_log
@@ -27,6 +28,16 @@ defmodule VllmBridge.Runtime.DirectoryMetaTest do
     assert [{_, ^meta}] = :ets.lookup(Directory.table(), {:pool, @pool})
     assert {:ok, 3} = ping()
 
+    # Each worker's pid is there too, and a worker that dies is replaced there by its
+    # successor (a killed one runs no terminate/2: its successor's start clears it).
+    [%{pid: w}] = workers!(@pool)
+    assert Directory.worker_pid(@pool, 0) == w
+    Process.exit(w, :kill)
+    wait_until(fn -> match?([%{pid: p}] when p != w, workers!(@pool)) end)
+    [%{pid: w2}] = workers!(@pool)
+    assert Directory.worker_pid(@pool, 0) == w2
+    assert {:ok, 3} = ping()
+
     # A queue that dies is restarted by its pool: the meta names the new one.
     Process.exit(meta.queue, :kill)
     wait_until(fn -> match?({:ok, %{queue: q}} when q != meta.queue, Directory.pool(@pool)) end)
@@ -38,6 +49,7 @@ defmodule VllmBridge.Runtime.DirectoryMetaTest do
     :ok = VllmBridge.stop_pool(@pool)
     assert Directory.pool(@pool) == :error
     assert :persistent_term.get(@key, :none) == :none
+    assert Directory.worker_pid(@pool, 0) == nil
     assert :ets.lookup(Directory.table(), {:pool, @pool}) == []
     assert {:error, %Error{type: :bad_argument, message: message}} = ping()
     assert message =~ inspect(@pool)

@@ -173,8 +173,8 @@ defmodule VllmBridge.Call.Run do
 
     with true <- Slots.waiting(meta) == 0 and Request.max_size(req) <= meta.max_frame_bytes,
          i when is_integer(i) <- Slots.reserve_any(meta) do
-      case Directory.worker(meta.name, i) do
-        {pid, _instance} ->
+      case Directory.worker_pid(meta.name, i) do
+        pid when is_pid(pid) ->
           case reads_slots(meta, i, "call") do
             :ok ->
               pid

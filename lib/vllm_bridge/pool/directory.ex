@@ -19,16 +19,18 @@ defmodule VllmBridge.Pool.Directory do
   # Reads are concurrent; each writer owns its rows (a pool's queue its `:pool` row, a
   # worker its `:worker`/`:instance` rows, the session manager the session rows).
   #
-  # A pool's meta, read on every call, is also kept in `:persistent_term` under
-  # `{VllmBridge.Pool.Directory, {:pool, name}}`, written and erased with its row: a read
-  # there takes 30-40 ns and copies nothing, against 200-230 ns for the table's (its read
-  # lock, the key's hash and a copy of the struct;
-  # bench/results/least-path-and-batching.md, "The caller's path, trimmed"). A pool's
-  # meta is written when its queue starts and erased when it stops, so the price of
-  # `:persistent_term` (a write or erase makes every process look for the old value once)
-  # is paid per pool start and stop, never per call. A directory that starts over (after
-  # a crash, its table gone with every row) erases what an earlier one left, so both
-  # places forget the same pools.
+  # What every call reads is also kept in `:persistent_term`, written and erased with its
+  # row: a pool's meta under `{VllmBridge.Pool.Directory, {:pool, name}}`, and the pid of
+  # each worker that is up under `{VllmBridge.Pool.Directory, {:worker, name, index}}`
+  # (`worker_pid/2`). A read there takes 30-40 ns and copies nothing, against 150-230 ns
+  # for the table's (its read lock, the key's hash, a copy of the row), and more when
+  # the caches are cold, as they are between two calls
+  # (bench/results/least-path-and-batching.md, "The caller's path, trimmed"). A write or
+  # erase of a compound term (a meta) makes every process look for the old value once:
+  # a meta is written when its pool's queue starts and erased when it stops, never per
+  # call; a pid is a term of one word, whose writes and erases cost no such pass (a
+  # worker's restart). A directory that starts over (after a crash, its table gone with
+  # every row) erases what an earlier one left, so both places forget the same pools.
   use GenServer
 
   @spec child_spec(term()) :: Supervisor.child_spec()
@@ -111,10 +113,26 @@ defmodule VllmBridge.Pool.Directory do
   @spec delete_pool(term()) :: true
   def delete_pool(name) do
     # (Erased first: a caller that still finds the meta finds its rows too, or none.)
-    :persistent_term.erase({__MODULE__, {:pool, name}})
+    case pool(name) do
+      {:ok, %Meta{size: size}} ->
+        :persistent_term.erase({__MODULE__, {:pool, name}})
+        # Pids of workers killed without their terminate/2 (the others erased theirs).
+        for i <- 0..(size - 1), do: :persistent_term.erase({__MODULE__, {:worker, name, i}})
+
+      :error ->
+        :ok
+    end
+
     :ets.match_delete(@table, {{:down, name, :_}, :_, :_})
     :ets.delete(@table, {:pool, name})
   end
+
+  @doc """
+  The pid of the live worker at `index` of pool `name`, or nil: `worker/2` without the
+  instance, for a call's path (read from `:persistent_term`, see the moduledoc).
+  """
+  @spec worker_pid(term(), non_neg_integer()) :: pid() | nil
+  def worker_pid(name, index), do: :persistent_term.get({__MODULE__, {:worker, name, index}}, nil)
 
   @doc "The live worker at `index` of pool `name`: `{pid, instance}`."
   @spec worker(term(), non_neg_integer()) :: {pid(), String.t()} | nil
@@ -141,6 +159,9 @@ defmodule VllmBridge.Pool.Directory do
   @doc false
   @spec worker_up(term(), non_neg_integer(), pid(), String.t()) :: true
   def worker_up(name, index, pid, instance) do
+    # (The pid first, erased first too: whoever finds the row finds the pid.)
+    :persistent_term.put({__MODULE__, {:worker, name, index}}, pid)
+
     :ets.insert(@table, [
       {{:worker, name, index}, pid, instance},
       {{:instance, instance}, name, index, pid}
@@ -152,6 +173,8 @@ defmodule VllmBridge.Pool.Directory do
   # `terminate/2` left behind.
   @spec clear_worker(term(), non_neg_integer()) :: :ok
   def clear_worker(name, index) do
+    :persistent_term.erase({__MODULE__, {:worker, name, index}})
+
     case :ets.take(@table, {:worker, name, index}) do
       [{_, _pid, instance}] -> :ets.delete(@table, {:instance, instance})
       [] -> :ok
@@ -165,7 +188,11 @@ defmodule VllmBridge.Pool.Directory do
   def worker_down(name, index, instance, why) do
     # The reason first: a reader that no longer finds the worker finds why it went.
     if instance, do: :ets.insert(@table, {{:down, name, index}, instance, why})
-    # Only the rows of this very process: a successor may already be up.
+    # Only the rows of this very process: a successor may already be up. (Its pid only,
+    # likewise; a successor's is written by the successor itself.)
+    if worker_pid(name, index) == self(),
+      do: :persistent_term.erase({__MODULE__, {:worker, name, index}})
+
     :ets.match_delete(@table, {{:worker, name, index}, :_, instance})
     if instance, do: :ets.delete(@table, {:instance, instance})
     :ok
