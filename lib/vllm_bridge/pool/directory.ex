@@ -20,17 +20,17 @@ defmodule VllmBridge.Pool.Directory do
   # worker its `:worker`/`:instance` rows, the session manager the session rows).
   #
   # What every call reads is also kept in `:persistent_term`, written and erased with its
-  # row: a pool's meta under `{VllmBridge.Pool.Directory, {:pool, name}}`, and the pid of
-  # each worker that is up under `{VllmBridge.Pool.Directory, {:worker, name, index}}`
-  # (`worker_pid/2`). A read there takes 30-40 ns and copies nothing, against 150-230 ns
-  # for the table's (its read lock, the key's hash, a copy of the row), and more when
-  # the caches are cold, as they are between two calls
-  # (bench/results/least-path-and-batching.md, "The caller's path, trimmed"). A write or
-  # erase of a compound term (a meta) makes every process look for the old value once:
-  # a meta is written when its pool's queue starts and erased when it stops, never per
-  # call; a pid is a term of one word, whose writes and erases cost no such pass (a
-  # worker's restart). A directory that starts over (after a crash, its table gone with
-  # every row) erases what an earlier one left, so both places forget the same pools.
+  # row by the row's writer: a pool's meta under `{VllmBridge.Pool.Directory, {:pool,
+  # name}}`, and the pid of each worker that is up under `{VllmBridge.Pool.Directory,
+  # {:worker, name, index}}` (`worker_pid/2`). A read there takes 30-40 ns and copies
+  # nothing, against 150-230 ns for the table's (its read lock, the key's hash, a copy of
+  # the row), and more when the caches are cold, as they are between two calls
+  # (bench/results/caller-path.md). A write or erase of a compound term (a meta) makes
+  # every process look for the old value once: a meta is written when its pool's queue
+  # starts and erased when it stops, never per call; a pid is a term of one word, whose
+  # writes and erases cost no such pass (a worker's restart). When this process starts
+  # (after a crash, its table gone with every row) and when it stops (the application
+  # stopping), it erases every such term, so that both places forget the same pools.
   use GenServer
 
   @spec child_spec(term()) :: Supervisor.child_spec()
@@ -45,12 +45,22 @@ defmodule VllmBridge.Pool.Directory do
 
   @impl true
   def init(nil) do
+    # (Trapped so that terminate/2 runs when the application stops.)
+    Process.flag(:trap_exit, true)
     :ets.new(@table, [:set, :public, :named_table, read_concurrency: true])
+    forget_all()
+    {:ok, nil}
+  end
 
-    for {{__MODULE__, {:pool, _}} = key, _meta} <- :persistent_term.get(),
+  @impl true
+  def terminate(_reason, _state), do: forget_all()
+
+  # Every meta and pid kept in :persistent_term (see the comment at the top).
+  defp forget_all do
+    for {{__MODULE__, _} = key, _value} <- :persistent_term.get(),
         do: :persistent_term.erase(key)
 
-    {:ok, nil}
+    :ok
   end
 
   @doc "The table's name."
@@ -116,8 +126,14 @@ defmodule VllmBridge.Pool.Directory do
     case pool(name) do
       {:ok, %Meta{size: size}} ->
         :persistent_term.erase({__MODULE__, {:pool, name}})
-        # Pids of workers killed without their terminate/2 (the others erased theirs).
-        for i <- 0..(size - 1), do: :persistent_term.erase({__MODULE__, {:worker, name, i}})
+
+        # The pid of a worker killed without its terminate/2 (the others erased theirs).
+        # Only a dead one: a queue that crashed (and ran this) leaves its workers up, and
+        # they serve on once its successor republishes the meta.
+        for i <- 0..(size - 1),
+            pid = worker_pid(name, i),
+            pid != nil and not Process.alive?(pid),
+            do: :persistent_term.erase({__MODULE__, {:worker, name, i}})
 
       :error ->
         :ok
@@ -129,7 +145,8 @@ defmodule VllmBridge.Pool.Directory do
 
   @doc """
   The pid of the live worker at `index` of pool `name`, or nil: `worker/2` without the
-  instance, for a call's path (read from `:persistent_term`, see the moduledoc).
+  instance, for a call's path (read from `:persistent_term`: see the comment at the top
+  of this module).
   """
   @spec worker_pid(term(), non_neg_integer()) :: pid() | nil
   def worker_pid(name, index), do: :persistent_term.get({__MODULE__, {:worker, name, index}}, nil)
