@@ -2,7 +2,7 @@
 # stack, its steps fused into one function (VllmBridge.Bench.Fused: what flattening the
 # Elixir path's layers could gain), the least path (VllmBridge.Bench.LeastPath: the
 # BEAM's bound) and erlport, in alternating rounds of one run (issue 19;
-# bench/results/least-path-and-batching.md, "The caller's path, trimmed").
+# bench/results/caller-path.md).
 #
 #   ELIXIR_ERL_OPTIONS="+sbwt none +sbwtdcpu none +sbwtdio none" \
 #     ERLPORT_DIR=/tmp/erlport mix run bench/one_caller.exs [rounds] [calls] [pin]

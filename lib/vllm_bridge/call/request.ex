@@ -165,8 +165,10 @@ defmodule VllmBridge.Call.Request do
   # A request with one reply: `send_request/4` without its keyword look-ups.
   # Both return the handle and the milliseconds that were left of the deadline when the
   # frame was built (the frame's timeout field), which `call/4` waits at most: one clock
-  # read for both (84 ns each here; bench/results/least-path-and-batching.md, "The
-  # caller's path, trimmed"). The wait so ends microseconds after the deadline at most.
+  # read for both (84 ns each here; bench/results/caller-path.md). The wait so ends after
+  # the deadline by the time between that read and the receive (microseconds, unless the
+  # caller is descheduled there); the worker has the same milliseconds and answers a
+  # timeout by then.
   defp submit_one(pid, req, deadline, holds_slot, cancel_on_caller_exit),
     do: submit(pid, req, deadline, holds_slot, cancel_on_caller_exit, :one, :reply_demonitor)
 

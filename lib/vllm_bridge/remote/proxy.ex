@@ -205,7 +205,10 @@ defmodule VllmBridge.Remote.Proxy do
   end
 
   # A stream's whole time (`stream_timeout`, what was left of its deadline when its
-  # caller sent it) loses what passed here before the go, as a request's does.
+  # caller sent it) loses what passed here before the go, as a request's does. (Its
+  # `timeout`, the most each chunk may take, is not cut: it is every chunk's, not a
+  # budget. A late go so leaves the first chunk its whole `timeout` from the go; the
+  # caller's wait for that chunk, counted from its send, ends first: VllmBridge.Remote.Stream.)
   defp run(caller, reply, watcher, {:stream, target, args, kwargs, opts, current}, started) do
     LooseRefs.act_for(caller)
 

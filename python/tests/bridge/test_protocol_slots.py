@@ -24,7 +24,6 @@ from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.slots import (
     IDLE_AFTER_S,
-    MAX_RESULT_SLOTS,
     RECLAIM_AFTER_S,
     SlotDir,
     open_slot_dir,
@@ -453,40 +452,3 @@ def test_a_worker_reads_argument_slots_and_answers_hostile_ones(slot_root: Path,
         wp.stop()
     assert not any(n.startswith("r-") for n in os.listdir(slot_root))  # deleted on exit
 
-
-def test_a_reply_refused_for_its_size_gives_its_result_slots_back(slot_root: Path):
-    """A reply whose tensors went into result slots but whose frame is still over the
-    frame limit is refused (an error reply names its size): its slots were never named
-    to anybody, so they are free again at once. Were they left lent, the refused replies
-    would lend every slot, and the next large result would take the pipe until the
-    reclaim age."""
-    wp = spawn_worker(
-        ["--allow", "answer_support", "--max-frame-bytes", "65536"],
-        support=True,
-        env={"VLLM_BRIDGE_SHM_DIR": str(slot_root), "VLLM_BRIDGE_SHM_MIN_BYTES": str(MIN)},
-    )
-    logs = []
-    try:
-
-        def call(fn: str, args: list) -> list:
-            rid = next_id()
-            head = b"\x97" + packb("call") + packb(rid) + packb(None) + packb(30_000)
-            wp.send_raw(head + packb(["m", "answer_support", fn]) + packb(args) + b"\x80")
-            while (reply := msgpack.unpackb(wp.recv_raw(), raw=False))[0] == "log":
-                logs.append(reply[3])  # (the worker's warning that every slot is lent)
-            assert reply[1] == rid, reply
-            return reply
-
-        for _ in range(MAX_RESULT_SLOTS + 2):
-            # Its 8 KiB tensor goes into a slot; the 70 000 bytes beside it do not fit.
-            kind, _, err = call("tensor_and_bytes", [2048, 70_000])
-            assert kind == "error" and "exceeds the frame limit" in err["message"], err
-        kind, _, value = call("tensor_and_bytes", [2048, 10])
-        assert kind == "ok" and value[0].code == 8, value  # a slot, not the pipe
-        _, name = split_payload(value[0].data)
-        assert (slot_root / name).stat().st_size == 2048 * 4
-        lent = [n for n in os.listdir(slot_root) if n.startswith("r-") and "." not in n]
-        assert lent == [name], lent  # nothing else is lent: the refused replies' slots
-        assert logs == []
-    finally:
-        wp.stop()

@@ -2,21 +2,24 @@ defmodule VllmBridge.Bench.Fused do
   @moduledoc """
   The whole stack's steps for the trivial call, written as one function: the bound of
   what flattening the Elixir path's layers (binding, options, routing, request) could
-  gain without dropping a step (issue 19; bench/results/least-path-and-batching.md, "The
-  caller's path, trimmed").
+  gain without dropping a step (issue 19; bench/results/caller-path.md).
 
   It does what the lean path does for the call, in the same order and with the same
   data: reads the runtime config, the process's session and the clock, the pool's meta,
   checks that nobody is queued, reserves a slot, reads the worker's pid, builds the frame
   from the binding's cached target encoding, makes the alias, sends the same submit
-  message to the same worker process, and decodes the reply. It leaves out only the
+  message (VllmBridge.Worker.Messages) to the same worker process, and decodes the
+  reply. It leaves out only the
   layers between them: the binding's argument split, the options' struct, the request
   struct, the frame-limit check (the frame is known to fit), telemetry's check and the
   result's look for references.
   """
 
+  require VllmBridge.Worker.Messages
+
   alias VllmBridge.Call.Wire
   alias VllmBridge.Pool.{Directory, Slots}
+  alias VllmBridge.Worker.Messages
   alias VllmBridge.Worker.Messages.Submit
 
   @target {"vllm_bridge.forward_context", "is_forward_context_available"}
@@ -45,24 +48,21 @@ defmodule VllmBridge.Bench.Fused do
     size = byte_size(ms) + byte_size(encoded) + 3
     {:ok, frame, size} = Wire.frame_request("call", id, fields, size)
 
-    send(
-      pid,
-      {:"$vb_req",
-       %Submit{
-         id: id,
-         alias: mref,
-         caller: self(),
-         frame: frame,
-         size: size,
-         deadline: deadline,
-         holds_slot: true,
-         what: {"call", @target}
-       }}
-    )
+    Messages.send_submit(pid, %Submit{
+      id: id,
+      alias: mref,
+      caller: self(),
+      frame: frame,
+      size: size,
+      deadline: deadline,
+      holds_slot: true,
+      what: {"call", @target}
+    })
 
     receive do
-      {^mref, :reply, bin} -> Wire.decode_reply(bin)
-      {^mref, :worker_exit, message} -> {:error, message}
+      Messages.reply(^mref, bin) -> Wire.decode_reply(bin)
+      Messages.worker_exit(^mref, message) -> {:error, message}
+      Messages.reply_error(^mref, e) -> {:error, e}
       {:DOWN, ^mref, _, _, reason} -> {:error, reason}
     after
       @timeout_ms -> {:error, :timeout}
