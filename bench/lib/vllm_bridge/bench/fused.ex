@@ -40,7 +40,7 @@ defmodule VllmBridge.Bench.Fused do
     0 = Slots.waiting(meta)
     i = Slots.reserve_any(meta)
     pid = Directory.worker_pid(pool, i)
-    encoded = :persistent_term.get({Wire, :binding_target, module, path})
+    encoded = VllmBridge.Call.Wire.Args.binding_target(module, path)
     id = :erlang.unique_integer([:positive])
     mref = :erlang.monitor(:process, pid, [{:alias, :reply_demonitor}])
     ms = Wire.uint(@timeout_ms)
