@@ -22,12 +22,11 @@ from vllm_bridge.bridge.protocol import BadArgument, packb, unpackb
 from vllm_bridge.bridge.protocol.decoder import Decoder
 from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
+from vllm_bridge.bridge.protocol.slot_setup import open_slot_dir, slot_dir_from_env
 from vllm_bridge.bridge.protocol.slots import (
     IDLE_AFTER_S,
     RECLAIM_AFTER_S,
     SlotDir,
-    open_slot_dir,
-    slot_dir_from_env,
     slot_payload,
     split_payload,
 )

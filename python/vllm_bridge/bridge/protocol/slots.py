@@ -57,6 +57,10 @@ RECLAIM_AFTER_S = 30.0
 #: (``VLLM_BRIDGE_SHM_IDLE_S`` sets it for a worker.)
 IDLE_AFTER_S = 5.0
 
+#: The largest age the environment may set (a day): a timed wait of half of it stays far
+#: inside what the platform's timers take (``threading.TIMEOUT_MAX``).
+MAX_AGE_S = 86_400.0
+
 _log = logging.getLogger(__name__)
 
 _ARG_NAME = re.compile(r"e-[0-9]{1,20}")
@@ -393,70 +397,3 @@ class SlotDir:
         except OSError:
             pass
 
-
-def open_slot_dir(
-    path: str | None,
-    min_bytes: int = DEFAULT_MIN_BYTES,
-    reclaim_after_s: float = RECLAIM_AFTER_S,
-    idle_after_s: float = IDLE_AFTER_S,
-) -> SlotDir | None:
-    """The slot directory at ``path``, or None (no path; not a directory of this uid with
-    mode 0700; cannot be opened): then every tensor takes the pipe."""
-    if not path:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        os.close(fd)
-        return None
-    return SlotDir(
-        path=path,
-        fd=fd,
-        min_bytes=min_bytes,
-        reclaim_after_s=reclaim_after_s,
-        idle_after_s=idle_after_s,
-    )
-
-
-def slot_dir_from_env() -> SlotDir | None:
-    """:func:`open_slot_dir` of ``VLLM_BRIDGE_SHM_DIR`` (threshold
-    ``VLLM_BRIDGE_SHM_MIN_BYTES``; ages ``VLLM_BRIDGE_SHM_RECLAIM_S`` and
-    ``VLLM_BRIDGE_SHM_IDLE_S``, seconds, for tests), or None."""
-    try:
-        min_bytes = int(os.environ.get("VLLM_BRIDGE_SHM_MIN_BYTES", DEFAULT_MIN_BYTES))
-    except ValueError:
-        min_bytes = DEFAULT_MIN_BYTES
-    return open_slot_dir(
-        os.environ.get("VLLM_BRIDGE_SHM_DIR"),
-        max(1, min_bytes),
-        reclaim_after_s=_age_from_env("VLLM_BRIDGE_SHM_RECLAIM_S", RECLAIM_AFTER_S),
-        idle_after_s=_age_from_env("VLLM_BRIDGE_SHM_IDLE_S", IDLE_AFTER_S),
-    )
-
-
-#: The largest age the environment may set (a day): a timed wait of half of it stays far
-#: inside what the platform's timers take (``threading.TIMEOUT_MAX``).
-MAX_AGE_S = 86_400.0
-
-
-def _age_from_env(name: str, default: float) -> float:
-    """Seconds from the variable ``name``, a number above 0 and at most :data:`MAX_AGE_S`;
-    ``default`` when it is not set, or (said in the log, naming the value) when it is not
-    such a number: a bad age must not cost the worker its start, nor its sweep."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (0 < value <= MAX_AGE_S):
-        _log.warning(
-            "%s=%r is not a number of seconds above 0 and at most %g: %s s used",
-            name, raw, MAX_AGE_S, default,
-        )
-        return default
-    return value

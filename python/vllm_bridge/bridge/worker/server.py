@@ -54,7 +54,8 @@ from vllm_bridge.bridge.protocol.messages import (
     peek_request_id,
 )
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
-from vllm_bridge.bridge.protocol.slots import SlotDir, slot_dir_from_env
+from vllm_bridge.bridge.protocol.slot_setup import slot_dir_from_env
+from vllm_bridge.bridge.protocol.slots import SlotDir
 from vllm_bridge.bridge.worker import allowlist
 from vllm_bridge.bridge.worker.channel import Channel, LogFrameHandler
 
