@@ -5,12 +5,12 @@ defmodule VllmBridge.Call.Wire do
   # route it) and decoding a reply into a result (done by the caller).
   #
   # Values go through `VllmBridge.Codec.encode/1` and `decode/1` only. The pieces of
-  # msgpack written here are the array and map headers of a request and of its arguments
-  # (`VllmBridge.Codec.Msgpack`'s header encoders) so that the parts of a request can be
-  # encoded at different times: the arguments in the caller before anything is reserved,
-  # the id and the milliseconds left just before the frame is sent. `peek/1` reads the first two elements of a reply by hand
-  # (fixarray, short str, unsigned int or nil) and falls back to the full decoder for any
-  # other shape.
+  # msgpack written by hand are a request's array header, its kind and its id here, and
+  # its arguments' array and map headers in `VllmBridge.Call.Wire.Args`, so that the
+  # parts of a request can be encoded at different times: the arguments in the caller
+  # before anything is reserved, the id and the milliseconds left just before the frame
+  # is sent. `peek/1` reads the first two elements of a reply by hand (fixarray, short
+  # str, unsigned int or nil) and falls back to the full decoder for any other shape.
 
   alias VllmBridge.{Codec, Error, Ref}
   alias VllmBridge.Call.Wire.Args

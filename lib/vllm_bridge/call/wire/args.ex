@@ -1,6 +1,8 @@
 defmodule VllmBridge.Call.Wire.Args do
   @moduledoc false
-  # A call's arguments as msgpack, for VllmBridge.Call.Wire.encode_invoke/3: each
+  # A call's arguments as msgpack, for VllmBridge.Call.Wire.encode_invoke/3 and
+  # encode_invoke_binding/3 (encode_invoke/3 answers an ArgumentError raised here as a
+  # :bad_argument): each
   # positional argument and each keyword's value encoded on its own (so that a value
   # that cannot travel is named by its place, `args[1]` or `kwargs["x"]`), the keywords
   # checked (a name given twice is refused, not overwritten) and written in key order,

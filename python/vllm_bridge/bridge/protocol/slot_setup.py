@@ -1,7 +1,8 @@
 """Opening the slot directory a worker was given (:mod:`~vllm_bridge.bridge.protocol.slots`):
 the checks that make it this process's own (a directory of its uid, mode 0700, not a
-link) and its settings from the environment, a bad one said in the log and replaced by
-its default rather than costing the worker its start."""
+link) and its settings from the environment: a bad age said in the log and replaced by
+its default, a bad threshold replaced by its default (and one below 1 raised to 1),
+rather than costing the worker its start."""
 
 from __future__ import annotations
 

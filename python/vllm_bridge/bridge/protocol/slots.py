@@ -396,4 +396,3 @@ class SlotDir:
             os.close(self.fd)
         except OSError:
             pass
-
