@@ -8,19 +8,13 @@
 # One caller: p50 over `rounds` alternating rounds of 2 000 calls of each subject. 64
 # callers: calls/s over 2 Python processes each (a pool of 2 with max_in_flight 32, two
 # least-path owners, two erlport instances), `rounds` alternating rounds of
-# `duration_ms`, with the BEAM's and the Python processes' CPU per call (from /proc;
-# start the BEAM with ELIXIR_ERL_OPTIONS="+sbwt none +sbwtdcpu none +sbwtdio none" so
+# `duration_ms`, with the BEAM's and the Python processes' CPU per call
+# (VllmBridge.Bench.ProcCpu; start the BEAM with ELIXIR_ERL_OPTIONS="+sbwt none +sbwtdcpu none +sbwtdio none" so
 # that schedulers' busy-waiting is not counted). `pin`: everything on CPU 0.
 
-alias VllmBridge.Bench.{Erlport, LeastPath, Pinning, Stats, Throughput, Trivial}
+alias VllmBridge.Bench.{Erlport, LeastPath, Pinning, ProcCpu, Stats, Throughput, Trivial}
 
-{rounds, duration, pin} =
-  case System.argv() do
-    [] -> {5, 2_000, nil}
-    [r] -> {String.to_integer(r), 2_000, nil}
-    [r, d] -> {String.to_integer(r), String.to_integer(d), nil}
-    [r, d, _] -> {String.to_integer(r), String.to_integer(d), 0}
-  end
+{[rounds, duration], pin} = Stats.argv(System.argv(), [5, 2_000])
 
 case Erlport.find() do
   {:skip, why} ->
@@ -34,11 +28,6 @@ case Erlport.find() do
     peers = List.to_tuple([Erlport.start_peer(python), Erlport.start_peer(python)])
     req = LeastPath.request()
 
-    erl_os = fn p ->
-      {:links, links} = Process.info(p, :links)
-      for l <- links, is_port(l), do: elem(Port.info(l, :os_pid), 1)
-    end
-
     subjects = [
       full: {fn _i -> Trivial.call(pool_name: :least) end, Enum.map(workers, & &1.os_pid)},
       least:
@@ -46,24 +35,14 @@ case Erlport.find() do
          Enum.map(Tuple.to_list(owners), &LeastPath.os_pid/1)},
       erlport:
         {fn i -> {:ok, Erlport.call_peer(elem(peers, rem(i, 2)))} end,
-         Enum.flat_map(Tuple.to_list(peers), erl_os)}
+         Enum.flat_map(Tuple.to_list(peers), &Erlport.os_pids/1)}
     ]
 
-    cpu = fn pids ->
-      Enum.sum(
-        for pid <- pids do
-          [_, rest] = String.split(File.read!("/proc/#{pid}/stat"), ") ", parts: 2)
-          f = String.split(rest)
-          (String.to_integer(Enum.at(f, 11)) + String.to_integer(Enum.at(f, 12))) * 10_000
-        end
-      )
-    end
-
-    beam = String.to_integer(System.pid())
+    beam = System.pid()
 
     saved =
       if pin do
-        all = [System.pid() | Enum.flat_map(subjects, fn {_, {_, p}} -> p end)]
+        all = [beam | Enum.flat_map(subjects, fn {_, {_, p}} -> p end)]
         {:ok, saved} = Pinning.pin(all, pin)
         saved
       else
@@ -85,10 +64,14 @@ case Erlport.find() do
     thr =
       Enum.reduce(1..rounds, %{}, fn _, acc ->
         Enum.reduce(subjects, acc, fn {k, {f, pids}}, acc ->
-          b0 = cpu.([beam])
-          p0 = cpu.(pids)
+          b0 = ProcCpu.ns([beam])
+          p0 = ProcCpu.ns(pids)
           {n, us} = Throughput.count(f, 64, duration)
-          row = {n / (us / 1.0e6), (cpu.([beam]) - b0) / n, (cpu.(pids) - p0) / n}
+          # (CPU a call in us.)
+          row =
+            {n / (us / 1.0e6), (ProcCpu.ns([beam]) - b0) / n / 1000,
+             (ProcCpu.ns(pids) - p0) / n / 1000}
+
           Map.update(acc, k, [row], &[row | &1])
         end)
       end)

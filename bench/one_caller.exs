@@ -8,19 +8,13 @@
 #     ERLPORT_DIR=/tmp/erlport mix run bench/one_caller.exs [rounds] [calls] [pin]
 #
 # CPU a call: the BEAM's and the subject's Python processes' run time over the round
-# (/proc/<pid>/task/*/schedstat, in ns), divided by its calls; start the BEAM with its
-# schedulers' busy-waiting off (above) so that it is not counted. `pin`: everything on
+# (VllmBridge.Bench.ProcCpu), divided by its calls; start the BEAM with its schedulers'
+# busy-waiting off (above) so that it is not counted. `pin`: everything on
 # CPU 0, which takes the vCPU wake-ups out (VllmBridge.Bench.Pinning) and leaves the work.
 
-alias VllmBridge.Bench.{Erlport, Fused, LeastPath, Pinning, Stats, Trivial}
+alias VllmBridge.Bench.{Erlport, Fused, LeastPath, Pinning, ProcCpu, Stats, Trivial}
 
-{rounds, n, pin} =
-  case System.argv() do
-    [] -> {10, 5_000, nil}
-    [r] -> {String.to_integer(r), 5_000, nil}
-    [r, c] -> {String.to_integer(r), String.to_integer(c), nil}
-    [r, c, _] -> {String.to_integer(r), String.to_integer(c), 0}
-  end
+{[rounds, n], pin} = Stats.argv(System.argv(), [10, 5_000])
 
 case Erlport.find() do
   {:skip, why} ->
@@ -33,8 +27,6 @@ case Erlport.find() do
     owner = LeastPath.start(python)
     peer = Erlport.start_peer(python)
     req = LeastPath.request()
-    {:links, links} = Process.info(peer, :links)
-    erlport_os = for l <- links, is_port(l), do: elem(Port.info(l, :os_pid), 1)
     # (The binding caches its target's encoding, which Fused reads.)
     {:ok, _} = Trivial.call(pool_name: :one_caller)
 
@@ -42,19 +34,8 @@ case Erlport.find() do
       full: {fn -> Trivial.call(pool_name: :one_caller) end, [w.os_pid]},
       fused: {fn -> Fused.call(:one_caller) end, [w.os_pid]},
       least: {fn -> LeastPath.call(owner, req) end, [LeastPath.os_pid(owner)]},
-      erlport: {fn -> {:ok, Erlport.call_peer(peer)} end, erlport_os}
+      erlport: {fn -> {:ok, Erlport.call_peer(peer)} end, Erlport.os_pids(peer)}
     ]
-
-    run_ns = fn pids ->
-      Enum.sum(
-        for pid <- pids, task <- File.ls!("/proc/#{pid}/task") do
-          case File.read("/proc/#{pid}/task/#{task}/schedstat") do
-            {:ok, s} -> s |> String.split() |> hd() |> String.to_integer()
-            {:error, _} -> 0
-          end
-        end
-      )
-    end
 
     beam = System.pid()
 
@@ -73,13 +54,13 @@ case Erlport.find() do
     rows =
       Enum.reduce(1..rounds, %{}, fn _, acc ->
         Enum.reduce(subjects, acc, fn {k, {f, pids}}, acc ->
-          b0 = run_ns.([beam])
-          p0 = run_ns.(pids)
+          b0 = ProcCpu.ns([beam])
+          p0 = ProcCpu.ns(pids)
           t = Stats.time_calls(n, fn -> Stats.check!(f.()) end)
 
           row =
-            {Stats.percentile(t, 50), (run_ns.([beam]) - b0) / n / 1000,
-             (run_ns.(pids) - p0) / n / 1000}
+            {Stats.percentile(t, 50), (ProcCpu.ns([beam]) - b0) / n / 1000,
+             (ProcCpu.ns(pids) - p0) / n / 1000}
 
           Map.update(acc, k, [row], &[row | &1])
         end)

@@ -28,7 +28,7 @@
 # process hop, reply decode); direct - echo = the Python worker's share (its CPU and its
 # wake-ups); direct - direct-1t = the extra threads' share.
 
-alias VllmBridge.Bench.{Erlport, Pinning, RawEcho, Stats, Trivial}
+alias VllmBridge.Bench.{Erlport, Pinning, ProcCpu, RawEcho, Stats, Trivial}
 
 [calls, rounds, pin] =
   case System.argv() do
@@ -175,34 +175,10 @@ erl =
       nil
   end
 
-defmodule Cpu do
-  # user + system CPU of OS processes, in microseconds (Linux /proc; clock ticks of 10 ms,
-  # so only totals over many calls mean anything).
-  def us(pids), do: Enum.sum(Enum.map(pids, &one/1))
-
-  defp one(pid) do
-    case File.read("/proc/#{pid}/stat") do
-      {:ok, text} ->
-        [_, rest] = String.split(text, ") ", parts: 2)
-        fields = String.split(rest)
-        (String.to_integer(Enum.at(fields, 11)) + String.to_integer(Enum.at(fields, 12))) * 10_000
-
-      _ ->
-        0
-    end
-  end
-end
-
 os_pid = fn port -> elem(Port.info(port, :os_pid), 1) end
 {:ok, pool_workers} = VllmBridge.Pool.workers(:breakdown)
 
-erl_os =
-  if erl do
-    {:links, links} = Process.info(erl, :links)
-    for l <- links, is_port(l), do: os_pid.(l)
-  else
-    []
-  end
+erl_os = if erl, do: Erlport.os_pids(erl), else: []
 
 # Whose CPU each subject spends outside the BEAM.
 peer_pids = %{
@@ -273,11 +249,12 @@ beam = System.pid()
 {samples, cpu} =
   Enum.reduce(1..rounds, {%{}, %{}}, fn _, acc ->
     Enum.reduce(subjects, acc, fn {k, f}, {acc, cpu} ->
-      b0 = Cpu.us([beam])
-      p0 = Cpu.us(peer_pids[k])
+      # (In us.)
+      b0 = ProcCpu.ns([beam]) / 1000
+      p0 = ProcCpu.ns(peer_pids[k]) / 1000
       t = Stats.time_calls(calls, f)
-      db = Cpu.us([beam]) - b0
-      dp = Cpu.us(peer_pids[k]) - p0
+      db = ProcCpu.ns([beam]) / 1000 - b0
+      dp = ProcCpu.ns(peer_pids[k]) / 1000 - p0
 
       {Map.update(acc, k, t, &(t ++ &1)),
        Map.update(cpu, k, {db, dp}, fn {b, p} -> {b + db, p + dp} end)}

@@ -11,6 +11,8 @@ defmodule VllmBridge.BenchTest do
 
   @moduletag timeout: 300_000
 
+  doctest VllmBridge.Bench.Stats
+
   test "a quick run reports every part and marks every target" do
     %{report: report, targets: targets} =
       Bench.run(quick: true, write: false, out: fn _ -> :ok end)

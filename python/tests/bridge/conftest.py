@@ -257,6 +257,16 @@ def worker() -> Iterator[WorkerProc]:
         wp.stop()
 
 
+@pytest.fixture
+def slot_root(tmp_path: Path) -> Path:
+    """A private slot directory (mode 0700), as the Elixir side makes one for its workers
+    (test_protocol_slots*.py)."""
+    root = tmp_path / "slots"
+    root.mkdir(mode=0o700)
+    root.chmod(0o700)
+    return root
+
+
 @pytest.fixture(scope="module")
 def shared_worker() -> Iterator[WorkerProc]:
     """One worker for all tests of a module (tests must leave it serving)."""

@@ -36,14 +36,6 @@ MIN = 1024  # a small threshold, so that the tests move little data
 
 
 @pytest.fixture
-def slot_root(tmp_path: Path) -> Path:
-    root = tmp_path / "slots"
-    root.mkdir(mode=0o700)
-    root.chmod(0o700)
-    return root
-
-
-@pytest.fixture
 def slots(slot_root: Path):
     d = open_slot_dir(str(slot_root), min_bytes=MIN)
     assert d is not None

@@ -8,21 +8,12 @@ import os
 from pathlib import Path
 
 import msgpack
-import pytest
 from conftest import next_id, spawn_worker
 
 from vllm_bridge.bridge.protocol import packb
 from vllm_bridge.bridge.protocol.slots import MAX_RESULT_SLOTS, split_payload
 
 MIN = 1024  # a small threshold, so that the test moves little data
-
-
-@pytest.fixture
-def slot_root(tmp_path: Path) -> Path:
-    root = tmp_path / "slots"
-    root.mkdir(mode=0o700)
-    root.chmod(0o700)
-    return root
 
 
 def test_a_reply_refused_for_its_size_gives_its_result_slots_back(slot_root: Path):

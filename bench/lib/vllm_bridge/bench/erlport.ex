@@ -98,6 +98,13 @@ defmodule VllmBridge.Bench.Erlport do
     p
   end
 
+  @doc "The OS pids of erlport instance `p`'s Python process (its port's)."
+  @spec os_pids(pid()) :: [non_neg_integer()]
+  def os_pids(p) do
+    {:links, links} = Process.info(p, :links)
+    for l <- links, is_port(l), do: elem(Port.info(l, :os_pid), 1)
+  end
+
   @doc "The trivial call through erlport instance `p` (a boolean back)."
   @spec call_peer(pid()) :: term()
   def call_peer(p), do: apply(:python, :call, [p, @mod, @fun, []])

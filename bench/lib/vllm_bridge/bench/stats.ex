@@ -39,6 +39,23 @@ defmodule VllmBridge.Bench.Stats do
   def check!(other),
     do: raise("a benchmarked call failed: #{inspect(other, limit: 8, printable_limit: 200)}")
 
+  @doc """
+  A script's arguments `[n1 n2 ... pin]`: up to `length(defaults)` integers, each missing
+  one its default, then anything more asks for everything to be pinned to CPU 0
+  (`VllmBridge.Bench.Pinning`): `{integers, 0}`, or `{integers, nil}` without it.
+
+      iex> VllmBridge.Bench.Stats.argv(["3"], [5, 2_000])
+      {[3, 2000], nil}
+      iex> VllmBridge.Bench.Stats.argv(["3", "100", "pin"], [5, 2_000])
+      {[3, 100], 0}
+  """
+  @spec argv([String.t()], [integer()]) :: {[integer()], 0 | nil}
+  def argv(args, defaults) do
+    {given, rest} = Enum.split(args, length(defaults))
+    ints = Enum.map(given, &String.to_integer/1) ++ Enum.drop(defaults, length(given))
+    {ints, if(rest == [], do: nil, else: 0)}
+  end
+
   @doc "A number with `decimals` decimals."
   @spec fmt(number(), non_neg_integer()) :: String.t()
   def fmt(x, decimals \\ 1), do: :erlang.float_to_binary(x / 1, decimals: decimals)
