@@ -18,7 +18,7 @@ from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.forward_context import get_forward_context, override_forward_context
 
 if TYPE_CHECKING:
-    from vllm_bridge.ubatch_wrapper import UbatchMetadata
+    from vllm_bridge.ubatch_metadata import UbatchMetadata
 
 __all__ = ["CUDAGraphMetaData", "UBatchGraphs", "ubatch_graph_action"]
 
@@ -50,8 +50,9 @@ def ubatch_graph_action(
 
 class UBatchGraphs:
     """Capture and replay of micro-batched runs; mixed into ``UBatchWrapper``, whose
-    ``_make_ubatch_metadata``, ``_start_threads``, ``_join``, ``_finish`` and
-    ``_run_ubatches`` it uses."""
+    ``_make_ubatch_metadata`` it uses, and the ``_start_threads``, ``_join``, ``_finish``,
+    ``_abandon`` and ``_run_ubatches`` of its other mixin
+    (:class:`~vllm_bridge.ubatch_threads.UBatchThreads`)."""
 
     cudagraphs: dict[int, CUDAGraphMetaData]
     graph_pool: Any

@@ -58,7 +58,7 @@ def mend_error_replies() -> None:
 def tensor_and_bytes(elems: int, nbytes: int) -> list[Any]:
     """``[a float32 tensor of `elems` zeros, `nbytes` bytes]``: a reply whose tensor may go
     into a result slot while the rest of its frame is over a small frame limit
-    (python/tests/bridge/test_protocol_slots.py)."""
+    (python/tests/bridge/test_protocol_slots_refused.py)."""
     import torch
 
     return [torch.zeros(elems, dtype=torch.float32), b"x" * nbytes]

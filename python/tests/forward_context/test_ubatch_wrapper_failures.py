@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-import vllm_bridge.ubatch_wrapper as ubatch_wrapper
+import vllm_bridge.ubatch_threads as ubatch_threads
 from test_ubatch_wrapper import SLICES, Toy, _config, _context, _Done, _inputs, _ubatch_threads
 from vllm_bridge import dp
 from vllm_bridge.config import ParallelConfig, VllmConfig
@@ -108,7 +108,8 @@ def test_a_long_step_whose_every_wait_is_short_is_not_cut_short(
 ) -> None:
     # Waits bounded by 2 x 0.5 s; the whole step takes 8 layers x 2 threads x 0.1 s.
     monkeypatch.setattr(dp, "DEFAULT_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(ubatch_wrapper, "JOIN_MARGIN_S", 0.0)
+    # (Where _join reads it: set on the wrapper's module, it would change nothing.)
+    monkeypatch.setattr(ubatch_threads, "JOIN_MARGIN_S", 0.0)
     wrapper = UBatchWrapper(SlowToy(layers=8), _config(), CUDAGraphMode.NONE, "cpu")
     started = time.monotonic()
     with override_forward_context(_context(SLICES)):

@@ -11,21 +11,24 @@ way vLLM's GPU model runner does.
 4. prepares the inputs (token ids, positions, KV slots, attention metadata) padded to the
    agreed count, builds the :class:`~vllm_bridge.forward_context.BatchDescriptor` and, when
    micro-batching, the micro-batch slices;
-5. runs the model under ``set_forward_context`` with the attention metadata, slot mapping,
-   DP counts, runtime mode, batch descriptor and micro-batch slices; the layers read them;
+5. runs the model under ``set_forward_context`` with the attention metadata, slot mapping
+   (per layer, or per micro-batch: :mod:`vllm_bridge.demo.forward_contexts`), DP counts,
+   runtime mode, batch descriptor and micro-batch slices; the layers read them;
 6. computes the logits of each request whose known tokens are now all computed, samples
-   greedily, and returns them with the step's facts (:class:`StepOutput`).
+   greedily, and returns them with the step's facts (:class:`StepOutput`, defined in
+   :mod:`vllm_bridge.demo.step_output` and re-exported here, its public home).
 
 CUDA graphs: the runtime mode is decided, agreed across ranks, padded for and carried in the
 forward context and the batch descriptor exactly as vLLM does. ``load_model`` captures a
-graph for every descriptor the dispatcher can return (:mod:`vllm_bridge.demo.graphs`), and
-each step replays the one its descriptor names; a step without one runs eagerly, and its
+graph for every descriptor the dispatcher can return (:mod:`vllm_bridge.demo.graphs`; the
+forward context of those passes: :func:`~vllm_bridge.demo.forward_contexts.capture_context`),
+and each step replays the one its descriptor names; a step without one runs eagerly, and its
 :class:`StepOutput` says which (``graph``, ``graph_reason``). Without CUDA the same
 bookkeeping runs and the captured steps run their pieces eagerly (``graph="emulated"``).
 """
 
 import time
-from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -34,76 +37,20 @@ from vllm_bridge.config import VllmConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.demo.graphs import ForwardInputs, GraphManager, GraphRun, runner_dispatcher
 from vllm_bridge.demo.batch import InputBatch, RequestState, SchedulerStep, prepare_inputs
+from vllm_bridge.demo.forward_contexts import capture_context, step_layer_metadata
 from vllm_bridge.demo.requests import after_step, apply_step
 from vllm_bridge.demo.sequential_ubatches import run_ubatches_sequentially
+from vllm_bridge.demo.step_output import StepOutput
 from vllm_bridge.demo.model import weights as weights_io
 from vllm_bridge.demo.model.config import ModelConfig
-from vllm_bridge.demo.model.layers import AttentionMetadata
 from vllm_bridge.demo.model.transformer import MoETransformer
 from vllm_bridge.dp import coordinate_batch_across_dp
-from vllm_bridge.forward_context import (
-    BatchDescriptor,
-    DPMetadata,
-    create_forward_context,
-    override_forward_context,
-    set_forward_context,
-)
+from vllm_bridge.forward_context import BatchDescriptor, set_forward_context
 from vllm_bridge.platforms import current_platform
 from vllm_bridge.ubatch import maybe_create_ubatch_slices
 from vllm_bridge.ubatch_wrapper import UBatchWrapper
 
 __all__ = ["ModelRunner", "StepOutput"]
-
-
-@dataclass
-class StepOutput:
-    """What one step did and produced.
-
-    Attributes:
-        num_tokens: This rank's real tokens.
-        num_tokens_padded: Tokens the forward pass ran (real + padding).
-        num_tokens_across_dp: Every DP rank's padded count (``None`` without DP).
-        num_reqs: Requests in the batch.
-        uniform_decode: Every request computes exactly one token.
-        should_ubatch: The ranks agreed to micro-batch.
-        ubatch_num_tokens: Tokens of each micro-batch (padded), when micro-batched.
-        cudagraph_mode: The agreed runtime mode (``"NONE"``, ``"PIECEWISE"``, ``"FULL"``).
-        batch_descriptor: The descriptor the pass ran under (``None`` when skipped).
-        moe_chunks: DP chunks each MoE layer walked (0 without DP).
-        forward_ms: Wall time of the forward pass and sampling.
-        step_ms: Wall time of the whole step, coordination included.
-        req_ids: The requests that got a token, in batch order.
-        sampled_token_ids: The token each of them got (greedy).
-        logits: Their logits, ``(len(req_ids), vocab_size)`` float32 on the CPU.
-        skipped: No rank had a token: nothing ran.
-        graph: How the forward pass ran: ``"replay"`` (CUDA graphs), ``"emulated"`` (no
-            CUDA: the descriptor's captured pieces ran eagerly) or ``"eager"``.
-        graph_reason: Why it ran eagerly (``None`` otherwise).
-        ubatch_run: How the micro-batches ran (``None`` when not micro-batched):
-            ``"overlapped"`` (two threads taking turns at the MoE collectives,
-            :class:`~vllm_bridge.ubatch_wrapper.UBatchWrapper`) or ``"sequential"`` (one
-            after the other on the calling thread).
-    """
-
-    num_tokens: int = 0
-    num_tokens_padded: int = 0
-    num_tokens_across_dp: list[int] | None = None
-    num_reqs: int = 0
-    uniform_decode: bool = False
-    should_ubatch: bool = False
-    ubatch_num_tokens: list[int] | None = None
-    cudagraph_mode: str = "NONE"
-    batch_descriptor: BatchDescriptor | None = None
-    moe_chunks: int = 0
-    forward_ms: float = 0.0
-    step_ms: float = 0.0
-    req_ids: list[str] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
-    logits: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
-    skipped: bool = False
-    graph: str = "eager"
-    graph_reason: str | None = None
-    ubatch_run: str | None = None
 
 
 class ModelRunner:
@@ -203,7 +150,7 @@ class ModelRunner:
             compilation.static_forward_context[name] = layer
         compilation.static_all_moe_layers = model.moe_layer_names()
         self.model, self.weights = model, info
-        self.graphs = GraphManager(model, self.device, self._capture_context)
+        self.graphs = GraphManager(model, self.device, partial(capture_context, self.vllm_config))
         # Runtime mode NONE: micro-batching needs DP > 1, and with DP the runner never runs
         # FULL graphs (the collectives go through gloo or the CPU with bounded waits: not
         # capturable), so this wrapper never captures. Its capture path has its own tests.
@@ -235,28 +182,6 @@ class ModelRunner:
             for mode, descriptors in self.dispatcher.capture_descriptors()
             for descriptor in descriptors
         }
-
-    def _capture_context(
-        self, descriptor: BatchDescriptor, mode: CUDAGraphMode, inputs: ForwardInputs
-    ):
-        """The forward context of a warm-up or capture pass: every token is padding
-        (slot -1), and with DP every rank runs the same padded size. Not through
-        ``set_forward_context``: these passes are not steps (no batch-size stats)."""
-        n = inputs.num_tokens
-        names = list(self.vllm_config.compilation_config.static_forward_context)
-        dp_meta = None
-        if self.dp_size > 1:
-            counts = torch.full((self.dp_size,), n, dtype=torch.int32)
-            dp_meta = DPMetadata.make(self.parallel_config, n, counts)
-        context = create_forward_context(
-            {name: AttentionMetadata([0], [], [], 0) for name in names},
-            self.vllm_config,
-            dp_metadata=dp_meta,
-            cudagraph_runtime_mode=mode,
-            batch_descriptor=descriptor,
-            slot_mapping={name: inputs.slot_mapping for name in names},
-        )
-        return override_forward_context(context)
 
     # -- one step --------------------------------------------------------------------------
 
@@ -347,17 +272,7 @@ class ModelRunner:
         descriptor: BatchDescriptor,
         ubatch_slices: list | None,
     ) -> GraphRun:
-        names = list(self.vllm_config.compilation_config.static_forward_context)
-        attn: dict | list = {name: batch.attn_metadata for name in names}
-        slots: dict | list = {name: batch.slot_mapping for name in names}
-        if ubatch_slices is not None:
-            # One entry per micro-batch: what each micro-batch's forward context carries.
-            attn, slots = [], []
-            for ubatch in ubatch_slices:
-                a, b = ubatch.token_slice.start, ubatch.token_slice.stop
-                meta = batch.attn_metadata.slice(a, b)
-                attn.append({name: meta for name in names})
-                slots.append({name: batch.slot_mapping[a:b] for name in names})
+        attn, slots = step_layer_metadata(self.vllm_config, batch, ubatch_slices)
         with set_forward_context(
             attn,
             self.vllm_config,

@@ -8,7 +8,7 @@ import torch
 
 from vllm_bridge.config import VllmConfig
 from vllm_bridge.forward_context import get_forward_context, override_forward_context
-from vllm_bridge.ubatch_wrapper import make_ubatch_forward_contexts
+from vllm_bridge.ubatch_metadata import make_ubatch_forward_contexts
 
 __all__ = ["run_ubatches_sequentially"]
 
@@ -23,7 +23,7 @@ def run_ubatches_sequentially(
     one after the other; the outputs concatenated in order.
 
     Each micro-batch gets the forward context it would get on its own thread
-    (:func:`~vllm_bridge.ubatch_wrapper.make_ubatch_forward_contexts`: its entry of the
+    (:func:`~vllm_bridge.ubatch_metadata.make_ubatch_forward_contexts`: its entry of the
     outer context's ``attn_metadata`` and ``slot_mapping`` lists, DP counts of its own
     size). The first writes its tokens' keys and values to the cache before the second
     attends to them. Every rank splits at the same point (the ranks agreed on one padded
