@@ -17,6 +17,8 @@ defmodule VllmBridge.Runtime.OutputHaltTest do
   """
   use ExUnit.Case, async: false
 
+  import VllmBridge.RuntimeHelpers, only: [path_holders: 1]
+
   @tag timeout: 600_000
   test "a BEAM halted during the start leaves no FIFO, no stderr file and no reader" do
     for delay_ms <- [0, 0, 5, 50, 200], do: halt_during_start(delay_ms)
@@ -116,39 +118,12 @@ defmodule VllmBridge.Runtime.OutputHaltTest do
   # Processes whose command line names one of the FIFOs (a reader's shell, a launch
   # script, either of them blocked in an open), and any that has one open: `cat`, and the
   # Python process (its fds 1 and 2), which goes when it finds its port closed.
-  defp holders(prefix) do
-    for dir <- File.ls!("/proc"),
-        dir =~ ~r/^\d+$/,
-        named?(dir, prefix) or holds?(dir, prefix),
-        do: dir
-  end
+  defp holders(prefix), do: path_holders(&String.contains?(&1, prefix))
 
   defp comm(dir) do
     case File.read("/proc/#{dir}/comm") do
       {:ok, comm} -> String.trim(comm)
       _ -> nil
-    end
-  end
-
-  defp named?(dir, prefix) do
-    case File.read("/proc/#{dir}/cmdline") do
-      {:ok, cmd} -> String.contains?(cmd, prefix)
-      _ -> false
-    end
-  end
-
-  defp holds?(dir, prefix) do
-    case File.ls("/proc/#{dir}/fd") do
-      {:ok, fds} ->
-        Enum.any?(fds, fn fd ->
-          case File.read_link("/proc/#{dir}/fd/#{fd}") do
-            {:ok, target} -> String.contains?(target, prefix)
-            _ -> false
-          end
-        end)
-
-      _ ->
-        false
     end
   end
 end

@@ -312,17 +312,6 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
         do: dir
   end
 
-  # The output reader linked to a worker process (VllmBridge.Worker.Output).
-  defp output_readers(worker) do
-    {:links, links} = Process.info(worker, :links)
-
-    for pid <- links,
-        is_pid(pid),
-        {:dictionary, d} = Process.info(pid, :dictionary),
-        d[:"$initial_call"] == {VllmBridge.Worker.Output, :init, 1},
-        do: pid
-  end
-
   defp flush_logs_full(acc \\ []) do
     receive do
       {:log, level, message, meta} -> flush_logs_full([{level, message, meta} | acc])

@@ -27,11 +27,22 @@ defmodule VllmBridge.RuntimeHelpers do
     end
   end
 
-  @doc "The serving workers of a pool, waiting until all of them serve."
+  @doc """
+  The serving workers of a pool, waiting until all of them serve. The list returned is
+  the one seen whole: a second look after `Pool.await_ready/2` could find a worker that
+  went down in between (a test that just killed one) as nil.
+  """
   def workers!(pool) do
-    :ok = Pool.await_ready(pool, 60_000)
-    {:ok, ws} = Pool.workers(pool)
-    ws
+    wait_until(
+      fn ->
+        case Pool.workers(pool) do
+          {:ok, ws} -> if Enum.all?(ws, & &1), do: ws
+          _ -> nil
+        end
+      end,
+      60_000,
+      "every worker of pool #{inspect(pool)} serving"
+    )
   end
 
   @doc """
@@ -47,6 +58,60 @@ defmodule VllmBridge.RuntimeHelpers do
     end)
 
     {ws, meta}
+  end
+
+  @doc """
+  The OS processes (pids as strings), other than this BEAM, of which an argument of the
+  command line or the target of an open fd satisfies `match`: what holds or names a
+  FIFO or a file (a shell given its path, a `cat` that has it open), orphans included.
+  """
+  def path_holders(match) do
+    beam = System.pid()
+
+    for dir <- File.ls!("/proc"),
+        dir =~ ~r/^\d+$/,
+        dir != beam,
+        names_path?(dir, match) or holds_path?(dir, match),
+        do: dir
+  end
+
+  defp names_path?(dir, match) do
+    case File.read("/proc/#{dir}/cmdline") do
+      {:ok, cmd} -> cmd |> String.split(<<0>>) |> Enum.any?(match)
+      _ -> false
+    end
+  end
+
+  defp holds_path?(dir, match) do
+    case File.ls("/proc/#{dir}/fd") do
+      {:ok, fds} ->
+        Enum.any?(fds, fn fd ->
+          case File.read_link("/proc/#{dir}/fd/#{fd}") do
+            {:ok, target} -> match.(target)
+            _ -> false
+          end
+        end)
+
+      _ ->
+        false
+    end
+  end
+
+  @doc "A float32 tensor of `mib` MiB, every element `seed` (large enough for a slot)."
+  def filled_tensor(mib, seed) do
+    n = div(mib * 1_048_576, 4)
+    VllmBridge.Tensor.new(:binary.copy(<<seed + 0.0::little-float-32>>, n), :float32, [n])
+  end
+
+  @doc "The output readers linked to a worker process (VllmBridge.Worker.Output)."
+  def output_readers(worker) do
+    {:links, links} = Process.info(worker, :links)
+
+    for pid <- links,
+        is_pid(pid),
+        {:dictionary, d} = Process.info(pid, :dictionary),
+        d[:"$initial_call"] == {VllmBridge.Worker.Output, :init, 1},
+        do: pid
   end
 
   @doc "Whether worker `w` runs a request now (its Python side says so)."

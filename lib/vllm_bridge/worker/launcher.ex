@@ -110,10 +110,10 @@ defmodule VllmBridge.Worker.Launcher do
   # the file holds there (vllm_bridge.bridge.worker.stderr), and the worker process
   # deletes the file; when the start fails, the file's tail goes into the error
   # (`stderr_tail/1`) and the file is deleted. A BEAM that dies deletes nothing: the
-  # readers' watchers delete the file (VllmBridge.Worker.Output), each after its FIFO's
-  # name; so the script, once it made the file, checks that both names are still there
-  # (the Elixir side deletes them only after the hello), and else deletes the file and
-  # exits: a watcher that ran before the file was made has removed a name by then.
+  # output readers delete the file as they end (VllmBridge.Worker.Output), each after its
+  # FIFO's name; so the script, once it made the file, checks that both names are still
+  # there (the Elixir side deletes them only after the hello), and else deletes the file
+  # and exits: a reader that ended before the file was made has removed a name by then.
   # Nothing the worker writes reaches the BEAM's own stdout or stderr.
   @stderr_fd 5
   #

@@ -29,26 +29,23 @@ defmodule VllmBridge.Worker.Output do
 
   @max_line 16_384
 
-  # One reader: a shell that makes its FIFO ($1), starts a reader that opens it (which
-  # waits for a writer: this process's hold, opened once the shell says "M", the FIFO is
-  # made), says "R" once it has it open (the FIFO's name may go from then on) and then is
-  # `cat` on it; and a watcher, which reads the port (the shell's stdin, fd 4 here). That
-  # read returns only when the port is closed or the BEAM is gone (killed, halted, at any
-  # point of this), and then the FIFO's name goes (a BEAM that halted never removed it;
-  # after a close it is gone already) and the reader is killed, even one still blocked in
-  # its open. Otherwise the shell ends when `cat` does, with its status (0: its FIFO
-  # ended), and removes the name too (the reader killed as the BEAM died may end before
-  # its watcher has removed it; a FIFO whose reader is gone is of no use). The shell makes the FIFO, not this process, so that no name is made before a
-  # watcher exists to remove it. $2, when not empty, is the worker's start-up stderr file
-  # (VllmBridge.Worker.Launcher.stderr_file/0): the watcher deletes it too, for a BEAM
-  # that died during the start deletes nothing. Only the watcher does, never the normal
-  # end of `cat` (a failed start's error still reads the file's last lines; the Elixir
-  # side deletes it at the hello or on a failed start), and this process closes a port
-  # only in terminate/2, once its worker is gone or going (its own terminate deletes the
-  # file too). One `rm`, before the kill: once it runs, the shell's `kill $w` (its `cat`
-  # ended) cannot stop it halfway, and it removes the FIFO's name before the file (the
-  # launch script checks the names after it made the file: Launcher). Nothing of it writes to the BEAM's stderr (a `cat` that
-  # loses its port would print "write error: Broken pipe").
+  # One reader: a shell that makes its FIFO ($1) (so that no name exists before
+  # something that removes it), starts a reader that opens it (which waits for a writer:
+  # this process's hold, opened once the shell says "M"), says "R" once it has it open
+  # (the name may go from then on) and then is `cat` on it; and a watcher, whose read of
+  # the port (the shell's stdin, fd 4 here) returns only when the port closes or the BEAM
+  # is gone (killed, halted, at any point of this): it removes the names and kills the
+  # reader, even one blocked in its open. When `cat` ends first, the shell exits with its
+  # status (0: its FIFO ended) after it kills the watcher and removes the names itself.
+  # $2, when not empty, is the worker's start-up stderr file (Launcher.stderr_file/0),
+  # which a BEAM that died during the start never deletes. Both ends remove the FIFO's
+  # name before the file (the launch script checks the names after it made the file),
+  # and the shell's `rm` always runs: a halting BEAM may end `cat` first (its hold was the
+  # only writer), and `kill $w` then stop the watcher between its `read` and its `rm`
+  # (test/runtime/output_reader_test.exs). The file is of no use once `cat` ended: the
+  # holds go only after the hello (the file deleted) or once the worker process is gone
+  # (a failed start read the file's tail first). Nothing of it writes to the BEAM's
+  # stderr (a `cat` that loses its port would print "write error: Broken pipe").
   @reader ~S"""
   exec 2>/dev/null 4<&0
   mkfifo -m 600 -- "$1" || exit 1
@@ -60,7 +57,7 @@ defmodule VllmBridge.Worker.Output do
   wait $c
   s=$?
   kill $w
-  rm -f -- "$1"
+  rm -f -- "$1" ${2:+"$2"}
   exit $s
   """
   # How long the readers have to make their FIFOs.
@@ -71,15 +68,16 @@ defmodule VllmBridge.Worker.Output do
   @doc """
   Starts the readers of two FIFOs (they make them), linked to the caller (the worker
   process): `{:ok, pid, {stdout_fifo, stderr_fifo}}`. `meta`: `:pool`, `:index`, and
-  `:stderr_file` (the worker's start-up stderr file or nil: the readers' watchers delete
-  it if the BEAM dies).
+  `:stderr_file` (the start-up stderr file or nil: the readers delete it as they end).
   """
   @spec start_link(keyword()) :: {:ok, pid(), {String.t(), String.t()}} | {:error, term()}
   def start_link(meta) do
     base = fifo_base()
     fifos = {base <> "-out", base <> "-err"}
 
-    case GenServer.start_link(__MODULE__, {fifos, Keyword.put(meta, :worker, self())}) do
+    # Unlinked, then linked by init/1: a gen_server parent's exit would stop it at once,
+    # its mailbox (the last lines) unread; a linked worker's exit is drained.
+    case GenServer.start(__MODULE__, {fifos, Keyword.put(meta, :worker, self())}) do
       {:ok, pid} -> {:ok, pid, fifos}
       {:error, reason} -> {:error, reason}
     end
@@ -113,21 +111,12 @@ defmodule VllmBridge.Worker.Output do
   def init({{out, err} = fifos, meta}) do
     Process.flag(:trap_exit, true)
 
-    sh = System.find_executable("sh") || "/bin/sh"
-
     streams =
       for {name, path} <- [stdout: out, stderr: err], into: %{} do
         # :use_stdio: the reader's stdout is this port, and so is its stdin, which is its
         # lifeline (@reader): nothing is ever written to it, so it ends only when the port
         # closes or the BEAM dies, and then the reader goes too.
-        port =
-          Port.open({:spawn_executable, sh}, [
-            {:args, ["-c", @reader, "vllm_bridge-output-reader", path, meta[:stderr_file] || ""]},
-            :binary,
-            :stream,
-            :exit_status,
-            :use_stdio
-          ])
+        port = open_reader(path, meta[:stderr_file])
 
         {port, %{name: name, buf: "", skip: false, opened: false}}
       end
@@ -137,6 +126,7 @@ defmodule VllmBridge.Worker.Output do
       # has its reader: a reader's open waits for a writer, so it never waits for ever (a
       # launch that failed). Read-write never waits, and takes nothing: nothing reads it.
       holds = for path <- [out, err], do: hold(path)
+      true = Process.link(meta[:worker])
 
       {:ok,
        %{
@@ -156,6 +146,21 @@ defmodule VllmBridge.Worker.Output do
         for {port, _} <- streams, do: close(port)
         {:stop, reason}
     end
+  end
+
+  @doc false
+  # A reader's port (@reader) on FIFO `path`, deleting `stderr_file` (or nil) at its end.
+  @spec open_reader(String.t(), String.t() | nil) :: port()
+  def open_reader(path, stderr_file) do
+    sh = System.find_executable("sh") || "/bin/sh"
+
+    Port.open({:spawn_executable, sh}, [
+      {:args, ["-c", @reader, "vllm_bridge-output-reader", path, stderr_file || ""]},
+      :binary,
+      :stream,
+      :exit_status,
+      :use_stdio
+    ])
   end
 
   # Each reader's "M": its FIFO exists.
