@@ -255,7 +255,7 @@ defmodule VllmBridge.Shm do
           state
       end
 
-    {:noreply, Enum.reduce(names, state, &settle/2)}
+    {:noreply, Enum.reduce(names, state, &settle_done(&1, pid, &2))}
   end
 
   @impl true
@@ -290,6 +290,30 @@ defmodule VllmBridge.Shm do
 
       true ->
         drop(state, name)
+    end
+  end
+
+  # A caller's call is over: the names it was lent. Its own are settled; one this process
+  # does not track was lent by an earlier run of it (it crashed and restarted since:
+  # VllmBridge.Shm.Keeper kept the directory), and nobody else will ever settle it: gone
+  # unless a worker holds it (it hands it back, and the sweep deletes it untracked).
+  defp settle_done(name, pid, state) do
+    case state.slots do
+      %{^name => %{owner: ^pid}} ->
+        settle(name, state)
+
+      %{^name => _} ->
+        state
+
+      _ ->
+        path = Path.join(state.path, name)
+
+        if held(path) == [] do
+          _ = :file.delete(path)
+          _ = :file.delete(path <> ".free")
+        end
+
+        state
     end
   end
 

@@ -136,7 +136,7 @@ defmodule VllmBridge.Shm.Writer do
          %{path: path, min_bytes: min} = dir when byte_size(data) >= min <- Shm.dir(),
          false <- backing_off?(dir),
          true <- allowed?(),
-         {:ok, name, new?} <- GenServer.call(Shm, {:take, self(), byte_size(data)}) do
+         {:ok, name, new?} <- take(byte_size(data)) do
       Process.put(@lent, [name | lent])
 
       case write(Path.join(path, name), data, new?) do
@@ -154,6 +154,17 @@ defmodule VllmBridge.Shm.Writer do
     else
       _ -> :pipe
     end
+  end
+
+  # A slot from the bookkeeping process. That process may crash and restart (its state,
+  # and any slot it was lending, go with it: VllmBridge.Shm): a caller that meets its death
+  # sends this tensor through the pipe rather than exit. (A timeout, the process alive but
+  # stuck, still exits: a late answer would lend a slot nobody would give back.)
+  defp take(size) do
+    GenServer.call(Shm, {:take, self(), size})
+  catch
+    :exit, {reason, _} when reason in [:noproc, :killed, :shutdown, :normal] -> :pipe
+    :exit, {{:shutdown, _}, _} -> :pipe
   end
 
   # A full file system (a small /dev/shm: Docker gives 64 MiB): the tensor takes the

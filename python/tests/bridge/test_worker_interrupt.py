@@ -2,7 +2,7 @@
 signal handlers): what a cancel interrupts, what it never does, and its races.
 
 A second thread plays the watcher: it marks the request cancelled and signals the main
-thread, as :meth:`vllm_bridge.bridge.worker.executor.Executor.cancel` does.
+thread, as :meth:`vllm_bridge.bridge.worker.executor_control.ExecutorControl.cancel` does.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class Flow:
     ``before_wait`` is called (without this flow's lock) each time :meth:`take` is about
     to wait: the credit it waits for only comes if somebody reads the input, and the
     worker uses it to hand that role to its watcher at once (see
-    :meth:`vllm_bridge.bridge.worker.executor.Executor.open_flow`).
+    :meth:`vllm_bridge.bridge.worker.executor_control.ExecutorControl.open_flow`).
     """
 
     def __init__(

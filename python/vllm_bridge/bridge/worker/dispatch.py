@@ -64,7 +64,7 @@ class Dispatcher:
         self.registry = registry
         self.channel = channel
         #: Makes the flow control of a stream request (the worker passes the executor's
-        #: :meth:`~vllm_bridge.bridge.worker.executor.Executor.open_flow`).
+        #: :meth:`~vllm_bridge.bridge.worker.executor_control.ExecutorControl.open_flow`).
         self.open_flow = open_flow
         #: Interrupts the request's code when it is cancelled (one that is never
         #: installed interrupts nothing: a cancel only marks the request then).

@@ -14,8 +14,9 @@ pass between them under one lock:
   idle for a few looks); when it sees the same request running at two looks in a row, it
   takes the role and reads: it answers ``ping`` at once, records ``cancel``\\ s and
   queues requests, so a long call never blocks liveness;
-* a stream about to wait for credit (:meth:`Executor.open_flow`) wakes the watcher,
-  which takes the role at once: the credit is in the input, and nobody else reads it;
+* a stream about to wait for credit (``Executor.open_flow``, in
+  :mod:`~vllm_bridge.bridge.worker.executor_control`) wakes the watcher, which takes the
+  role at once: the credit is in the input, and nobody else reads it;
 * when the execution thread finds its queue empty while the watcher reads, it asks for
   the role back (a byte on a wake-up pipe interrupts the watcher's ``select``) and reads
   again itself.
@@ -26,6 +27,12 @@ running one is marked and interrupted (the ``interrupt`` hook: its code stops wh
 is; a stream also stops at its next chunk; an ``enter`` exits the context again once
 ``__enter__`` returns). The end of the input (or :meth:`Executor.stop`) does the same to
 the running request.
+
+This module is the execution thread's own loop (the per-request path: :meth:`Executor.run`,
+``_next``, ``_begin``, ``_execute``); what the other threads call (queueing, cancel,
+credit, stop, the status) is in :mod:`~vllm_bridge.bridge.worker.executor_control`, and
+the watcher's loop in :mod:`~vllm_bridge.bridge.worker.watcher`; :class:`Executor`
+derives from both.
 """
 
 from __future__ import annotations
@@ -39,21 +46,19 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_bridge.bridge.protocol.errors import DeadlineExceeded, python_type_name, safe_str
-from vllm_bridge.bridge.protocol.flow import STREAM_WINDOW, Flow
 from vllm_bridge.bridge.protocol.framing import FrameReader
-from vllm_bridge.bridge.protocol.messages import Abandon, Request
-from vllm_bridge.bridge.worker.watcher import (
-    POLL_SECONDS,
-    ROLE_EXEC,
-    ROLE_NOBODY,
-    ROLE_WATCH,
-    Watcher,
-)
+from vllm_bridge.bridge.protocol.messages import Request
+from vllm_bridge.bridge.worker.executor_control import ExecutorControl
+from vllm_bridge.bridge.worker.watcher import POLL_SECONDS, ROLE_EXEC, ROLE_NOBODY, ROLE_WATCH
 
 _log = logging.getLogger("vllm_bridge.bridge.worker")
 
-class Executor(Watcher):
-    """One execution thread; the reading role shared with the watcher (:class:`Watcher`)."""
+
+class Executor(ExecutorControl):
+    """One execution thread; the reading role shared with the watcher
+    (:class:`~vllm_bridge.bridge.worker.watcher.Watcher`); what the other threads call
+    (queue, cancel, credit, stop, status) in
+    :class:`~vllm_bridge.bridge.worker.executor_control.ExecutorControl`."""
 
     def __init__(
         self,
@@ -69,6 +74,7 @@ class Executor(Watcher):
         own_frame: Callable[[bytearray | memoryview], Request | None] | None = None,
         hold: Callable[[Any], bool] | None = None,
         flush: Callable[[], None] = lambda: None,
+        ended: Callable[[], None] | None = None,
     ) -> None:
         """
         Args:
@@ -97,6 +103,9 @@ class Executor(Watcher):
                 already (``Channel.hold``; ``None``: none kept). ``flush`` writes them:
                 before this thread waits for input, at each watcher's look while a
                 request runs (one ``poll`` at most behind a long one), at the end.
+            ended: Called on the execution thread after each request, once every frame
+                that ran it has ended (the worker's journal of exceptions lets go of
+                their locals: ``Sessions.release_locals``).
         """
         self._handle = handle
         self._expired = expired
@@ -111,6 +120,7 @@ class Executor(Watcher):
         self._failed = failed
         self._hold = hold
         self._flush = flush
+        self._ended = ended
         self._holding = False  # this thread held a reply since it last flushed
         self._queue: deque[Request] = deque()
         # The condition's lock, entered directly where no wait or notify follows: `with` on a
@@ -135,6 +145,7 @@ class Executor(Watcher):
     def run(self, final: Callable[[], None] | None = None) -> None:
         """Run requests on this thread until EOF or :meth:`stop`; then ``final``."""
         self.thread = threading.current_thread()
+        ended = self._ended
         try:
             reading = False
             while True:
@@ -145,6 +156,8 @@ class Executor(Watcher):
                 # Not kept while the next frame is awaited: its arguments (a large
                 # tensor, say) would live on until then.
                 del request
+                if ended is not None:
+                    ended()
         finally:
             try:
                 self._flush()
@@ -161,133 +174,6 @@ class Executor(Watcher):
         self.thread = thread
         thread.start()
         return thread
-
-    @property
-    def running_id(self) -> int | None:
-        """Id of the request running now, if any."""
-        running = self._running
-        return None if running is None else running.id
-
-    @property
-    def running_for(self) -> float | None:
-        """Seconds the running request has run, or ``None`` when none runs."""
-        running, began = self._running, self._began
-        return None if running is None else max(0.0, time.monotonic() - began)
-
-    @property
-    def queued(self) -> int:
-        """Number of requests waiting."""
-        return len(self._queue)
-
-    def submit(self, request: Request) -> None:
-        """Queue ``request`` behind those already queued (a stream that waits for credit
-        then stops waiting: see :class:`vllm_bridge.bridge.protocol.flow.Flow`)."""
-        with self._lock:
-            self._queue.append(request)
-            self._cond.notify_all()
-            running = self._running
-        if running is not None and running.flow is not None:
-            running.flow.nudge()
-
-    def open_flow(self, request: Request, window: int = STREAM_WINDOW) -> Flow:
-        """The flow control of the stream ``request`` runs, attached to it under the lock,
-        so that a cancel or a stop reaches it whenever it comes (one that came before is
-        applied at once). It does not wait while requests are queued, and before it waits
-        it makes the watcher read the input at once (:meth:`_want_reader`)."""
-        flow = Flow(
-            window, others_waiting=lambda: bool(self._queue), before_wait=self._want_reader
-        )
-        with self._lock:
-            request.flow = flow
-            if self._stopping or request.cancelled:
-                flow.stop()
-        return flow
-
-    def grant(self, request_id: int, n: int) -> None:
-        """Room for ``n`` more chunks to the stream ``request_id``, if it is the one
-        running (a credit for any other request is ignored)."""
-        with self._lock:
-            running = self._running
-            if running is not None and running.id == request_id and running.flow is not None:
-                running.flow.grant(n)
-
-    def _want_reader(self) -> None:
-        # The running request is about to wait for a frame: the watcher takes the reading
-        # role at its next look, which comes at once, not after two polls.
-        with self._lock:
-            if self._role != ROLE_NOBODY:
-                return  # the watcher reads already
-            self._urgent = True
-        self._watcher_wake.set()
-
-    def cancel(self, request_id: int) -> Request | None:
-        """Cancel the request with this id.
-
-        Returns:
-            The request if it was still queued (it is removed and will not run; the
-            caller answers it), else ``None`` (a running request is marked cancelled and
-            interrupted; it answers for itself).
-        """
-        with self._lock:
-            for request in self._queue:
-                # An Abandon carries the id of the enter it cleans up after: never dropped.
-                if request.id == request_id and not isinstance(request, Abandon):
-                    self._queue.remove(request)
-                    return request
-            running = self._running
-            if running is not None and running.id == request_id:
-                running.cancelled = True
-                _stop_flow(running)
-                # Marked first: the handler raises only for a request marked cancelled.
-                # Signalled under the lock, so while the request is still the running
-                # one: the signal reaches the thread before the next request can start,
-                # never inside that one's blocking call (see interrupt.py, "EINTR").
-                self._interrupt()
-        return None
-
-    def interrupt_again(self, request: Request, delay: float) -> None:
-        """Signal the execution thread again in ``delay`` seconds if ``request`` is still
-        the running one then, and cancelled (the handler defers an interruption that
-        lands inside :mod:`logging`: see :mod:`vllm_bridge.bridge.worker.interrupt`)."""
-
-        def again() -> None:
-            with self._lock:
-                if self._running is request and request.cancelled:
-                    self._interrupt()
-
-        timer = threading.Timer(delay, again)
-        timer.daemon = True
-        timer.start()
-
-    def stop(self) -> None:
-        """Drop the queue and interrupt the running request (if any); then the execution
-        thread runs ``final``."""
-        self._halt()
-
-    def _halt(self, eof: bool = False) -> bool:
-        # Drop the queue, cancel the running request (its stream's wait stops, its code is
-        # interrupted), wake both threads; True the first time (stop() or the end of the
-        # input, whichever comes first). At the end of the input, on_eof closes the output
-        # first: the interrupted request answers at once, and a write to a peer that is gone
-        # would end the process before the sessions' contexts are exited.
-        with self._lock:
-            first = not self._stopping
-            self._queue.clear()
-            self._stopping = True
-            self._cond.notify_all()
-            running = self._running
-            if running is not None:
-                running.cancelled = True
-                _stop_flow(running)
-        if eof and first:
-            self._tell_eof()
-        if running is not None:
-            with self._lock:  # as cancel does: only while it is still the running one
-                if self._running is running:
-                    self._interrupt()
-        self._wake()
-        self._watcher_wake.set()
-        return first
 
     # -- the execution thread ------------------------------------------------------------
 
@@ -401,9 +287,3 @@ class Executor(Watcher):
                     return None
                 self._role = ROLE_NOBODY
                 return self._begin(request)
-
-
-def _stop_flow(request: Request) -> None:
-    """A stream waiting for credit stops waiting (it was cancelled, or the input ended)."""
-    if request.flow is not None:
-        request.flow.stop()

@@ -199,6 +199,7 @@ class Worker:
             own_frame=None if self.lane is None else self.lane.on_frame,
             hold=self.channel.hold if hold else None,
             flush=self.channel.flush,
+            ended=self.sessions.release_locals,
         )
         self.interrupter.again = self.executor.interrupt_again
 

@@ -2,9 +2,10 @@
 
 Part of :class:`~vllm_bridge.bridge.worker.executor.Executor` (see its module for who
 reads fd 3 when): :class:`Watcher` holds the watcher's loop, and the executor, which
-derives from it, the state it reads (the lock, the running request, the role). Apart so
-that each half reads on its own: the execution thread there, the watcher here (with the
-reading both threads do: one frame, the end of the input, the wake-up pipe).
+derives from it (through :class:`~vllm_bridge.bridge.worker.executor_control.ExecutorControl`,
+what the other threads call), the state it reads (the lock, the running request, the
+role). Apart so that each part reads on its own: the execution thread there, the watcher
+here (with the reading both threads do: one frame, the end of the input, the wake-up pipe).
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+defmodule VllmBridge.Runtime.ShmRestartTest do
+  @moduledoc """
+  The process that lends argument slots (VllmBridge.Shm) may crash and restart while the
+  directory stays (docs/PROTOCOL.md, "Lifetimes"). A caller that asked it for a slot as
+  it died got its exit (`:killed`, or `:noproc` while it restarted) out of
+  `VllmBridge.call`, instead of sending its tensor through the pipe; and a caller whose
+  slot was lent before the restart, and not read (its call refused or timed out before
+  its worker read it), had it left behind for the BEAM's life: the restarted process
+  ignored the names it did not lend itself. On real workers; not async (it kills the
+  node's VllmBridge.Shm).
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+
+  import VllmBridge.RuntimeHelpers
+
+  alias VllmBridge.Shm
+
+  @pool :rt_shm_restart
+
+  setup_all do
+    start_pool!(@pool, size: 2, allow: ["vllm_bridge.bridge.diag"])
+    :ok
+  end
+
+  setup do
+    await_idle!(@pool)
+    :ok
+  end
+
+  defp echo(t),
+    do: VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, [t], %{}, pool_name: @pool)
+
+  # Kills VllmBridge.Shm and waits for its successor.
+  defp restart_shm! do
+    old = Process.whereis(Shm)
+    ref = Process.monitor(old)
+    Process.exit(old, :kill)
+    assert_receive {:DOWN, ^ref, :process, ^old, :killed}, 5_000
+    wait_until(fn -> Process.whereis(Shm) not in [nil, old] end, 5_000, "Shm restarts")
+  end
+
+  # (Two kills in this module: VllmBridge.Shm's supervisor allows 3 restarts in 5 s, and
+  # another module kills it once.)
+  test "callers whose slot requests meet the death of VllmBridge.Shm send their tensors inline" do
+    shm = Process.whereis(Shm)
+    seed = :rand.uniform(1_000_000_000)
+    :rand.seed(:exsss, {seed, 19, 3})
+    n = Enum.random(1..4)
+    :ok = :sys.suspend(shm)
+    ts = for c <- 1..n, do: filled_tensor(Enum.random([1, 2, 3]), c)
+    callers = for t <- ts, do: Task.async(fn -> echo(t) end)
+
+    try do
+      # The callers' requests for a slot wait in the suspended process's mailbox.
+      wait_until(
+        fn -> Process.info(shm, :message_queue_len) == {:message_queue_len, n} end,
+        15_000,
+        "the callers ask for slots"
+      )
+
+      restart_shm!()
+
+      for {t, caller} <- Enum.zip(ts, callers),
+          do: assert({:ok, ^t} = Task.await(caller, 30_000), "seed #{seed}")
+    after
+      if Process.alive?(shm), do: :sys.resume(shm)
+    end
+
+    # And the next call has a slot again.
+    big = filled_tensor(2, 99)
+    assert {:ok, ^big} = echo(big)
+    assert {:ok, _} = Shm.scope(fn -> true end, fn -> Shm.put(big.data) end)
+  end
+
+  test "a slot lent before a restart and never read goes when its caller's scope ends" do
+    %{path: dir} = Shm.dir()
+    big = filled_tensor(2, 7)
+
+    name =
+      Shm.scope(fn -> true end, fn ->
+        assert {:ok, name} = Shm.put(big.data)
+        assert File.exists?(Path.join(dir, name))
+        restart_shm!()
+        name
+      end)
+
+    wait_until(
+      fn ->
+        not Enum.any?(File.ls!(dir), &(&1 == name or String.starts_with?(&1, name <> ".")))
+      end,
+      15_000,
+      "the unread slot #{name} goes: #{inspect(File.ls!(dir))}"
+    )
+  end
+end
