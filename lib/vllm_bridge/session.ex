@@ -141,6 +141,17 @@ defmodule VllmBridge.Session do
   worker gets to it, and the session's state there is released then (likewise if the
   calling process dies while it waits). Closing a session whose worker restarted only
   forgets it. Unknown ids are `:bad_argument`.
+
+  A request of the session that has not reached its worker when the session closes (it
+  waits in the pool's queue for room on the worker, say) is not run: it answers
+  `{:error, %Error{type: :bad_argument}}` saying that the session closed. Run after the
+  close, it would make the session afresh on the worker, with nothing left to close it.
+  The same holds when the session closes because its owner died, and for a session
+  closed and opened again under the same id: a request routed for the one closed is
+  refused. Requests written to the worker's port before the close run, then the close. A
+  reference of a closed session is refused likewise (`:bad_argument`), also once a session
+  of the same id is open again, unless that session ran on the reference's worker
+  process.
   """
   @spec close(t() | String.t(), timeout()) :: :ok | {:error, Error.t()}
   def close(session, timeout \\ 5_000)
@@ -276,14 +287,6 @@ defmodule VllmBridge.Session do
       "session #{inspect(s.id)} lived on worker #{s.worker} of pool #{inspect(s.pool)} " <>
         "(instance #{s.instance}), which restarted or stopped#{why}; its state is gone"
     )
-  end
-
-  @doc false
-  # A :hint call of the session ran on another worker: remember it, to close it there too.
-  @spec touched(t(), non_neg_integer(), String.t()) :: :ok
-  def touched(%__MODULE__{id: id}, index, instance) do
-    :ets.insert(Directory.table(), {{:touch, id, index}, instance})
-    :ok
   end
 
   @doc false

@@ -143,8 +143,11 @@ defmodule VllmBridge.Stream do
   end
 
   # The target, for the worker's messages (a stream that costs it its process).
-  defp request(route, parts, target),
-    do: Request.new("stream", pre: [Wire.value(route.session_id)], post: parts, target: target)
+  # (Its session, if any, must still be open when the worker writes it.)
+  defp request(route, parts, target) do
+    req = Request.new("stream", pre: [Wire.value(route.session_id)], post: parts, target: target)
+    %{req | session: VllmBridge.Call.Route.must_be_open(route)}
+  end
 
   defp open(pid, req, rt, route, obs) do
     handle = Request.send_request(pid, req, rt.deadline, holds_slot: true, replies: :stream)

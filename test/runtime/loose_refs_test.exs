@@ -183,7 +183,7 @@ defmodule VllmBridge.Runtime.LooseRefsTest do
         assert {:error, %Error{type: :bad_argument, message: m}} =
                  VllmBridge.get({ref, "value"}, opts(session_id: s.id))
 
-        assert m =~ "belongs to session None"
+        assert m =~ "belongs to session nil, not to session #{inspect(s.id)}"
         assert {:ok, 1} = VllmBridge.release(ref, opts())
       end,
       pool_name: @pool

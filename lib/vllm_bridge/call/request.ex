@@ -35,7 +35,7 @@ defmodule VllmBridge.Call.Request do
   alias VllmBridge.Worker.Messages
 
   @enforce_keys [:kind]
-  defstruct kind: nil, pre: [], timed: true, post: [], size: 0, target: nil
+  defstruct kind: nil, pre: [], timed: true, post: [], size: 0, target: nil, session: nil
 
   # A request before it has an id: `kind`, the encoded fields before the timeout (`pre`,
   # usually the session), whether the kind carries a timeout field (`timed`), the
@@ -43,14 +43,16 @@ defmodule VllmBridge.Call.Request do
   # once), and the `target` it runs, if any, or a short description of what it does
   # (only for messages: the worker names it when the call costs the Python process, see
   # VllmBridge.Worker; it is copied into the request's message and kept while the
-  # request is in flight, so it stays small).
+  # request is in flight, so it stays small). `session`: what the worker must find still
+  # open as it writes the request (VllmBridge.Session.Open; nil: no such check).
   @type t :: %__MODULE__{
           kind: String.t(),
           pre: [iodata()],
           timed: boolean(),
           post: [iodata()],
           size: non_neg_integer(),
-          target: term()
+          target: term(),
+          session: VllmBridge.Session.Open.which() | nil
         }
 
   # A request in flight: worker pid, id and the alias/monitor.
@@ -187,7 +189,8 @@ defmodule VllmBridge.Call.Request do
       deadline: deadline,
       holds_slot: holds_slot,
       replies: replies,
-      what: what(req)
+      what: what(req),
+      session: req.session
     })
 
     {{pid, id, mref}, left}

@@ -25,6 +25,7 @@ defmodule VllmBridge.Call.Route do
   alias VllmBridge.{Error, Ref, Remote, Session}
   alias VllmBridge.Call.{Request, Runtime, Wire}
   alias VllmBridge.Pool.{Checkout, Directory, Meta, Slots}
+  alias VllmBridge.Session.Open
 
   @enforce_keys [:meta, :constraint]
   defstruct [:meta, :constraint, session_id: nil, expect: nil, session: nil]
@@ -68,7 +69,7 @@ defmodule VllmBridge.Call.Route do
     case Directory.instance(ref.instance) do
       {pool, index, _pid} ->
         with {:ok, meta} <- pool_meta(pool, lost_ref(ref)),
-             :ok <- session_open(ref),
+             :ok <- session_open(ref, index),
              :ok <- named_session(rt, ref, node()) do
           constraint =
             if rt.affinity == :strict_fail_fast, do: {:fail_fast, index}, else: {:only, index}
@@ -77,7 +78,8 @@ defmodule VllmBridge.Call.Route do
            %__MODULE__{
              meta: meta,
              constraint: constraint,
-             session_id: bound_session(rt, ref),
+             # (A call naming another session is refused: named_session/3.)
+             session_id: ref.session,
              expect: ref.instance
            }}
         end
@@ -121,9 +123,12 @@ defmodule VllmBridge.Call.Route do
     end
   end
 
-  # A session named for a request on a reference (it runs in that session rather than
-  # the reference's) must be open, and on the reference's node `n`: the worker would
-  # otherwise make a session of that id, left there.
+  # A session named for a request on a reference must be the reference's own (the
+  # process's current session, not named, does not count). Another is refused here,
+  # naming why: unknown, on another node than the reference (`n`), or open beside it.
+  # The worker would refuse it too, but only after it made a session of that id on the
+  # reference's worker, left there; and the check of what must be open when the request
+  # is written (must_be_open/1) is made for the reference's session only.
   defp named_session(%Runtime{session_current?: true}, _ref, _n), do: :ok
   defp named_session(%Runtime{session_id: nil}, _ref, _n), do: :ok
   defp named_session(%Runtime{session_id: id}, %Ref{session: id}, _n), do: :ok
@@ -132,7 +137,13 @@ defmodule VllmBridge.Call.Route do
     with {:ok, s} <- Session.lookup(id) do
       case Session.node_of(s) do
         ^n ->
-          :ok
+          {:error,
+           Error.new(
+             :bad_argument,
+             "reference #{ref.id} (#{ref.type}) belongs to session #{inspect(ref.session)}, " <>
+               "not to session #{inspect(id)}: a request on a reference runs in the " <>
+               "reference's own session"
+           )}
 
         other ->
           {:error,
@@ -227,19 +238,13 @@ defmodule VllmBridge.Call.Route do
     end
   end
 
-  # A request bound to a reference runs in the reference's session, unless the call names
-  # another one (then Python refuses it by name); the process's current session, which
-  # the call did not name, does not count.
-  defp bound_session(%Runtime{session_current?: true}, ref), do: ref.session
-  defp bound_session(rt, ref), do: rt.session_id || ref.session
-
   defp verify(%{expect: expect}, _i, instance) when is_binary(expect) and expect != instance,
     do: {:error, Error.new(:session_lost, "the worker of instance #{expect} is gone")}
 
   defp verify(%{session: %Session{worker: home} = s}, i, instance) do
     cond do
       i == home and instance != s.instance -> {:error, Session.lost(s)}
-      i != home -> Session.touched(s, i, instance)
+      i != home -> Open.touched(s, i, instance)
       true -> :ok
     end
   end
@@ -263,23 +268,37 @@ defmodule VllmBridge.Call.Route do
     end
   end
 
+  @doc false
+  # What a request routed so must find open when its worker writes it
+  # (VllmBridge.Session.Open.still_open?/1; nil: nothing). A request on a reference of a
+  # session must find the session that made the reference, not only one of its id (closed
+  # and opened again elsewhere while the request waited in the pool's queue).
+  @spec must_be_open(t()) :: Open.which() | nil
+  def must_be_open(%__MODULE__{session: nil, session_id: id, expect: inst, constraint: {_, i}})
+      when is_binary(id) and is_binary(inst),
+      do: {:ref, id, inst, i}
+
+  def must_be_open(%__MODULE__{} = route), do: route.session || route.session_id
+
   # A reference of a closed session was released with it. Refused here, so that the
-  # request does not bring the closed session's state back to life in the worker.
-  defp session_open(%Ref{session: nil}), do: :ok
+  # request does not bring the closed session's state back to life in the worker. The
+  # session open under its id must be the one that made it: one that ran on the
+  # reference's worker process `index` (its home, or a worker a `:hint` call of it ran
+  # on). A session closed and opened again under its id elsewhere is another: the
+  # request would make a session of that id on the reference's worker that the open
+  # one's close never reaches.
+  defp session_open(%Ref{session: nil}, _index), do: :ok
 
-  defp session_open(%Ref{session: id} = ref) do
-    case :ets.lookup(Directory.table(), {:session, id}) do
-      [_] ->
-        :ok
+  defp session_open(%Ref{session: id, instance: instance} = ref, index) do
+    if Open.ref_open?(id, instance, index), do: :ok, else: {:error, ref_closed(ref)}
+  end
 
-      [] ->
-        {:error,
-         Error.new(
-           :bad_argument,
-           "reference #{ref.id} (#{ref.type}) belongs to session #{inspect(id)}, which is " <>
-             "closed: its references were released with it"
-         )}
-    end
+  defp ref_closed(%Ref{session: id} = ref) do
+    Error.new(
+      :bad_argument,
+      "reference #{ref.id} (#{ref.type}) belongs to session #{inspect(id)}, which is " <>
+        "closed: its references were released with it"
+    )
   end
 
   defp lost_ref(%Ref{} = ref) do

@@ -325,8 +325,12 @@ defmodule VllmBridge.Call.Run do
   defp remote(node, rt, kind, parts, opts, lost),
     do: Remote.run(node, rt, kind, parts, Keyword.delete(opts, :route), lost)
 
-  defp request(kind, route, parts, what, opts),
-    do: Request.new(kind, [session(route)], parts, Keyword.get(opts, :timed, true), what)
+  # A request of a session must find it still open when its worker writes it (a release
+  # need not: the worker brings no session into being for it).
+  defp request(kind, route, parts, what, opts) do
+    req = Request.new(kind, [session(route)], parts, Keyword.get(opts, :timed, true), what)
+    if kind == "release", do: req, else: %{req | session: Route.must_be_open(route)}
+  end
 
   defp session(%Route{session_id: nil}), do: <<0xC0>>
   defp session(%Route{session_id: id}), do: Wire.value(id)

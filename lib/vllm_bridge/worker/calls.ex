@@ -22,6 +22,7 @@ defmodule VllmBridge.Worker.Calls do
   # idle; its death meanwhile finds nothing to cancel.
 
   alias VllmBridge.Error
+  alias VllmBridge.Session.Open
   alias VllmBridge.Call.{Request, Wire}
   alias VllmBridge.Pool.Slots
   alias VllmBridge.Worker.Messages
@@ -84,14 +85,28 @@ defmodule VllmBridge.Worker.Calls do
   # limit `max`. The limit is checked before a slot is taken on a pool's path
   # (VllmBridge.Call.Route); this catches the others (Worker.call, a session's close, a
   # release) before Python would see a header over its limit and end the stream.
+  #
+  # A request of a session (`session` set) is refused when the session has closed since
+  # its caller routed it (it waited in the pool's queue, say): the session's `close` was
+  # written before it, and the worker would make a fresh session of that id for it,
+  # holding its references and contexts with nothing left to close them. Checked here,
+  # in the process that writes to the port, because a session is forgotten before its
+  # `close` is sent: a request written after the close finds it forgotten, and one that
+  # finds it open runs before the close. (A session routed as a struct must be that very
+  # session: one closed and opened again under its id, perhaps on another worker, is
+  # another; a request on a reference must find the session that made the reference,
+  # VllmBridge.Session.Open.ref_open?/3.)
   @spec admit(t(), Submit.t(), pos_integer()) :: {:ok, t()} | {:refused, t()}
-  def admit(t, %Submit{id: id, size: size} = s, max) do
+  def admit(t, %Submit{id: id, size: size, session: session} = s, max) do
     cond do
       Map.has_key?(t.map, id) ->
         refuse(t, s, Error.new(:protocol, "request id #{id} is in use"))
 
       size > max ->
         refuse(t, s, Wire.too_large(size, max, "max_frame_bytes"))
+
+      session != nil and not Open.still_open?(session) ->
+        refuse(t, s, Open.closed_meanwhile(session, s.what))
 
       true ->
         {:ok, t}

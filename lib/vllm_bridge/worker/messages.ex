@@ -30,7 +30,9 @@ defmodule VllmBridge.Worker.Messages do
     # is too long for a frame's length: it is refused by `size`); the body's `size`; the
     # `deadline` (monotonic ms, for the worker's sweep); `holds_slot`, whether it holds a
     # pool slot the worker gives back; `replies`, :one (a reply) or :stream (the window,
-    # chunks, an end); `what` ({kind, target} or nil) for the worker's messages.
+    # chunks, an end); `what` ({kind, target} or nil) for the worker's messages;
+    # `session`, what must still be open when the request is written (nil: nothing;
+    # VllmBridge.Session.Open, VllmBridge.Worker.Calls.admit/3).
     @enforce_keys [:id, :frame, :size]
     defstruct [
       :id,
@@ -41,7 +43,8 @@ defmodule VllmBridge.Worker.Messages do
       deadline: :infinity,
       holds_slot: false,
       replies: :one,
-      what: nil
+      what: nil,
+      session: nil
     ]
 
     @type t :: %__MODULE__{
@@ -53,7 +56,8 @@ defmodule VllmBridge.Worker.Messages do
             deadline: integer() | :infinity,
             holds_slot: boolean(),
             replies: :one | :stream,
-            what: {String.t(), term()} | nil
+            what: {String.t(), term()} | nil,
+            session: VllmBridge.Session.Open.which() | nil
           }
   end
 
