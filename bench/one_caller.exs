@@ -1,7 +1,8 @@
 # One caller, the trivial call: p50 and the CPU each side spends a call, for the whole
 # stack, its steps fused into one function (VllmBridge.Bench.Fused: what flattening the
 # Elixir path's layers could gain), the least path (VllmBridge.Bench.LeastPath: the
-# BEAM's bound) and erlport, in alternating rounds of one run (issue 19;
+# BEAM's bound), the least path whose caller writes to the port itself (`direct`: one
+# process hop less) and erlport, in alternating rounds of one run (issue 19;
 # bench/results/caller-path.md).
 #
 #   ELIXIR_ERL_OPTIONS="+sbwt none +sbwtdcpu none +sbwtdio none" \
@@ -25,6 +26,7 @@ case Erlport.find() do
     {:ok, _} = VllmBridge.start_pool(:one_caller, size: 1, max_in_flight: 32)
     {:ok, [w]} = VllmBridge.Pool.workers(:one_caller)
     owner = LeastPath.start(python)
+    direct = LeastPath.start(python, :direct)
     peer = Erlport.start_peer(python)
     req = LeastPath.request()
     # (The binding caches its target's encoding, which Fused reads.)
@@ -34,6 +36,7 @@ case Erlport.find() do
       full: {fn -> Trivial.call(pool_name: :one_caller) end, [w.os_pid]},
       fused: {fn -> Fused.call(:one_caller) end, [w.os_pid]},
       least: {fn -> LeastPath.call(owner, req) end, [LeastPath.os_pid(owner)]},
+      direct: {fn -> LeastPath.call_direct(direct, req) end, [LeastPath.os_pid(direct)]},
       erlport: {fn -> {:ok, Erlport.call_peer(peer)} end, Erlport.os_pids(peer)}
     ]
 

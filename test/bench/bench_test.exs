@@ -7,7 +7,7 @@ defmodule VllmBridge.BenchTest do
   use ExUnit.Case, async: false
 
   alias VllmBridge.Bench
-  alias VllmBridge.Bench.{Erlport, Pinning, RawEcho, Stats}
+  alias VllmBridge.Bench.{Erlport, Fused, LeastPath, Pinning, RawEcho, Stats, Trivial}
 
   @moduletag timeout: 300_000
 
@@ -137,6 +137,29 @@ defmodule VllmBridge.BenchTest do
     {out, 0} = System.cmd("taskset", ["-p", "#{pid}"])
     [_, mask] = Regex.run(~r/affinity mask:\s*(\S+)/, out)
     mask
+  end
+
+  test "the caller-path bounds answer the trivial call as the whole stack does" do
+    # (one_caller.exs times them; a bound that answered something else would be no bound.)
+    python = Application.fetch_env!(:vllm_bridge, :python)
+    {:ok, _} = VllmBridge.start_pool(:bench_bounds, size: 1)
+    on_exit(fn -> VllmBridge.stop_pool(:bench_bounds) end)
+    # The binding's first call caches its target's encoding, which Fused reads.
+    {:ok, expected} = Trivial.call(pool_name: :bench_bounds)
+    assert is_boolean(expected)
+    req = LeastPath.request()
+    hop = LeastPath.start(python)
+    direct = LeastPath.start(python, :direct)
+
+    for _ <- 1..20 do
+      assert Fused.call(:bench_bounds) == {:ok, expected}
+      assert LeastPath.call(hop, req) == {:ok, expected}
+      assert LeastPath.call_direct(direct, req) == {:ok, expected}
+    end
+
+    # Every reply of the direct owner found its caller: its table is empty again.
+    {_, _, table} = direct
+    assert :ets.info(table, :size) == 0
   end
 
   test "percentiles are nearest-rank" do

@@ -15,6 +15,12 @@ defmodule VllmBridge.Bench.LeastPath do
   What it leaves out, each a guarantee of the bridge: options and their checks, the
   pool's slots and queue, routing, sessions, shared memory, cancel on timeout or on the
   caller's death, settling a late reply, the frame limit, telemetry, references.
+
+  `start(python, :direct)` and `call_direct/2`: the same with one process hop less, the
+  bound of a redesign whose callers write to the port themselves (any process may
+  `Port.command/2` a port): the caller puts `id => alias` in a public ETS table, writes
+  its frame to the port and waits; the owner only cuts replies and takes each one's
+  alias from the table (bench/results/caller-path.md, "Callers that write to the port").
   """
 
   alias VllmBridge.Call.Wire
@@ -22,9 +28,12 @@ defmodule VllmBridge.Bench.LeastPath do
   @target {"vllm_bridge.forward_context", "is_forward_context_available"}
   @timeout_ms 120_000
 
-  @doc "Starts an owner of a new Python worker (`python` the interpreter): its handle."
-  @spec start(String.t()) :: {pid(), port()}
-  def start(python) do
+  @doc """
+  Starts an owner of a new Python worker (`python` the interpreter): its handle. `how`:
+  `:hop` (callers send requests to the owner) or `:direct` (callers write them).
+  """
+  @spec start(String.t(), :hop | :direct) :: {pid(), port()} | {pid(), port(), :ets.tid()}
+  def start(python, how \\ :hop) do
     parent = self()
 
     pid =
@@ -39,12 +48,21 @@ defmodule VllmBridge.Bench.LeastPath do
             :exit_status
           ])
 
-        send(parent, {:least_port, self(), port})
-        loop(port, %{}, <<>>)
+        case how do
+          :hop ->
+            send(parent, {:least_port, self(), port, nil})
+            loop(port, %{}, <<>>)
+
+          :direct ->
+            table = :ets.new(:least_direct, [:public, :set, write_concurrency: true])
+            send(parent, {:least_port, self(), port, table})
+            loop(port, table, <<>>)
+        end
       end)
 
     receive do
-      {:least_port, ^pid, port} -> {pid, port}
+      {:least_port, ^pid, port, nil} -> {pid, port}
+      {:least_port, ^pid, port, table} -> {pid, port, table}
     end
   end
 
@@ -58,13 +76,34 @@ defmodule VllmBridge.Bench.LeastPath do
   @doc "One trivial call through owner `handle`: `{:ok, boolean}`."
   @spec call({pid(), port()}, {iodata(), non_neg_integer()}) ::
           {:ok, boolean()} | {:error, term()}
-  def call({pid, _port}, {parts, size}) do
+  def call({pid, _port}, req) do
+    {id, alias, frame} = prepare(pid, req)
+    send(pid, {:submit, id, alias, frame})
+    await(alias)
+  end
+
+  @doc "One trivial call written to the port by the caller itself (`start(python, :direct)`)."
+  @spec call_direct({pid(), port(), :ets.tid()}, {iodata(), non_neg_integer()}) ::
+          {:ok, boolean()} | {:error, term()}
+  def call_direct({pid, port, table}, req) do
+    {id, alias, frame} = prepare(pid, req)
+    # In the table before the write: the reply cannot come before it.
+    :ets.insert(table, {id, alias})
+    Port.command(port, frame)
+    await(alias)
+  end
+
+  # A fresh id, an alias that monitors the owner `pid`, and the request's frame (its
+  # deadline's milliseconds written per call).
+  defp prepare(pid, {parts, size}) do
     id = :erlang.unique_integer([:positive])
     alias = :erlang.monitor(:process, pid, [{:alias, :reply_demonitor}])
     ms = Wire.uint(@timeout_ms)
     {:ok, frame, _} = Wire.frame_request("call", id, [<<0xC0>>, ms | parts], size + byte_size(ms))
-    send(pid, {:submit, id, alias, frame})
+    {id, alias, frame}
+  end
 
+  defp await(alias) do
     receive do
       {:reply, ^alias, bin} -> Wire.decode_reply(bin)
       {:DOWN, ^alias, _, _, reason} -> {:error, reason}
@@ -74,8 +113,8 @@ defmodule VllmBridge.Bench.LeastPath do
   end
 
   @doc "The OS pid of the owner's Python worker."
-  @spec os_pid({pid(), port()}) :: integer()
-  def os_pid({_pid, port}), do: elem(Port.info(port, :os_pid), 1)
+  @spec os_pid(tuple()) :: integer()
+  def os_pid(handle), do: elem(Port.info(elem(handle, 1), :os_pid), 1)
 
   defp loop(port, calls, acc) do
     receive do
@@ -94,8 +133,13 @@ defmodule VllmBridge.Bench.LeastPath do
 
   defp frames(<<len::32, body::binary-size(len), rest::binary>>, calls) do
     case Wire.peek(body) do
-      {:ok, id} ->
+      {:ok, id} when is_map(calls) ->
         {alias, calls} = Map.pop(calls, id)
+        send(alias, {:reply, alias, body})
+        frames(rest, calls)
+
+      {:ok, id} ->
+        [{_, alias}] = :ets.take(calls, id)
         send(alias, {:reply, alias, body})
         frames(rest, calls)
 
