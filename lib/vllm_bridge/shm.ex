@@ -163,30 +163,18 @@ defmodule VllmBridge.Shm do
     case dir() do
       %{path: path} ->
         Process.send_after(self(), :sweep, @sweep_ms)
-        {:ok, %{path: path, slots: %{}, owners: %{}, next: next_free(path)}}
+        {:ok, %{path: path, slots: %{}, owners: %{}}}
 
       :disabled ->
-        {:ok, %{path: nil, slots: %{}, owners: %{}, next: 0}}
+        {:ok, %{path: nil, slots: %{}, owners: %{}}}
     end
   end
 
-  # After a restart of this process the directory is the one it had (VllmBridge.Shm.Keeper
-  # keeps it), and may hold the argument slots of the process before: new names come
-  # after theirs (an untracked slot handed back is deleted by the sweep).
-  defp next_free(path) do
-    case :file.list_dir(path) do
-      {:ok, names} ->
-        names
-        |> Enum.flat_map(
-          &(Regex.run(~r/\Ae-([0-9]{1,20})/, "#{&1}", capture: :all_but_first) || [])
-        )
-        |> Enum.map(&(String.to_integer(&1) + 1))
-        |> Enum.max(fn -> 0 end)
-
-      {:error, _} ->
-        0
-    end
-  end
+  # A new argument slot's name: `e-<n>`, n unique and increasing for this BEAM's life,
+  # not this process's (after a crash and restart it lends in the same directory, which
+  # may still hold, or have held, the names of the runs before: a name lent twice would
+  # let a frame still in a pipe, naming the first slot, read the second one's data).
+  defp new_name, do: "e-#{System.unique_integer([:positive, :monotonic])}"
 
   @doc false
   # (VllmBridge.Shm.Keeper.make_dir/1, for the tests.)
@@ -202,8 +190,7 @@ defmodule VllmBridge.Shm do
         {:reply, {:ok, name, false}, lend(state, name, pid, size)}
 
       :none when map_size(state.slots) < @max_slots ->
-        name = "e-#{state.next}"
-        state = %{state | next: state.next + 1}
+        name = new_name()
         {:reply, {:ok, name, true}, lend(state, name, pid, size)}
 
       :none ->

@@ -31,17 +31,8 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
   defp echo(t),
     do: VllmBridge.call({"vllm_bridge.bridge.diag", "echo"}, [t], %{}, pool_name: @pool)
 
-  # Kills VllmBridge.Shm and waits for its successor.
-  defp restart_shm! do
-    old = Process.whereis(Shm)
-    ref = Process.monitor(old)
-    Process.exit(old, :kill)
-    assert_receive {:DOWN, ^ref, :process, ^old, :killed}, 5_000
-    wait_until(fn -> Process.whereis(Shm) not in [nil, old] end, 5_000, "Shm restarts")
-  end
-
-  # (Two kills in this module: VllmBridge.Shm's supervisor allows 3 restarts in 5 s, and
-  # another module kills it once.)
+  # (VllmBridge.Shm's supervisor allows 3 restarts in 5 s: RuntimeHelpers.restart_shm!/0
+  # spaces them.)
   test "callers whose slot requests meet the death of VllmBridge.Shm send their tensors inline" do
     shm = Process.whereis(Shm)
     seed = :rand.uniform(1_000_000_000)
@@ -93,4 +84,31 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
       "the unread slot #{name} goes: #{inspect(File.ls!(dir))}"
     )
   end
+
+  # A frame still in a pipe may name a slot lent before a restart: that name must never
+  # be lent again. The restarted process named its slots after the highest it found in
+  # the directory, so once the higher ones were gone (the unread slot deleted as its
+  # call ended), a second restart lent the same names again.
+  test "no argument slot name is lent twice, across restarts" do
+    %{path: dir} = Shm.dir()
+    shm = Process.whereis(Shm)
+    # Nothing free that the next put could take again: its name is a new one.
+    wait_until(fn -> :sys.get_state(shm).slots == %{} end, 15_000, "no slot tracked")
+    big = filled_tensor(2, 11)
+
+    first =
+      Shm.scope(fn -> true end, fn ->
+        assert {:ok, name} = Shm.put(big.data)
+        restart_shm!()
+        name
+      end)
+
+    wait_until(fn -> not File.exists?(Path.join(dir, first)) end, 15_000, "#{first} goes")
+    restart_shm!()
+    again = Shm.scope(fn -> true end, fn -> Shm.put(big.data) end)
+    assert {:ok, second} = again
+    assert number(second) > number(first), "#{second} lent after #{first}"
+  end
+
+  defp number("e-" <> n), do: String.to_integer(n)
 end

@@ -405,11 +405,7 @@ defmodule VllmBridge.Runtime.ShmTest do
   # so workers given its path at their start keep reading the slots it then lends.
   test "large calls go on through slots after VllmBridge.Shm is killed", %{dir: dir} do
     before = slots(dir)
-    old = Process.whereis(Shm)
-    ref = Process.monitor(old)
-    Process.exit(old, :kill)
-    assert_receive {:DOWN, ^ref, :process, ^old, :killed}
-    wait_until(fn -> Process.whereis(Shm) not in [nil, old] end, 5_000, "Shm restarts")
+    restart_shm!()
     assert %{path: ^dir} = Shm.dir()
     assert File.dir?(dir)
 

@@ -61,6 +61,35 @@ defmodule VllmBridge.RuntimeHelpers do
   end
 
   @doc """
+  Kills `VllmBridge.Shm` and waits for its successor (its pid). Restarts are spaced at
+  least 2.5 s apart, across the test modules that call this: its supervisor allows 3 in
+  5 s, counted in whole seconds (four 1.7 s apart fell in one period), and a 4th would
+  take the directory's keeper down with it.
+  """
+  def restart_shm! do
+    key = {__MODULE__, :shm_killed_at}
+    # (Monotonic time may be negative: no "long ago" default.)
+    case :persistent_term.get(key, nil) do
+      nil -> :ok
+      at -> Process.sleep(max(at + 2_500 - System.monotonic_time(:millisecond), 0))
+    end
+
+    old = Process.whereis(VllmBridge.Shm)
+    ref = Process.monitor(old)
+    Process.exit(old, :kill)
+    :persistent_term.put(key, System.monotonic_time(:millisecond))
+
+    receive do
+      {:DOWN, ^ref, :process, ^old, :killed} -> :ok
+    after
+      5_000 -> raise "VllmBridge.Shm (#{inspect(old)}) did not die"
+    end
+
+    wait_until(fn -> Process.whereis(VllmBridge.Shm) not in [nil, old] end, 5_000, "Shm restarts")
+    Process.whereis(VllmBridge.Shm)
+  end
+
+  @doc """
   The OS processes (pids as strings), other than this BEAM, of which an argument of the
   command line or the target of an open fd satisfies `match`: what holds or names a
   FIFO or a file (a shell given its path, a `cat` that has it open), orphans included.
