@@ -169,10 +169,16 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     start_pool!(:ss_ok, size: 1)
     [%{os_pid: os_pid}] = workers!(:ss_ok)
     beam_stderr = File.read_link!("/proc/#{System.pid()}/fd/2")
-    stderr = File.read_link!("/proc/#{os_pid}/fd/2")
-    # Not the BEAM's: the FIFO its output reader reads (VllmBridge.Worker.Output).
-    refute stderr == beam_stderr
-    assert stderr =~ ~r/vllm_bridge-out-.*-err \(deleted\)$/
+    # Not the BEAM's: the FIFO its output reader reads (VllmBridge.Worker.Output), whose
+    # name goes once both ends have it open (a cast after the hello: it may come after
+    # the pool reports the worker ready).
+    wait_until(
+      fn -> File.read_link!("/proc/#{os_pid}/fd/2") =~ ~r/vllm_bridge-out-.*-err \(deleted\)$/ end,
+      10_000,
+      "the stderr FIFO's name goes"
+    )
+
+    refute File.read_link!("/proc/#{os_pid}/fd/2") == beam_stderr
     # The fd that kept it during the start is closed, and the file gone.
     refute File.exists?("/proc/#{os_pid}/fd/5")
     assert leftovers(:running) == []
