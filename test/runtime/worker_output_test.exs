@@ -187,12 +187,14 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
 
     test "the worker's fds 1 and 2 are not the BEAM's" do
       for %{os_pid: os_pid} <- workers!(@pool), fd <- [1, 2] do
-        theirs = File.read_link!("/proc/#{os_pid}/fd/#{fd}")
+        link = fn -> File.read_link!("/proc/#{os_pid}/fd/#{fd}") end
+        # The FIFO its output reader reads, gone from the folder once both ends opened it
+        # (a cast at the hello: a worker just (re)started may be ready a moment before).
+        wait_until(fn -> link.() =~ "(deleted)" end, 10_000, "fd #{fd}'s FIFO name goes")
+        theirs = link.()
         refute theirs == File.read_link!("/proc/#{System.pid()}/fd/1")
         refute theirs == File.read_link!("/proc/#{System.pid()}/fd/2")
-        # The FIFO its output reader reads (gone from the folder once opened).
         assert theirs =~ "vllm_bridge-out-"
-        assert theirs =~ "(deleted)"
       end
     end
 
