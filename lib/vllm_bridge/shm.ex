@@ -38,6 +38,7 @@ defmodule VllmBridge.Shm do
   @idle_ms 2_000
   @sweep_ms 500
   @key {__MODULE__, :dir}
+  @lent VllmBridge.Shm.Lent
 
   @typedoc "The node's slot directory, or :disabled."
   @type dir :: %{
@@ -163,11 +164,28 @@ defmodule VllmBridge.Shm do
     case dir() do
       %{path: path} ->
         Process.send_after(self(), :sweep, @sweep_ms)
-        {:ok, %{path: path, slots: %{}, owners: %{}}}
+        {:ok, adopt(%{path: path, slots: %{}, owners: %{}})}
 
       :disabled ->
         {:ok, %{path: nil, slots: %{}, owners: %{}}}
     end
+  end
+
+  # Which caller each lent argument slot is lent to is also in VllmBridge.Shm.Keeper's
+  # table (@lent), which outlives this process: after a crash and restart, the slots lent
+  # before it are lent again to the same callers, monitored again, and settled as any
+  # other when their calls end or their callers die (a caller dead meanwhile: at once).
+  defp adopt(state) do
+    Enum.reduce(:ets.tab2list(@lent), state, fn {name, pid}, acc ->
+      path = Path.join(acc.path, name)
+      # (Its reader may have handed it back, or hold it, already: settled at its end.)
+      size =
+        Enum.find_value([path, path <> ".free"], 0, fn p ->
+          with {:ok, %File.Stat{size: n}} <- File.stat(p), do: n, else: (_ -> nil)
+        end)
+
+      lend(acc, name, pid, size)
+    end)
   end
 
   # A new argument slot's name: `e-<n>`, n unique and increasing for this BEAM's life,
@@ -221,28 +239,26 @@ defmodule VllmBridge.Shm do
       end)
 
     slot = %{size: size, owner: pid, used: System.monotonic_time(:millisecond)}
+    true = :ets.insert(@lent, {name, pid})
     %{state | owners: owners, slots: Map.put(state.slots, name, slot)}
   end
 
   @impl true
   def handle_cast({:done, pid, names}, state) do
-    state =
-      case Map.fetch(state.owners, pid) do
-        {:ok, {ref, held}} ->
-          case held -- names do
-            [] ->
-              Process.demonitor(ref, [:flush])
-              %{state | owners: Map.delete(state.owners, pid)}
+    # Every slot lent to `pid` ends with its scope (a process has one at a time), also
+    # one lent as this process's predecessor died, whose name never reached the caller.
+    {lent, owners} =
+      case Map.pop(state.owners, pid) do
+        {{ref, lent}, owners} ->
+          Process.demonitor(ref, [:flush])
+          {lent, owners}
 
-            rest ->
-              %{state | owners: Map.put(state.owners, pid, {ref, rest})}
-          end
-
-        :error ->
-          state
+        {nil, owners} ->
+          {[], owners}
       end
 
-    {:noreply, Enum.reduce(names, state, &settle_done(&1, pid, &2))}
+    names = Enum.uniq(lent ++ names)
+    {:noreply, Enum.reduce(names, %{state | owners: owners}, &settle_done(&1, pid, &2))}
   end
 
   @impl true
@@ -304,16 +320,22 @@ defmodule VllmBridge.Shm do
     end
   end
 
+  # (Only to a caller: nil, free, or :worker, held.)
   defp owned(state, name, owner) do
     slot = %{state.slots[name] | owner: owner, used: System.monotonic_time(:millisecond)}
-    %{state | slots: Map.put(state.slots, name, slot)}
+    forget(%{state | slots: Map.put(state.slots, name, slot)}, name)
   end
 
   defp drop(state, name) do
     path = Path.join(state.path, name)
     _ = :file.delete(path)
     _ = :file.delete(path <> ".free")
-    %{state | slots: Map.delete(state.slots, name)}
+    forget(%{state | slots: Map.delete(state.slots, name)}, name)
+  end
+
+  defp forget(state, name) do
+    true = :ets.delete(@lent, name)
+    state
   end
 
   defp held(path), do: Path.wildcard(path <> ".held-*")

@@ -111,4 +111,51 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
   end
 
   defp number("e-" <> n), do: String.to_integer(n)
+
+  # The restarted process lends the slots of the one before to the same callers again
+  # (VllmBridge.Shm.Keeper's table outlives it): before, the monitor of a caller went
+  # with the crash, and the slot of one that died meanwhile with its call unread stayed
+  # until the BEAM stopped.
+  test "a caller that dies after a restart, its slot unread: the slot goes" do
+    %{path: dir} = Shm.dir()
+    me = self()
+    big = filled_tensor(2, 12)
+
+    caller =
+      spawn(fn ->
+        Shm.scope(fn -> true end, fn ->
+          {:ok, name} = Shm.put(big.data)
+          send(me, {:lent, name})
+          Process.sleep(:infinity)
+        end)
+      end)
+
+    assert_receive {:lent, name}, 15_000
+    restart_shm!()
+    path = Path.join(dir, name)
+    assert File.exists?(path)
+    Process.exit(caller, :kill)
+    wait_until(fn -> not File.exists?(path) end, 15_000, "the dead caller's #{name} goes")
+  end
+
+  # A slot the process had lent as it died (its name never reached the caller, who sent
+  # the tensor through the pipe) is settled when that caller's scope ends.
+  test "a slot lent to a caller whose reply was lost goes when the caller's scope ends" do
+    %{path: dir} = Shm.dir()
+    lost = "e-#{System.unique_integer([:positive, :monotonic])}"
+    File.write!(Path.join(dir, lost), "lent as the process died")
+    true = :ets.insert(VllmBridge.Shm.Lent, {lost, self()})
+    restart_shm!()
+    big = filled_tensor(2, 13)
+    assert {:ok, other} = Shm.scope(fn -> true end, fn -> Shm.put(big.data) end)
+
+    wait_until(
+      fn -> not File.exists?(Path.join(dir, lost)) end,
+      15_000,
+      "#{lost} goes: #{inspect(File.ls(dir))}"
+    )
+
+    # The slot the scope itself used was never read: deleted too, not kept for reuse.
+    refute File.exists?(Path.join(dir, other))
+  end
 end

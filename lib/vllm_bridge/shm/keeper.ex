@@ -44,6 +44,9 @@ defmodule VllmBridge.Shm.Keeper do
         # backoff: [until when (monotonic ms) large tensors take the pipe, the file system
         # being full; whether that was logged] (VllmBridge.Shm.put/1).
         dir = %{path: path, ino: ino, uid: uid, min_bytes: min, backoff: :atomics.new(2, [])}
+        # Which caller each lent argument slot is lent to, written by the bookkeeper
+        # (VllmBridge.Shm), here so that it outlives a crash of that process.
+        _ = :ets.new(VllmBridge.Shm.Lent, [:named_table, :public, :set])
         :persistent_term.put(@key, dir)
         {:ok, %{path: path, port: port}}
 
