@@ -173,7 +173,9 @@ defmodule VllmBridge.Runtime.StartStderrTest do
     # name goes once both ends have it open (a cast after the hello: it may come after
     # the pool reports the worker ready).
     wait_until(
-      fn -> File.read_link!("/proc/#{os_pid}/fd/2") =~ ~r/vllm_bridge-out-.*-err \(deleted\)$/ end,
+      fn ->
+        File.read_link!("/proc/#{os_pid}/fd/2") =~ ~r/vllm_bridge-out-.*-err \(deleted\)$/
+      end,
       10_000,
       "the stderr FIFO's name goes"
     )
