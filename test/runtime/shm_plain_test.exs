@@ -113,8 +113,9 @@ defmodule VllmBridge.Runtime.ShmPlainTest do
       me = self()
       {:ok, rt} = Runtime.resolve(pool_name: :rt_plain)
 
-      pid =
-        spawn(fn ->
+      # (Monitored: a caller that crashes fails the test with its reason, not a timeout.)
+      {pid, mref} =
+        spawn_monitor(fn ->
           receive do
             :go ->
               before = Keyword.keys(Process.get())
@@ -135,7 +136,16 @@ defmodule VllmBridge.Runtime.ShmPlainTest do
 
       1 = :erlang.trace(pid, true, [:call])
       send(pid, :go)
-      assert_receive {:result, ^pid, result, left}, 60_000
+
+      {result, left} =
+        receive do
+          {:result, ^pid, result, left} -> {result, left}
+          {:DOWN, ^mref, :process, ^pid, reason} -> flunk("the caller died: #{inspect(reason)}")
+        after
+          50_000 -> flunk("no answer to echo(#{inspect(arg, limit: 3)}) within 50 s")
+        end
+
+      Process.demonitor(mref, [:flush])
       ref = :erlang.trace_delivered(pid)
       assert_receive {:trace_delivered, ^pid, ^ref}, 10_000
       {result, count_scopes(pid, 0), left}
