@@ -320,7 +320,7 @@ defmodule VllmBridge.Shm do
     end
   end
 
-  # (Only to a caller: nil, free, or :worker, held.)
+  # A slot no longer lent to a caller: free (nil) or held by its worker (:worker).
   defp owned(state, name, owner) do
     slot = %{state.slots[name] | owner: owner, used: System.monotonic_time(:millisecond)}
     forget(%{state | slots: Map.put(state.slots, name, slot)}, name)
