@@ -178,9 +178,10 @@ defmodule VllmBridge.Shm do
   defp adopt(state) do
     Enum.reduce(:ets.tab2list(@lent), state, fn {name, pid}, acc ->
       path = Path.join(acc.path, name)
-      # (Its reader may have handed it back, or hold it, already: settled at its end.)
+      # (Its reader may have handed it back, or hold it, already: settled at its end;
+      # its size only makes it the first choice for a tensor of the same size.)
       size =
-        Enum.find_value([path, path <> ".free"], 0, fn p ->
+        Enum.find_value([path, path <> ".free" | held(path)], 0, fn p ->
           with {:ok, %File.Stat{size: n}} <- File.stat(p), do: n, else: (_ -> nil)
         end)
 
@@ -244,6 +245,9 @@ defmodule VllmBridge.Shm do
   end
 
   @impl true
+  # (No directory: a Keeper that restarted without one; nothing is tracked.)
+  def handle_cast({:done, _pid, _names}, %{path: nil} = state), do: {:noreply, state}
+
   def handle_cast({:done, pid, names}, state) do
     # Every slot lent to `pid` ends with its scope (a process has one at a time), also
     # one lent as this process's predecessor died, whose name never reached the caller.
@@ -297,9 +301,9 @@ defmodule VllmBridge.Shm do
   end
 
   # A caller's call is over: the names it was lent. Its own are settled; one this process
-  # does not track was lent by an earlier run of it (it crashed and restarted since:
-  # VllmBridge.Shm.Keeper kept the directory), and nobody else will ever settle it: gone
-  # unless a worker holds it (it hands it back, and the sweep deletes it untracked).
+  # does not track (a run of it before took it back already; or, after a restart of
+  # VllmBridge.Shm.Keeper, one of the directory before) is gone unless a worker holds it
+  # (it hands it back, and the sweep deletes it untracked).
   defp settle_done(name, pid, state) do
     case state.slots do
       %{^name => %{owner: ^pid}} ->
@@ -381,8 +385,8 @@ defmodule VllmBridge.Shm do
         end
 
         # Argument slots handed back (.free) that this process does not track: one whose
-        # call settled while its worker renamed it .held (settle saw neither), or one
-        # lent before this process restarted. Nobody takes them again.
+        # call settled while its worker renamed it .held (settle saw neither), or one free
+        # or held by a worker when this process restarted. Nobody takes them again.
         for name <- names,
             [n] <- [Regex.run(~r/\A(e-[0-9]{1,20})\.free\z/, "#{name}", capture: :all_but_first)],
             not Map.has_key?(state.slots, n) do

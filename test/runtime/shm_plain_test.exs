@@ -142,7 +142,10 @@ defmodule VllmBridge.Runtime.ShmPlainTest do
           {:result, ^pid, result, left} -> {result, left}
           {:DOWN, ^mref, :process, ^pid, reason} -> flunk("the caller died: #{inspect(reason)}")
         after
-          50_000 -> flunk("no answer to echo(#{inspect(arg, limit: 3)}) within 50 s")
+          # (Four calls a test, within ExUnit's 60 s.)
+          12_000 ->
+            Process.exit(pid, :kill)
+            flunk("no answer to echo(#{inspect(arg, limit: 3)}) within 12 s")
         end
 
       Process.demonitor(mref, [:flush])

@@ -38,17 +38,15 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     seed = :rand.uniform(1_000_000_000)
     :rand.seed(:exsss, {seed, 19, 3})
     n = Enum.random(1..4)
+    # (No wait between the callers' requests and the kill: their calls time out in 5 s.)
+    pace_shm_restart()
     :ok = :sys.suspend(shm)
     ts = for c <- 1..n, do: filled_tensor(Enum.random([1, 2, 3]), c)
     callers = for t <- ts, do: Task.async(fn -> echo(t) end)
 
     try do
       # The callers' requests for a slot wait in the suspended process's mailbox.
-      wait_until(
-        fn -> Process.info(shm, :message_queue_len) == {:message_queue_len, n} end,
-        15_000,
-        "the callers ask for slots"
-      )
+      await_takes(shm, n)
 
       restart_shm!()
 
@@ -112,6 +110,19 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
 
   defp number("e-" <> n), do: String.to_integer(n)
 
+  # Until `n` requests for a slot wait in the (suspended) process's mailbox (its sweep's
+  # tick may wait there too).
+  defp await_takes(shm, n) do
+    wait_until(
+      fn ->
+        {:messages, ms} = Process.info(shm, :messages)
+        Enum.count(ms, &match?({:"$gen_call", _, {:take, _, _}}, &1)) == n
+      end,
+      4_000,
+      "#{n} slot requests wait"
+    )
+  end
+
   # The restarted process lends the slots of the one before to the same callers again
   # (VllmBridge.Shm.Keeper's table outlives it): before, the monitor of a caller went
   # with the crash, and the slot of one that died meanwhile with its call unread stayed
@@ -121,20 +132,22 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     me = self()
     big = filled_tensor(2, 12)
 
-    caller =
-      spawn(fn ->
+    {caller, mref} =
+      spawn_monitor(fn ->
         Shm.scope(fn -> true end, fn ->
-          {:ok, name} = Shm.put(big.data)
-          send(me, {:lent, name})
+          send(me, {:lent, Shm.put(big.data)})
           Process.sleep(:infinity)
         end)
       end)
 
-    assert_receive {:lent, name}, 15_000
+    on_exit(fn -> Process.exit(caller, :kill) end)
+    assert_receive {:lent, lent}, 15_000
+    assert {:ok, name} = lent
     restart_shm!()
     path = Path.join(dir, name)
     assert File.exists?(path)
     Process.exit(caller, :kill)
+    assert_receive {:DOWN, ^mref, :process, ^caller, :killed}
     wait_until(fn -> not File.exists?(path) end, 15_000, "the dead caller's #{name} goes")
   end
 
@@ -149,13 +162,53 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     big = filled_tensor(2, 13)
     assert {:ok, other} = Shm.scope(fn -> true end, fn -> Shm.put(big.data) end)
 
+    # Both go (the scope's own was never read: deleted, not kept for reuse).
     wait_until(
-      fn -> not File.exists?(Path.join(dir, lost)) end,
+      fn -> not Enum.any?([lost, other], &File.exists?(Path.join(dir, &1))) end,
       15_000,
-      "#{lost} goes: #{inspect(File.ls(dir))}"
+      "#{lost} and #{other} go"
     )
+  end
 
-    # The slot the scope itself used was never read: deleted too, not kept for reuse.
-    refute File.exists?(Path.join(dir, other))
+  # The same when the scope lent nothing else: its request met the death, so its tensor
+  # took the pipe, and its end still says so.
+  test "a slot granted as the process died goes when the scope ends, though it lent nothing" do
+    %{path: dir} = Shm.dir()
+    lost = "e-#{System.unique_integer([:positive, :monotonic])}"
+    File.write!(Path.join(dir, lost), "lent as the process died")
+    shm = Process.whereis(Shm)
+    pace_shm_restart()
+    :ok = :sys.suspend(shm)
+    me = self()
+    big = filled_tensor(2, 14)
+
+    # The caller outlives its scope (its death would settle the slot anyway).
+    {caller, mref} =
+      spawn_monitor(fn ->
+        result =
+          Shm.scope(fn -> true end, fn ->
+            # As if the process had lent `lost` to this caller just before it was killed.
+            true = :ets.insert(VllmBridge.Shm.Lent, {lost, self()})
+            send(me, :asking)
+            Shm.put(big.data)
+          end)
+
+        send(me, {:scope_ended, result})
+        Process.sleep(:infinity)
+      end)
+
+    on_exit(fn -> Process.exit(caller, :kill) end)
+
+    try do
+      assert_receive :asking, 15_000
+      await_takes(shm, 1)
+      restart_shm!()
+    after
+      if Process.alive?(shm), do: :sys.resume(shm)
+    end
+
+    assert_receive {:scope_ended, :pipe}, 15_000
+    refute_received {:DOWN, ^mref, _, _, _}
+    wait_until(fn -> not File.exists?(Path.join(dir, lost)) end, 15_000, "#{lost} goes")
   end
 end

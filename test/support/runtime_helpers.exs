@@ -60,6 +60,20 @@ defmodule VllmBridge.RuntimeHelpers do
     {ws, meta}
   end
 
+  @shm_killed_at {__MODULE__, :shm_killed_at}
+
+  @doc """
+  Waits until `restart_shm!/0` may kill `VllmBridge.Shm` at once (2.5 s after the last
+  kill): for a test that must not wait between its set-up and the kill.
+  """
+  def pace_shm_restart do
+    # (Monotonic time may be negative: no "long ago" default.)
+    case :persistent_term.get(@shm_killed_at, nil) do
+      nil -> :ok
+      at -> Process.sleep(max(at + 2_500 - System.monotonic_time(:millisecond), 0))
+    end
+  end
+
   @doc """
   Kills `VllmBridge.Shm` and waits for its successor (its pid). Restarts are spaced at
   least 2.5 s apart, across the test modules that call this: its supervisor allows 3 in
@@ -67,17 +81,11 @@ defmodule VllmBridge.RuntimeHelpers do
   take the directory's keeper down with it.
   """
   def restart_shm! do
-    key = {__MODULE__, :shm_killed_at}
-    # (Monotonic time may be negative: no "long ago" default.)
-    case :persistent_term.get(key, nil) do
-      nil -> :ok
-      at -> Process.sleep(max(at + 2_500 - System.monotonic_time(:millisecond), 0))
-    end
-
+    pace_shm_restart()
     old = Process.whereis(VllmBridge.Shm)
     ref = Process.monitor(old)
     Process.exit(old, :kill)
-    :persistent_term.put(key, System.monotonic_time(:millisecond))
+    :persistent_term.put(@shm_killed_at, System.monotonic_time(:millisecond))
 
     receive do
       {:DOWN, ^ref, :process, ^old, :killed} -> :ok

@@ -3,7 +3,9 @@ defmodule VllmBridge.Shm.Keeper do
   # The node's slot directory (VllmBridge.Shm) and the port that removes it when the BEAM
   # dies, owned by a process that does nothing else: the bookkeeping process
   # (VllmBridge.Shm) may crash and restart without taking the directory with it, so
-  # workers that were given its path keep reading the same directory.
+  # workers that were given its path keep reading the same directory. It also owns the
+  # table of which caller each lent argument slot is lent to (VllmBridge.Shm.Lent, written
+  # by the bookkeeper), so that a restarted bookkeeper lends them to the same callers.
   #
   # The directory is `<root>/vllm_bridge-<os pid>-<random>` (mode 0700; root: `config
   # :vllm_bridge, shm_dir:`, default "/dev/shm", false: none). The keeper port runs

@@ -15,6 +15,7 @@ defmodule VllmBridge.Shm.Writer do
   @backoff_ms 5_000
   @lent {VllmBridge.Shm, :lent}
   @gate {VllmBridge.Shm, :gate}
+  @lost {VllmBridge.Shm, :lost}
 
   @doc "`VllmBridge.Shm.lent?/0`."
   @spec lent?() :: boolean()
@@ -82,11 +83,42 @@ defmodule VllmBridge.Shm.Writer do
       fun.()
     after
       Process.delete(@gate)
+      # A slot request that met the bookkeeper's death may have been granted a slot whose
+      # name never came back (its successor lends it to this process again: `take/1`):
+      # the scope's end settles it too, even when the scope lent nothing else.
+      lost? = Process.delete(@lost) == true
 
       case Process.delete(@lent) do
-        [] -> :ok
-        names -> GenServer.cast(Shm, {:done, self(), names})
+        [] when not lost? -> :ok
+        names -> done({:done, self(), names})
       end
+    end
+  end
+
+  # Between a crash of the bookkeeping process and its successor's start its name is
+  # unregistered, and a cast to it would be dropped: a scope that ends then (one whose
+  # request met the death ends at once) has its end said by a process of its own, which
+  # waits for the successor (up to 5 s) off the caller's path.
+  defp done(msg) do
+    case Process.whereis(Shm) do
+      nil -> spawn(fn -> say_later(msg, 500) end)
+      pid -> GenServer.cast(pid, msg)
+    end
+
+    :ok
+  end
+
+  defp say_later(msg, tries) do
+    case Process.whereis(Shm) do
+      nil when tries > 0 ->
+        Process.sleep(10)
+        say_later(msg, tries - 1)
+
+      nil ->
+        :ok
+
+      pid ->
+        GenServer.cast(pid, msg)
     end
   end
 
@@ -156,15 +188,21 @@ defmodule VllmBridge.Shm.Writer do
     end
   end
 
-  # A slot from the bookkeeping process. That process may crash and restart (its state,
-  # and any slot it was lending, go with it: VllmBridge.Shm): a caller that meets its death
-  # sends this tensor through the pipe rather than exit. (A timeout, the process alive but
-  # stuck, still exits: a late answer would lend a slot nobody would give back.)
+  # A slot from the bookkeeping process. That process may crash and restart (its
+  # successor lends the slots it had lent to the same callers again: VllmBridge.Shm): a
+  # caller that meets its death sends this tensor through the pipe rather than exit, and
+  # marks its scope, whose end then settles a slot granted as the process died. (A
+  # timeout, the process alive but stuck, still exits.)
   defp take(size) do
     GenServer.call(Shm, {:take, self(), size})
   catch
-    :exit, {reason, _} when reason in [:noproc, :killed, :shutdown, :normal] -> :pipe
-    :exit, {{:shutdown, _}, _} -> :pipe
+    :exit, {reason, _} when reason in [:noproc, :killed, :shutdown, :normal] -> lost()
+    :exit, {{:shutdown, _}, _} -> lost()
+  end
+
+  defp lost do
+    Process.put(@lost, true)
+    :pipe
   end
 
   # A full file system (a small /dev/shm: Docker gives 64 MiB): the tensor takes the
