@@ -174,7 +174,7 @@ defmodule VllmBridge.Runtime.SessionCloseRaceTest do
     # for it to worker 1 whenever a session of that id closes again), and neither worker
     # holds anything of it.
     assert :ets.match_object(Directory.table(), {{:_, s.id}, :_}) == []
-    assert :ets.match_object(Directory.table(), {{:touch, s.id, :_}, :_}) == []
+    assert :ets.match_object(Directory.table(), {{:touch, s.id, :_, :_}, :_}) == []
 
     for w <- ws do
       wait_until(fn -> Worker.in_flight(w.pid) == 0 end)

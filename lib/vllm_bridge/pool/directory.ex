@@ -9,8 +9,8 @@ defmodule VllmBridge.Pool.Directory do
   #     (removed when it goes down);
   #   * `{{:instance, instance}, name, index, pid}` - the same, by handshake instance (how a
   #     `%VllmBridge.Ref{}` finds its worker);
-  #   * `{{:session, id}, %VllmBridge.Session{}}` and `{{:touch, id, index}}` - open sessions
-  #     and the other workers a session's `:hint` calls ran on;
+  #   * `{{:session, id}, %VllmBridge.Session{}}` and `{{:touch, id, index, session},
+  #     instance}` - open sessions and the other workers a session's `:hint` calls ran on;
   #   * `{{:down, name, index}, instance, why}` - why the last process at that index went
   #     down (one row per index, overwritten), so that a session lost with it can say why.
   #

@@ -135,13 +135,14 @@ defmodule VllmBridge.Session.Manager do
         [] -> nil
       end
 
-    touched = :ets.match_object(table, {{:touch, id, :_}, :_})
-    :ets.match_delete(table, {{:touch, id, :_}, :_})
+    # (Every session's of the id: this manager registers none while it drops one.)
+    touched = :ets.match_object(table, {{:touch, id, :_, :_}, :_})
+    :ets.match_delete(table, {{:touch, id, :_, :_}, :_})
 
     homes = if session, do: [{session.worker, session.instance}], else: []
 
     targets =
-      for {index, instance} <- homes ++ for({{:touch, _, i}, inst} <- touched, do: {i, inst}),
+      for {index, instance} <- homes ++ for({{:touch, _, i, _}, inst} <- touched, do: {i, inst}),
           pool = session && session.pool,
           {pid, ^instance} <- [Directory.worker(pool, index)],
           uniq: true,

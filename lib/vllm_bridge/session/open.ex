@@ -43,9 +43,14 @@ defmodule VllmBridge.Session.Open do
     table = Directory.table()
 
     case :ets.lookup(table, {:session, id}) do
-      [{_, %Session{instance: ^instance}}] -> true
-      [_] -> :ets.lookup(table, {:touch, id, index}) == [{{:touch, id, index}, instance}]
-      [] -> false
+      [{_, %Session{instance: ^instance}}] ->
+        true
+
+      [{_, s}] ->
+        :ets.lookup(table, {:touch, id, index, s}) == [{{:touch, id, index, s}, instance}]
+
+      [] ->
+        false
     end
   end
 
@@ -83,16 +88,16 @@ defmodule VllmBridge.Session.Open do
   # to that worker whenever a session of that id closes again) and the call is refused.
   # Inserted before the look, so that a close that removes the rows after it finds this
   # one; taken back only when this call made it (the same row already there is of an
-  # earlier call, or of a session opened again under the id; a row of an earlier
-  # instance of that worker is replaced, as the close must reach the new one). Left
-  # open: a `:hint` call of a session opened again under the same id that lands on the
-  # same worker between this call's insert and its take-back loses its row (rows name
-  # no session but by id); that session's close then misses that worker.
+  # earlier call; a row of an earlier instance of that worker is replaced, as the close
+  # must reach the new one). A row names its session (the struct), not only its id: the
+  # take-back of a call of a closed session never removes, nor its insert replaces, the
+  # row of a session opened again under the id on the same worker, whose close would
+  # then miss that worker.
   @spec touched(Session.t(), non_neg_integer(), String.t()) :: :ok | {:error, Error.t()}
   def touched(%Session{id: id} = s, index, instance) do
     table = Directory.table()
-    row = {{:touch, id, index}, instance}
-    there = :ets.lookup(table, {:touch, id, index}) == [row]
+    row = {{:touch, id, index, s}, instance}
+    there = :ets.lookup(table, {:touch, id, index, s}) == [row]
     :ets.insert(table, row)
 
     cond do
