@@ -185,7 +185,8 @@ defmodule VllmBridge.Shm do
           with {:ok, %File.Stat{size: n}} <- File.stat(p), do: n, else: (_ -> nil)
         end)
 
-      lend(acc, name, pid, size)
+      acc = lend(acc, name, pid, size)
+      %{acc | slots: Map.update!(acc.slots, name, &Map.put(&1, :adopted, true))}
     end)
   end
 
@@ -249,20 +250,31 @@ defmodule VllmBridge.Shm do
   def handle_cast({:done, _pid, _names}, %{path: nil} = state), do: {:noreply, state}
 
   def handle_cast({:done, pid, names}, state) do
-    # Every slot lent to `pid` ends with its scope (a process has one at a time), also
-    # one lent as this process's predecessor died, whose name never reached the caller.
-    {lent, owners} =
-      case Map.pop(state.owners, pid) do
-        {{ref, lent}, owners} ->
-          Process.demonitor(ref, [:flush])
-          {lent, owners}
+    # The scope's names, and every slot of `pid`'s that this process adopted (one lent as
+    # its predecessor died, whose name never reached the caller, included): they are of
+    # a scope that ended, as the caller had one at a time. Not the slots this process
+    # lent it itself: a scope's end said late (VllmBridge.Shm.Writer, after a restart)
+    # may come after the caller's next scope took one.
+    ended =
+      for {name, %{owner: ^pid, adopted: true}} <- state.slots, into: names, do: name
 
-        {nil, owners} ->
-          {[], owners}
+    state =
+      case Map.fetch(state.owners, pid) do
+        {:ok, {ref, lent}} ->
+          case lent -- ended do
+            [] ->
+              Process.demonitor(ref, [:flush])
+              %{state | owners: Map.delete(state.owners, pid)}
+
+            rest ->
+              %{state | owners: Map.put(state.owners, pid, {ref, rest})}
+          end
+
+        :error ->
+          state
       end
 
-    names = Enum.uniq(lent ++ names)
-    {:noreply, Enum.reduce(names, %{state | owners: owners}, &settle_done(&1, pid, &2))}
+    {:noreply, Enum.reduce(Enum.uniq(ended), state, &settle_done(&1, pid, &2))}
   end
 
   @impl true

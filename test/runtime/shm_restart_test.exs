@@ -108,6 +108,40 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     assert number(second) > number(first), "#{second} lent after #{first}"
   end
 
+  # A scope's end said late (its request met a restart, and the successor was not yet
+  # registered: VllmBridge.Shm.Writer says it from a process of its own) may come while
+  # the caller's next scope holds a slot the successor lent it: that slot stays lent.
+  test "a scope's end said late does not settle the slot of the caller's next scope" do
+    %{path: dir} = Shm.dir()
+    me = self()
+    big = filled_tensor(2, 15)
+
+    {caller, mref} =
+      spawn_monitor(fn ->
+        Shm.scope(fn -> true end, fn ->
+          send(me, {:lent, Shm.put(big.data)})
+
+          receive do
+            :finish -> :ok
+          end
+        end)
+
+        send(me, :scope_ended)
+      end)
+
+    on_exit(fn -> Process.exit(caller, :kill) end)
+    assert_receive {:lent, {:ok, name}}, 15_000
+    # The late end of the caller's previous scope, which lent nothing.
+    GenServer.cast(Shm, {:done, caller, []})
+    assert %{slots: %{^name => %{owner: ^caller}}} = :sys.get_state(Shm)
+    assert File.exists?(Path.join(dir, name))
+    send(caller, :finish)
+    assert_receive :scope_ended, 15_000
+    # Its own end settles it (never read: deleted).
+    wait_until(fn -> not File.exists?(Path.join(dir, name)) end, 15_000, "#{name} goes")
+    assert_receive {:DOWN, ^mref, :process, ^caller, :normal}
+  end
+
   defp number("e-" <> n), do: String.to_integer(n)
 
   # Until `n` requests for a slot wait in the (suspended) process's mailbox (its sweep's
