@@ -53,16 +53,21 @@ defmodule VllmBridge.Session do
   alias VllmBridge.Session.{Manager, Remote}
 
   @enforce_keys [:id, :pool, :worker, :instance, :owner]
-  defstruct [:id, :pool, :worker, :instance, :owner, node: nil]
+  defstruct [:id, :pool, :worker, :instance, :owner, node: nil, token: nil]
 
-  @typedoc "`node`: the node of the session's worker (`nil` read as this node)."
+  @typedoc """
+  `node`: the node of the session's worker (`nil` read as this node). `token`: unique to
+  one `open/1`, so that a session closed and opened again under its id, even on the same
+  worker by the same owner, is not equal to the one before.
+  """
   @type t :: %__MODULE__{
           id: String.t(),
           pool: term(),
           worker: non_neg_integer(),
           instance: String.t(),
           owner: pid(),
-          node: node() | nil
+          node: node() | nil,
+          token: reference() | nil
         }
 
   @open_keys [:pool_name, :worker, :owner, :id, :node]
@@ -98,7 +103,8 @@ defmodule VllmBridge.Session do
         worker: index,
         instance: instance,
         owner: owner,
-        node: node()
+        node: node(),
+        token: make_ref()
       }
 
       Manager.register(session)

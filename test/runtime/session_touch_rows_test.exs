@@ -3,9 +3,10 @@ defmodule VllmBridge.Runtime.SessionTouchRowsTest do
   The rows that remember the other workers a session's `:hint` calls ran on
   (`VllmBridge.Session.Open.touched/3`) when a session id is closed and opened again: a
   call of the closed session, landing on the same worker as a call of the open one,
-  takes its own row back (it is refused) and must leave the open session's row alone.
-  Rows named the session only by its id, so that take-back could remove the open
-  session's row, and its close then missed that worker. The two sessions' calls race on
+  takes its own row back (it is refused) and must leave the open session's row alone,
+  also when the two differ only by their token (opened again by the same owner on the
+  same worker). Rows named the session only by its id, so that take-back could remove
+  the open session's row, and its close then missed that worker. The two sessions' calls race on
   two schedulers; the open session's row must be there after each of its calls.
   Directory rows only (the session manager is not involved: the rows are what it reads
   at a close).
@@ -25,8 +26,17 @@ defmodule VllmBridge.Runtime.SessionTouchRowsTest do
   test "a refused call of a closed session never takes the open session's row back" do
     id = "touch-rows-#{System.unique_integer([:positive])}"
     owner = spawn(fn -> Process.sleep(:infinity) end)
-    closed = %Session{id: id, pool: :touch_pool, worker: 0, instance: "home-1", owner: self()}
-    open = %Session{closed | instance: "home-2", owner: owner}
+    # Opened again on the same worker by the same owner: only its token tells it apart.
+    closed = %Session{
+      id: id,
+      pool: :touch_pool,
+      worker: 0,
+      instance: "home-1",
+      owner: owner,
+      token: make_ref()
+    }
+
+    open = %Session{closed | token: make_ref()}
     table = Directory.table()
     true = :ets.insert(table, {{:session, id}, open})
 

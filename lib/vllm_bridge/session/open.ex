@@ -87,29 +87,23 @@ defmodule VllmBridge.Session.Open do
   # removed: the row is taken back (else it would outlive the session, and send a `close`
   # to that worker whenever a session of that id closes again) and the call is refused.
   # Inserted before the look, so that a close that removes the rows after it finds this
-  # one; taken back only when this call made it (the same row already there is of an
-  # earlier call; a row of an earlier instance of that worker is replaced, as the close
-  # must reach the new one). A row names its session (the struct), not only its id: the
-  # take-back of a call of a closed session never removes, nor its insert replaces, the
-  # row of a session opened again under the id on the same worker, whose close would
-  # then miss that worker.
+  # one (a row of an earlier instance of that worker is replaced, as the close must
+  # reach the new one). A row names its session (the struct, unique to one open: its
+  # `token`), not only its id: a row of a closed session is of no use to anybody, so the
+  # take-back removes it whoever made it, and never removes, nor does the insert
+  # replace, the row of a session opened again under the id on the same worker (whose
+  # close would then miss that worker).
   @spec touched(Session.t(), non_neg_integer(), String.t()) :: :ok | {:error, Error.t()}
   def touched(%Session{id: id} = s, index, instance) do
     table = Directory.table()
     row = {{:touch, id, index, s}, instance}
-    there = :ets.lookup(table, {:touch, id, index, s}) == [row]
     :ets.insert(table, row)
 
-    cond do
-      still_open?(s) ->
-        :ok
-
-      there ->
-        {:error, closed_meanwhile(s, nil)}
-
-      true ->
-        :ets.delete_object(table, row)
-        {:error, closed_meanwhile(s, nil)}
+    if still_open?(s) do
+      :ok
+    else
+      :ets.delete_object(table, row)
+      {:error, closed_meanwhile(s, nil)}
     end
   end
 end
