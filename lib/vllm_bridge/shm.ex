@@ -255,8 +255,7 @@ defmodule VllmBridge.Shm do
     # a scope that ended, as the caller had one at a time. Not the slots this process
     # lent it itself: a scope's end said late (VllmBridge.Shm.Writer, after a restart)
     # may come after the caller's next scope took one.
-    ended =
-      for {name, %{owner: ^pid, adopted: true}} <- state.slots, into: names, do: name
+    ended = names ++ for {name, %{owner: ^pid, adopted: true}} <- state.slots, do: name
 
     state =
       case Map.fetch(state.owners, pid) do
