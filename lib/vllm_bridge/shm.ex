@@ -256,11 +256,15 @@ defmodule VllmBridge.Shm do
     # lent it itself: a scope's end said late (VllmBridge.Shm.Writer, after a restart)
     # may come after the caller's next scope took one.
     ended = names ++ for {name, %{owner: ^pid, adopted: true}} <- state.slots, do: name
+    {:noreply, release(state, pid, Enum.uniq(ended))}
+  end
 
+  # `names`, lent to `pid`, are no longer (its monitor goes with its last one).
+  defp release(state, pid, names) do
     state =
       case Map.fetch(state.owners, pid) do
         {:ok, {ref, lent}} ->
-          case lent -- ended do
+          case lent -- names do
             [] ->
               Process.demonitor(ref, [:flush])
               %{state | owners: Map.delete(state.owners, pid)}
@@ -273,7 +277,36 @@ defmodule VllmBridge.Shm do
           state
       end
 
-    {:noreply, Enum.reduce(Enum.uniq(ended), state, &settle_done(&1, pid, &2))}
+    Enum.reduce(names, state, &settle_done(&1, pid, &2))
+  end
+
+  # An adopted slot whose caller lives on but whose scope's end never came (it was
+  # unread in the predecessor's mailbox): settled once the caller's scope no longer
+  # names it (VllmBridge.Shm.Writer keeps a scope's names in its process dictionary).
+  # Only adopted slots, a while after the adoption (a grant the caller has not read yet
+  # is not in its scope's names either).
+  defp settle_unnamed(state) do
+    now = System.monotonic_time(:millisecond)
+
+    for {name, %{owner: pid, adopted: true, used: used}} when is_pid(pid) <- state.slots,
+        now - used > @idle_ms,
+        not named?(pid, name),
+        reduce: state,
+        do: (acc -> release(acc, pid, [name]))
+  end
+
+  defp named?(pid, name) do
+    case Process.info(pid, :dictionary) do
+      # (Gone: its monitor settles it.)
+      nil ->
+        true
+
+      {:dictionary, d} ->
+        case List.keyfind(d, {__MODULE__, :lent}, 0) do
+          {_, names} when is_list(names) -> name in names
+          _ -> false
+        end
+    end
   end
 
   @impl true
@@ -284,7 +317,9 @@ defmodule VllmBridge.Shm do
 
   def handle_info(:sweep, state) do
     Process.send_after(self(), :sweep, @sweep_ms)
-    {:noreply, state |> expire_free() |> sweep_results()}
+    state = expire_free(state)
+    :ok = VllmBridge.Shm.Sweep.files(state.path, state.slots)
+    {:noreply, settle_unnamed(state)}
   end
 
   def handle_info({:EXIT, _, _}, state), do: {:noreply, state}
@@ -376,38 +411,5 @@ defmodule VllmBridge.Shm do
       _, acc ->
         acc
     end)
-  end
-
-  # The result slots (`r-<os pid>-<n>`, with or without `.free`) and the argument slots
-  # it held (`e-<n>.held-<os pid>`) of a worker process that is gone: killed, or exited
-  # before cleaning up; and untracked argument slots handed back.
-  @of_worker ~r/\A(?:r-([0-9]{1,10})-[0-9]{1,20}(?:\.free)?|e-[0-9]{1,20}\.held-([0-9]{1,10}))\z/
-  defp sweep_results(%{path: nil} = state), do: state
-
-  defp sweep_results(state) do
-    case :file.list_dir(state.path) do
-      {:ok, names} ->
-        for name <- names,
-            groups = Regex.run(@of_worker, "#{name}", capture: :all_but_first),
-            groups != nil,
-            pid = Enum.find(groups, &(&1 != "")),
-            not File.exists?("/proc/#{pid}") do
-          :file.delete(Path.join(state.path, name))
-        end
-
-        # Argument slots handed back (.free) that this process does not track: one whose
-        # call settled while its worker renamed it .held (settle saw neither), or one free
-        # or held by a worker when this process restarted. Nobody takes them again.
-        for name <- names,
-            [n] <- [Regex.run(~r/\A(e-[0-9]{1,20})\.free\z/, "#{name}", capture: :all_but_first)],
-            not Map.has_key?(state.slots, n) do
-          :file.delete(Path.join(state.path, name))
-        end
-
-        state
-
-      {:error, _} ->
-        state
-    end
   end
 end

@@ -142,6 +142,43 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     assert_receive {:DOWN, ^mref, :process, ^caller, :normal}
   end
 
+  # A scope's end unread in the mailbox of the process that died is lost with it: the
+  # adopted slot of a caller that lives on is settled once the caller's scope no longer
+  # names it; one its running scope still names stays.
+  test "an adopted slot whose scope's end was lost goes; one still in use stays" do
+    %{path: dir} = Shm.dir()
+    me = self()
+    big = filled_tensor(2, 16)
+    # A caller whose scope ended (its end lost): alive, in no scope.
+    idle = spawn(fn -> Process.sleep(:infinity) end)
+    lost = "e-#{System.unique_integer([:positive, :monotonic])}"
+    File.write!(Path.join(dir, lost), "its scope's end was lost")
+    true = :ets.insert(VllmBridge.Shm.Lent, {lost, idle})
+
+    # A caller inside its scope, holding its slot.
+    busy =
+      spawn(fn ->
+        Shm.scope(fn -> true end, fn ->
+          send(me, {:lent, Shm.put(big.data)})
+          Process.sleep(:infinity)
+        end)
+      end)
+
+    on_exit(fn -> Enum.each([idle, busy], &Process.exit(&1, :kill)) end)
+    assert_receive {:lent, {:ok, held}}, 15_000
+    restart_shm!()
+
+    wait_until(
+      fn -> not File.exists?(Path.join(dir, lost)) end,
+      15_000,
+      "the slot of the idle caller goes"
+    )
+
+    assert Process.alive?(idle) and Process.alive?(busy)
+    assert File.exists?(Path.join(dir, held))
+    assert %{slots: %{^held => %{owner: ^busy}}} = :sys.get_state(Shm)
+  end
+
   defp number("e-" <> n), do: String.to_integer(n)
 
   # Until `n` requests for a slot wait in the (suspended) process's mailbox (its sweep's
