@@ -174,7 +174,8 @@ defmodule VllmBridge.Shm do
   # Which caller each lent argument slot is lent to is also in VllmBridge.Shm.Keeper's
   # table (@lent), which outlives this process: after a crash and restart, the slots lent
   # before it are lent again to the same callers, monitored again, and settled as any
-  # other when their calls end or their callers die (a caller dead meanwhile: at once).
+  # other when their calls end or their callers die (a caller dead meanwhile: at once),
+  # or by the sweep once their caller's scope no longer names them (settle_unnamed/1).
   defp adopt(state) do
     Enum.reduce(:ets.tab2list(@lent), state, fn {name, pid}, acc ->
       path = Path.join(acc.path, name)
@@ -290,23 +291,9 @@ defmodule VllmBridge.Shm do
 
     for {name, %{owner: pid, adopted: true, used: used}} when is_pid(pid) <- state.slots,
         now - used > @idle_ms,
-        not named?(pid, name),
+        not VllmBridge.Shm.Writer.scope_names?(pid, name),
         reduce: state,
         do: (acc -> release(acc, pid, [name]))
-  end
-
-  defp named?(pid, name) do
-    case Process.info(pid, :dictionary) do
-      # (Gone: its monitor settles it.)
-      nil ->
-        true
-
-      {:dictionary, d} ->
-        case List.keyfind(d, {__MODULE__, :lent}, 0) do
-          {_, names} when is_list(names) -> name in names
-          _ -> false
-        end
-    end
   end
 
   @impl true

@@ -74,12 +74,14 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
         name
       end)
 
+    still_naming([name])
+
     wait_until(
       fn ->
         not Enum.any?(File.ls!(dir), &(&1 == name or String.starts_with?(&1, name <> ".")))
       end,
       15_000,
-      "the unread slot #{name} goes: #{inspect(File.ls!(dir))}"
+      "the unread slot #{name} goes"
     )
   end
 
@@ -181,6 +183,11 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
 
   defp number("e-" <> n), do: String.to_integer(n)
 
+  # After a scope ended: its process names `names` in its dictionary as a running
+  # scope would, so that the sweep keeps them (VllmBridge.Shm.Writer.scope_names?/2)
+  # and only the scope's end can settle them. (The process uses no scope after this.)
+  defp still_naming(names), do: Process.put({VllmBridge.Shm, :lent}, names)
+
   # Until `n` requests for a slot wait in the (suspended) process's mailbox (its sweep's
   # tick may wait there too).
   defp await_takes(shm, n) do
@@ -198,6 +205,33 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
   # (VllmBridge.Shm.Keeper's table outlives it): before, the monitor of a caller went
   # with the crash, and the slot of one that died meanwhile with its call unread stayed
   # until the BEAM stopped.
+  # Shm.without/1 inside a scope: the scope's names stay named (the sweep keeps its slot).
+  test "an adopted slot stays while its caller's scope runs Shm.without/1" do
+    %{path: dir} = Shm.dir()
+    me = self()
+    big = filled_tensor(2, 17)
+
+    caller =
+      spawn(fn ->
+        Shm.scope(fn -> true end, fn ->
+          lent = Shm.put(big.data)
+
+          Shm.without(fn ->
+            send(me, {:lent, lent})
+            Process.sleep(:infinity)
+          end)
+        end)
+      end)
+
+    on_exit(fn -> Process.exit(caller, :kill) end)
+    assert_receive {:lent, {:ok, name}}, 15_000
+    restart_shm!()
+    # Past the sweep's 2 s of grace, and a few sweeps.
+    Process.sleep(4_000)
+    assert %{slots: %{^name => %{owner: ^caller}}} = :sys.get_state(Shm)
+    assert File.exists?(Path.join(dir, name))
+  end
+
   test "a caller that dies after a restart, its slot unread: the slot goes" do
     %{path: dir} = Shm.dir()
     me = self()
@@ -232,6 +266,7 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     restart_shm!()
     big = filled_tensor(2, 13)
     assert {:ok, other} = Shm.scope(fn -> true end, fn -> Shm.put(big.data) end)
+    still_naming([lost, other])
 
     # Both go (the scope's own was never read: deleted, not kept for reuse).
     wait_until(
@@ -264,6 +299,7 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
             Shm.put(big.data)
           end)
 
+        still_naming([lost])
         send(me, {:scope_ended, result})
         Process.sleep(:infinity)
       end)

@@ -17,6 +17,24 @@ defmodule VllmBridge.Shm.Writer do
   @gate {VllmBridge.Shm, :gate}
   @lost {VllmBridge.Shm, :lost}
 
+  @doc false
+  # Whether process `pid` (of this node) is in a scope that names slot `name` (or is
+  # gone: its monitor settles its slots). For VllmBridge.Shm's sweep of adopted slots.
+  @spec scope_names?(pid(), String.t()) :: boolean()
+  def scope_names?(pid, name) do
+    case Process.info(pid, :dictionary) do
+      nil ->
+        true
+
+      {:dictionary, d} ->
+        case List.keyfind(d, @lent, 0) do
+          {_, names} when is_list(names) -> name in names
+          {_, {:off, names}} when is_list(names) -> name in names
+          _ -> false
+        end
+    end
+  end
+
   @doc "`VllmBridge.Shm.lent?/0`."
   @spec lent?() :: boolean()
   def lent?, do: match?([_ | _], Process.get(@lent))
@@ -152,7 +170,13 @@ defmodule VllmBridge.Shm.Writer do
   @doc "`VllmBridge.Shm.without/1`."
   @spec without((() -> result)) :: result when result: term()
   def without(fun) do
-    previous = Process.put(@lent, :off)
+    # (`{:off, names}`: the enclosing scope's names stay readable by `scope_names?/2`.)
+    previous = Process.get(@lent)
+
+    case previous do
+      {:off, _} -> :ok
+      names -> Process.put(@lent, {:off, names})
+    end
 
     try do
       fun.()
