@@ -115,30 +115,20 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
   # the caller's next scope holds a slot the successor lent it: that slot stays lent.
   test "a scope's end said late does not settle the slot of the caller's next scope" do
     %{path: dir} = Shm.dir()
-    me = self()
-    big = filled_tensor(2, 15)
 
-    {caller, mref} =
-      spawn_monitor(fn ->
-        Shm.scope(fn -> true end, fn ->
-          send(me, {:lent, Shm.put(big.data)})
-
-          receive do
-            :finish -> :ok
-          end
-        end)
-
-        send(me, :scope_ended)
+    {caller, mref, name} =
+      caller_with_slot(filled_tensor(2, 15), fn ->
+        receive do
+          :finish -> :ok
+        end
       end)
 
-    on_exit(fn -> Process.exit(caller, :kill) end)
-    assert_receive {:lent, {:ok, name}}, 15_000
     # The late end of the caller's previous scope, which lent nothing.
     GenServer.cast(Shm, {:done, caller, []})
     assert %{slots: %{^name => %{owner: ^caller}}} = :sys.get_state(Shm)
     assert File.exists?(Path.join(dir, name))
     send(caller, :finish)
-    assert_receive :scope_ended, 15_000
+    assert_receive {:scope_ended, ^caller}, 15_000
     # Its own end settles it (never read: deleted).
     wait_until(fn -> not File.exists?(Path.join(dir, name)) end, 15_000, "#{name} goes")
     assert_receive {:DOWN, ^mref, :process, ^caller, :normal}
@@ -149,25 +139,15 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
   # names it; one its running scope still names stays.
   test "an adopted slot whose scope's end was lost goes; one still in use stays" do
     %{path: dir} = Shm.dir()
-    me = self()
-    big = filled_tensor(2, 16)
     # A caller whose scope ended (its end lost): alive, in no scope.
     idle = spawn(fn -> Process.sleep(:infinity) end)
+    on_exit(fn -> Process.exit(idle, :kill) end)
     lost = "e-#{System.unique_integer([:positive, :monotonic])}"
     File.write!(Path.join(dir, lost), "its scope's end was lost")
     true = :ets.insert(VllmBridge.Shm.Lent, {lost, idle})
 
     # A caller inside its scope, holding its slot.
-    busy =
-      spawn(fn ->
-        Shm.scope(fn -> true end, fn ->
-          send(me, {:lent, Shm.put(big.data)})
-          Process.sleep(:infinity)
-        end)
-      end)
-
-    on_exit(fn -> Enum.each([idle, busy], &Process.exit(&1, :kill)) end)
-    assert_receive {:lent, {:ok, held}}, 15_000
+    {busy, _, held} = caller_with_slot(filled_tensor(2, 16))
     restart_shm!()
 
     wait_until(
@@ -181,50 +161,20 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     assert %{slots: %{^held => %{owner: ^busy}}} = :sys.get_state(Shm)
   end
 
-  defp number("e-" <> n), do: String.to_integer(n)
-
-  # After a scope ended: its process names `names` in its dictionary as a running
-  # scope would, so that the sweep keeps them (VllmBridge.Shm.Writer.scope_names?/2)
-  # and only the scope's end can settle them. (The process uses no scope after this.)
-  defp still_naming(names), do: Process.put({VllmBridge.Shm, :lent}, names)
-
-  # Until `n` requests for a slot wait in the (suspended) process's mailbox (its sweep's
-  # tick may wait there too).
-  defp await_takes(shm, n) do
-    wait_until(
-      fn ->
-        {:messages, ms} = Process.info(shm, :messages)
-        Enum.count(ms, &match?({:"$gen_call", _, {:take, _, _}}, &1)) == n
-      end,
-      4_000,
-      "#{n} slot requests wait"
-    )
-  end
-
-  # The restarted process lends the slots of the one before to the same callers again
-  # (VllmBridge.Shm.Keeper's table outlives it): before, the monitor of a caller went
-  # with the crash, and the slot of one that died meanwhile with its call unread stayed
-  # until the BEAM stopped.
   # Shm.without/1 inside a scope: the scope's names stay named (the sweep keeps its slot).
   test "an adopted slot stays while its caller's scope runs Shm.without/1" do
     %{path: dir} = Shm.dir()
     me = self()
-    big = filled_tensor(2, 17)
 
-    caller =
-      spawn(fn ->
-        Shm.scope(fn -> true end, fn ->
-          lent = Shm.put(big.data)
-
-          Shm.without(fn ->
-            send(me, {:lent, lent})
-            Process.sleep(:infinity)
-          end)
+    {caller, _, name} =
+      caller_with_slot(filled_tensor(2, 17), fn ->
+        Shm.without(fn ->
+          send(me, :without)
+          Process.sleep(:infinity)
         end)
       end)
 
-    on_exit(fn -> Process.exit(caller, :kill) end)
-    assert_receive {:lent, {:ok, name}}, 15_000
+    assert_receive :without, 15_000
     restart_shm!()
     # Past the sweep's 2 s of grace, and a few sweeps.
     Process.sleep(4_000)
@@ -232,22 +182,13 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     assert File.exists?(Path.join(dir, name))
   end
 
+  # The restarted process lends the slots of the one before to the same callers again
+  # (VllmBridge.Shm.Keeper's table outlives it): before, the monitor of a caller went
+  # with the crash, and the slot of one that died meanwhile with its call unread stayed
+  # until the BEAM stopped.
   test "a caller that dies after a restart, its slot unread: the slot goes" do
     %{path: dir} = Shm.dir()
-    me = self()
-    big = filled_tensor(2, 12)
-
-    {caller, mref} =
-      spawn_monitor(fn ->
-        Shm.scope(fn -> true end, fn ->
-          send(me, {:lent, Shm.put(big.data)})
-          Process.sleep(:infinity)
-        end)
-      end)
-
-    on_exit(fn -> Process.exit(caller, :kill) end)
-    assert_receive {:lent, lent}, 15_000
-    assert {:ok, name} = lent
+    {caller, mref, name} = caller_with_slot(filled_tensor(2, 12))
     restart_shm!()
     path = Path.join(dir, name)
     assert File.exists?(path)
@@ -317,5 +258,47 @@ defmodule VllmBridge.Runtime.ShmRestartTest do
     assert_receive {:scope_ended, :pipe}, 15_000
     refute_received {:DOWN, ^mref, _, _, _}
     wait_until(fn -> not File.exists?(Path.join(dir, lost)) end, 15_000, "#{lost} goes")
+  end
+
+  defp number("e-" <> n), do: String.to_integer(n)
+
+  # After a scope ended: its process names `names` in its dictionary as a running
+  # scope would, so that the sweep keeps them (VllmBridge.Shm.Writer.scope_names?/2)
+  # and only the scope's end can settle them. (The process uses no scope after this.)
+  defp still_naming(names), do: Process.put({VllmBridge.Shm, :lent}, names)
+
+  # Until `n` requests for a slot wait in the (suspended) process's mailbox (its sweep's
+  # tick may wait there too).
+  defp await_takes(shm, n) do
+    wait_until(
+      fn ->
+        {:messages, ms} = Process.info(shm, :messages)
+        Enum.count(ms, &match?({:"$gen_call", _, {:take, _, _}}, &1)) == n
+      end,
+      4_000,
+      "#{n} slot requests wait"
+    )
+  end
+
+  # A process (monitored, killed at the test's end) inside a scope that was lent a slot
+  # for `t`: `{pid, monitor, slot name}`. `hold` runs in the scope after the slot is lent
+  # (by default for ever); once it returns, the process says `{:scope_ended, pid}`.
+  defp caller_with_slot(t, hold \\ fn -> Process.sleep(:infinity) end) do
+    me = self()
+
+    {pid, mref} =
+      spawn_monitor(fn ->
+        Shm.scope(fn -> true end, fn ->
+          send(me, {:lent, self(), Shm.put(t.data)})
+          hold.()
+        end)
+
+        send(me, {:scope_ended, self()})
+      end)
+
+    on_exit(fn -> Process.exit(pid, :kill) end)
+    assert_receive {:lent, ^pid, lent}, 15_000
+    assert {:ok, name} = lent
+    {pid, mref, name}
   end
 end
