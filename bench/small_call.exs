@@ -4,7 +4,9 @@
 # (VllmBridge.Bench.Erlport.run/3 without its binary echoes): p50 and p99 with one caller,
 # calls/s with 64 callers over a pool of 2 workers (max_in_flight 32) and 2 erlport
 # processes, best of 2 rounds. A quicker A/B than `mix vllm.bench`: run it in two builds
-# in turn.
+# in turn. The p50 is also measured with every subject on one CPU (`one_cpu`) and with
+# the BEAM on CPU 0 and the Python processes on CPU 1 (`apart`), where taskset can pin
+# (bench/results/erlport-placement.md).
 #
 #   ERLPORT_DIR=/tmp/erlport mix run bench/small_call.exs [calls rounds duration_ms]
 #
@@ -46,6 +48,28 @@ case Erlport.find() do
     IO.puts(
       "p99 full/erlport/raw: #{p.(l.full, 99)} / #{p.(l.erlport, 99)} / #{p.(l.raw, 99)} us"
     )
+
+    # The same in the placements set for every subject alike (where taskset can pin).
+    case l.placed do
+      {:skip, why} ->
+        IO.puts("set placements skipped: #{why}")
+
+      placed ->
+        for {where, pl} <- placed do
+          case pl do
+            {:error, why} ->
+              IO.puts("#{where}: could not pin (#{why})")
+
+            pl ->
+              r = Stats.percentile(pl.full, 50) / Stats.percentile(pl.erlport, 50)
+
+              IO.puts(
+                "#{where}: p50 full/erlport/raw: #{p.(pl.full, 50)} / #{p.(pl.erlport, 50)} / " <>
+                  "#{p.(pl.raw, 50)} us  ratio full/erlport #{Float.round(r, 2)}"
+              )
+          end
+        end
+    end
 
     t = r.throughput
 

@@ -44,13 +44,23 @@ defmodule VllmBridge.BenchTest do
              ~r/skipped: needs a CUDA device|target decode 8: replay >= 3x eager \(forward\): best [\d.]+x -- (met|NOT met)/
 
     # Part 9 runs where ERLPORT_DIR holds a built erlport, and says why it was skipped
-    # otherwise; its two erlport targets exist only when it ran (the tensor target always).
+    # otherwise; its erlport targets exist only when it ran (the tensor target always):
+    # the p50 as the OS places the processes, the p50 with both on one CPU (where taskset
+    # can pin), and the throughput.
     erlport_targets =
       case Erlport.find() do
         {:ok, _} ->
           assert text =~ ~r/erlport :python.call +p50 +[\d.]+ us +p99 +[\d.]+ us/
           assert text =~ ~r/full \/ erlport [\d.]+x, full \/ raw [\d.]+%, erlport \/ raw [\d.]+%/
-          2
+
+          if Pinning.available?() do
+            assert text =~ "the BEAM and every Python process on CPU 0:"
+            assert text =~ ~r/p50 at or below erlport's, both on one CPU \([\d.]+ \/ [\d.]+ us/
+            3
+          else
+            assert text =~ "set placements skipped: taskset is not available"
+            2
+          end
 
         {:skip, why} ->
           assert text =~ "9. erlport (issue 19): skipped: #{why}"

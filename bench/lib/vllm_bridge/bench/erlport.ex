@@ -13,7 +13,9 @@ defmodule VllmBridge.Bench.Erlport do
 
   * round trip, one caller: `:python.call(p, :"vllm_bridge.forward_context",
     :is_forward_context_available, [])`, the same Python function the full stack's
-    trivial call runs (`VllmBridge.Bench.Trivial`), so both do the same Python work;
+    trivial call runs (`VllmBridge.Bench.Trivial`), so both do the same Python work; as
+    the OS places the processes, then (with `taskset`) with every subject on one CPU, and
+    with the BEAM on one CPU and every Python process on another;
   * throughput: 64 callers spread round-robin over 2 erlport Python processes, beside the
     full stack's pool of 2 workers (`max_in_flight: 32`, as part 2) and 2 raw echo ports;
   * binary round trips of 1, 16 and 64 MiB: `:python.call(p, :"vllm_bridge.bridge.diag",
@@ -21,7 +23,7 @@ defmodule VllmBridge.Bench.Erlport do
     beside part 4's tensor echo of the same size.
   """
 
-  alias VllmBridge.Bench.{RawEcho, Stats, Throughput, Trivial}
+  alias VllmBridge.Bench.{Pinning, RawEcho, Stats, Throughput, Trivial}
 
   @mod :"vllm_bridge.forward_context"
   @fun :is_forward_context_available
@@ -109,30 +111,88 @@ defmodule VllmBridge.Bench.Erlport do
   @spec call_peer(pid()) :: term()
   def call_peer(p), do: apply(:python, :call, [p, @mod, @fun, []])
 
+  # One caller's round trips in three placements. As the OS places the processes (what a
+  # user gets), and, where `taskset` is there, in two placements set for every subject
+  # alike: all on one CPU, and the BEAM on one CPU with the Python processes on another.
+  # On a VM, a wake-up across vCPUs costs tens of microseconds, so the OS's placement of
+  # each Python process decides its p50 more than its code does, and the full stack's
+  # workers and erlport's process are placed independently
+  # (bench/results/erlport-placement.md): the set placements compare like with like.
   defp latency(pool, python, peer, opts) do
-    calls = Keyword.get(opts, :calls, 10_000)
-    rounds = Keyword.get(opts, :rounds, 10)
-    warmup = Keyword.get(opts, :warmup, 1_000)
-    per_round = max(1, div(calls, rounds))
     port = RawEcho.open(python)
     frame = Trivial.request_frame()
 
     try do
-      full = fn -> Trivial.call(pool_name: pool) end
-      erl = fn -> if is_boolean(call_peer(peer)), do: :ok, else: :bad_reply end
-      raw = fn -> RawEcho.roundtrip(port, frame) end
-      Enum.each([full, erl, raw], &Stats.time_calls(warmup, &1))
+      subjects = [
+        full: fn -> Trivial.call(pool_name: pool) end,
+        erlport: fn -> if is_boolean(call_peer(peer)), do: :ok, else: :bad_reply end,
+        raw: fn -> RawEcho.roundtrip(port, frame) end
+      ]
 
-      Enum.reduce(1..rounds, %{full: [], erlport: [], raw: []}, fn _, acc ->
-        %{
-          full: Stats.time_calls(per_round, full) ++ acc.full,
-          erlport: Stats.time_calls(per_round, erl) ++ acc.erlport,
-          raw: Stats.time_calls(per_round, raw) ++ acc.raw
-        }
-      end)
+      os = rounds(subjects, opts)
+      {:ok, workers} = VllmBridge.Pool.workers(pool)
+      {:os_pid, echo} = Port.info(port, :os_pid)
+      pythons = [echo | Enum.map(workers, & &1.os_pid)] ++ os_pids(peer)
+      Map.put(os, :placed, placed(subjects, pythons, opts))
     after
       RawEcho.close(port)
     end
+  end
+
+  defp placed(subjects, pythons, opts) do
+    cond do
+      not Pinning.available?() ->
+        {:skip, "taskset is not available"}
+
+      :erlang.system_info(:logical_processors_available) in [:unknown, 1] ->
+        [one_cpu: placed_rounds(subjects, pythons, 0, opts)]
+
+      true ->
+        [
+          one_cpu: placed_rounds(subjects, pythons, 0, opts),
+          apart: placed_rounds(subjects, pythons, 1, opts)
+        ]
+    end
+  end
+
+  # The BEAM (every thread) on CPU 0 and the Python processes on `cpu`, then put back.
+  defp placed_rounds(subjects, pythons, cpu, opts) do
+    with {:ok, beam} <- Pinning.pin([System.pid()], 0),
+         {:ok, py} <- pin_or_restore(pythons, cpu, beam) do
+      try do
+        rounds(subjects, opts)
+      after
+        Pinning.restore(py)
+        Pinning.restore(beam)
+      end
+    end
+  end
+
+  defp pin_or_restore(pids, cpu, saved) do
+    case Pinning.pin(pids, cpu) do
+      {:ok, _} = ok ->
+        ok
+
+      error ->
+        Pinning.restore(saved)
+        error
+    end
+  end
+
+  # Warm-up, then rounds alternating the subjects: `%{subject => samples_us}`.
+  defp rounds(subjects, opts) do
+    calls = Keyword.get(opts, :calls, 10_000)
+    rounds = Keyword.get(opts, :rounds, 10)
+    warmup = Keyword.get(opts, :warmup, 1_000)
+    per_round = max(1, div(calls, rounds))
+    Enum.each(subjects, fn {_, f} -> Stats.time_calls(warmup, f) end)
+    empty = Map.new(subjects, fn {k, _} -> {k, []} end)
+
+    Enum.reduce(1..rounds, empty, fn _, acc ->
+      Enum.reduce(subjects, acc, fn {k, f}, acc ->
+        Map.update!(acc, k, &(Stats.time_calls(per_round, f) ++ &1))
+      end)
+    end)
   end
 
   defp throughput(pool, python, peers, opts) do

@@ -30,26 +30,70 @@ defmodule VllmBridge.Bench.Erlport.Report do
         row("full stack", lat.full),
         row("erlport :python.call", lat.erlport),
         row("raw Port echo", lat.raw),
-        "   p50 ratios: full / erlport #{x(f50 / e50)}, full / raw #{x(f50 / r50)}, erlport / raw #{x(e50 / r50)}",
-        "   throughput, #{thr.callers} callers, 2 Python processes each, best of 2 rounds of #{Stats.fmt(thr.seconds)} s:",
-        "   full stack (max_in_flight 32) #{rate(thr.full)} calls/s, erlport #{rate(thr.erlport)} calls/s, " <>
-          "raw echo #{rate(thr.raw)} calls/s",
-        "   full / erlport #{x(thr.full / thr.erlport)}, full / raw #{pct(thr.full / thr.raw)}, " <>
-          "erlport / raw #{pct(thr.erlport / thr.raw)}",
-        "   binary round trips: erlport echoes bytes (diag.echo); full stack (shared memory from " <>
-          "the threshold on) and raw echo are part 4's tensor figures",
-        "   size     full stack      erlport         raw echo        full/erlport  full/echo  erlport/echo"
-      ] ++ binary_rows(erl.binaries, ten)
+        "   p50 ratios: full / erlport #{x(f50 / e50)}, full / raw #{x(f50 / r50)}, erlport / raw #{x(e50 / r50)}"
+      ] ++
+        placed_lines(lat.placed) ++
+        [
+          "   throughput, #{thr.callers} callers, 2 Python processes each, best of 2 rounds of #{Stats.fmt(thr.seconds)} s:",
+          "   full stack (max_in_flight 32) #{rate(thr.full)} calls/s, erlport #{rate(thr.erlport)} calls/s, " <>
+            "raw echo #{rate(thr.raw)} calls/s",
+          "   full / erlport #{x(thr.full / thr.erlport)}, full / raw #{pct(thr.full / thr.raw)}, " <>
+            "erlport / raw #{pct(thr.erlport / thr.raw)}",
+          "   binary round trips: erlport echoes bytes (diag.echo); full stack (shared memory from " <>
+            "the threshold on) and raw echo are part 4's tensor figures",
+          "   size     full stack      erlport         raw echo        full/erlport  full/echo  erlport/echo"
+        ] ++ binary_rows(erl.binaries, ten)
 
     targets = [
       {"full-stack round trip p50 at or below erlport's (#{Stats.fmt(f50)} / #{Stats.fmt(e50)} us = #{x(f50 / e50)})",
        f50 <= e50},
+      one_cpu_target(lat.placed),
       {"throughput at least 1.3x erlport's (#{x(thr.full / thr.erlport)})",
        thr.full >= 1.3 * thr.erlport},
       tensor_target(ten)
     ]
 
-    {lines, targets}
+    {lines, Enum.reject(targets, &is_nil/1)}
+  end
+
+  @placements [
+    one_cpu: "the BEAM and every Python process on CPU 0",
+    apart: "the BEAM on CPU 0, every Python process on CPU 1"
+  ]
+
+  # The same round trips in the placements set by taskset (VllmBridge.Bench.Erlport).
+  defp placed_lines({:skip, why}), do: ["   (set placements skipped: #{why})"]
+
+  defp placed_lines(placed) do
+    Enum.flat_map(placed, fn
+      {where, {:error, why}} ->
+        ["   #{@placements[where]}: could not pin (#{why})"]
+
+      {where, lat} ->
+        [f50, e50, r50] = Enum.map([lat.full, lat.erlport, lat.raw], &Stats.percentile(&1, 50))
+
+        [
+          "   #{@placements[where]}:",
+          row("full stack", lat.full),
+          row("erlport :python.call", lat.erlport),
+          row("raw Port echo", lat.raw),
+          "   p50 ratios: full / erlport #{x(f50 / e50)}, full / raw #{x(f50 / r50)}, erlport / raw #{x(e50 / r50)}"
+        ]
+    end)
+  end
+
+  # Both stacks in one placement, the same for both: the comparison of their code.
+  defp one_cpu_target(placed) do
+    case placed do
+      [{:one_cpu, %{full: f, erlport: e}} | _] ->
+        [f50, e50] = Enum.map([f, e], &Stats.percentile(&1, 50))
+
+        {"full-stack round trip p50 at or below erlport's, both on one CPU " <>
+           "(#{Stats.fmt(f50)} / #{Stats.fmt(e50)} us = #{x(f50 / e50)})", f50 <= e50}
+
+      _ ->
+        nil
+    end
   end
 
   defp tensor_target(ten) do
