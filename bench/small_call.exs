@@ -56,18 +56,12 @@ case Erlport.find() do
 
       placed ->
         for {where, pl} <- placed do
-          case pl do
-            {:error, why} ->
-              IO.puts("#{where}: could not pin (#{why})")
+          r = Stats.percentile(pl.full, 50) / Stats.percentile(pl.erlport, 50)
 
-            pl ->
-              r = Stats.percentile(pl.full, 50) / Stats.percentile(pl.erlport, 50)
-
-              IO.puts(
-                "#{where}: p50 full/erlport/raw: #{p.(pl.full, 50)} / #{p.(pl.erlport, 50)} / " <>
-                  "#{p.(pl.raw, 50)} us  ratio full/erlport #{Float.round(r, 2)}"
-              )
-          end
+          IO.puts(
+            "#{where}: p50 full/erlport/raw: #{p.(pl.full, 50)} / #{p.(pl.erlport, 50)} / " <>
+              "#{p.(pl.raw, 50)} us  ratio full/erlport #{Float.round(r, 2)}"
+          )
         end
     end
 

@@ -41,7 +41,13 @@ end
 roundtrip = fn port ->
   fn ->
     Port.command(port, frame)
-    receive do: ({^port, {:data, _}} -> :ok)
+
+    receive do
+      {^port, {:data, _}} -> :ok
+      {^port, {:exit_status, status}} -> raise "an echo exited with status #{status}"
+    after
+      10_000 -> raise "an echo did not answer in 10 s"
+    end
   end
 end
 
@@ -56,23 +62,38 @@ echoes =
 
 erl =
   case Erlport.find() do
-    {:ok, _} -> Erlport.start_peer(python)
-    {:skip, why} -> IO.puts("erlport skipped: #{why}") && nil
+    {:ok, _} ->
+      Erlport.start_peer(python)
+
+    {:skip, why} ->
+      IO.puts("erlport skipped: #{why}")
+      nil
   end
+
+erlport_reply = fn r -> Stats.check!(if is_boolean(r), do: :ok, else: {:bad_reply, r}) end
 
 subjects =
   Enum.map(echoes, fn {k, port} -> {k, roundtrip.(port)} end) ++
     [
-      {"whole stack", fn -> Trivial.call(pool_name: :wake_default) end},
-      {"whole stack, poll_us: 100", fn -> Trivial.call(pool_name: :wake_poll) end}
-    ] ++ if(erl, do: [{"erlport", fn -> {:ok, Erlport.call_peer(erl)} end}], else: [])
+      {"whole stack", fn -> Stats.check!(Trivial.call(pool_name: :wake_default)) end},
+      {"whole stack, poll_us: 100", fn -> Stats.check!(Trivial.call(pool_name: :wake_poll)) end}
+    ] ++ if(erl, do: [{"erlport", fn -> erlport_reply.(Erlport.call_peer(erl)) end}], else: [])
 
 pythons =
   Enum.map(echoes, fn {_, p} -> elem(Port.info(p, :os_pid), 1) end) ++
     [w0.os_pid, wp.os_pid] ++ if(erl, do: Erlport.os_pids(erl), else: [])
 
 {:ok, beam} = Pinning.pin([System.pid()], 0)
-{:ok, py} = Pinning.pin(pythons, cpu)
+
+py =
+  case Pinning.pin(pythons, cpu) do
+    {:ok, py} ->
+      py
+
+    {:error, why} ->
+      Pinning.restore(beam)
+      raise "could not pin the Python processes to CPU #{cpu}: #{why}"
+  end
 
 try do
   Enum.each(subjects, fn {_, f} -> Stats.time_calls(1_000, f) end)
@@ -80,7 +101,8 @@ try do
   samples =
     Enum.reduce(1..rounds, %{}, fn _, acc ->
       Enum.reduce(subjects, acc, fn {k, f}, acc ->
-        Map.update(acc, k, Stats.time_calls(calls, f), &(Stats.time_calls(calls, f) ++ &1))
+        t = Stats.time_calls(calls, f)
+        Map.update(acc, k, t, &(t ++ &1))
       end)
     end)
 

@@ -34,9 +34,11 @@ defmodule VllmBridge.Bench do
        faster, judged by the script itself;
     9. erlport (`VllmBridge.Bench.Erlport`, issue 19), when `ERLPORT_DIR` holds a build of
        it (`bench/erlport/build.sh`): `:python.call` of the same Python function beside
-       the full stack and the raw echo, round trip and throughput, and binary round trips
-       of 1, 16 and 64 MiB beside part 4's tensors; targets: the full stack's p50 at or
-       below erlport's, its throughput at least 1.3x erlport's, 64 MiB tensors at 1 GB/s
+       the full stack and the raw echo, round trip (as the OS places the processes, all
+       on one CPU, and the Python processes on another CPU than the BEAM's) and
+       throughput, and binary round trips of 1, 16 and 64 MiB beside part 4's tensors;
+       targets: the full stack's p50 at or below erlport's (as the OS places them, and
+       both on one CPU), its throughput at least 1.3x erlport's, 64 MiB tensors at 1 GB/s
        or more and at least 2x the raw echo's figure. Skipped, saying why, without erlport.
 
   The report is printed and written to `bench/out/bench-<time>.txt` and

@@ -156,26 +156,28 @@ defmodule VllmBridge.Bench.Erlport do
   end
 
   # The BEAM (every thread) on CPU 0 and the Python processes on `cpu`, then put back.
+  # A pin that fails raises, as part 1's does (VllmBridge.Bench.Latency): taskset is
+  # there, so a failure is a fault of the run, not a figure to leave out.
   defp placed_rounds(subjects, pythons, cpu, opts) do
-    with {:ok, beam} <- Pinning.pin([System.pid()], 0),
-         {:ok, py} <- pin_or_restore(pythons, cpu, beam) do
-      try do
-        rounds(subjects, opts)
-      after
-        Pinning.restore(py)
-        Pinning.restore(beam)
-      end
+    beam = pin!([System.pid()], 0, [])
+    py = pin!(pythons, cpu, beam)
+
+    try do
+      rounds(subjects, opts)
+    after
+      Pinning.restore(py)
+      Pinning.restore(beam)
     end
   end
 
-  defp pin_or_restore(pids, cpu, saved) do
+  defp pin!(pids, cpu, saved) do
     case Pinning.pin(pids, cpu) do
-      {:ok, _} = ok ->
-        ok
+      {:ok, pinned} ->
+        pinned
 
-      error ->
+      {:error, reason} ->
         Pinning.restore(saved)
-        error
+        raise "could not pin part 9's processes to CPU #{cpu}: #{reason}"
     end
   end
 

@@ -65,20 +65,16 @@ defmodule VllmBridge.Bench.Erlport.Report do
   defp placed_lines({:skip, why}), do: ["   (set placements skipped: #{why})"]
 
   defp placed_lines(placed) do
-    Enum.flat_map(placed, fn
-      {where, {:error, why}} ->
-        ["   #{@placements[where]}: could not pin (#{why})"]
+    Enum.flat_map(placed, fn {where, lat} ->
+      [f50, e50, r50] = Enum.map([lat.full, lat.erlport, lat.raw], &Stats.percentile(&1, 50))
 
-      {where, lat} ->
-        [f50, e50, r50] = Enum.map([lat.full, lat.erlport, lat.raw], &Stats.percentile(&1, 50))
-
-        [
-          "   #{@placements[where]}:",
-          row("full stack", lat.full),
-          row("erlport :python.call", lat.erlport),
-          row("raw Port echo", lat.raw),
-          "   p50 ratios: full / erlport #{x(f50 / e50)}, full / raw #{x(f50 / r50)}, erlport / raw #{x(e50 / r50)}"
-        ]
+      [
+        "   #{@placements[where]}:",
+        row("full stack", lat.full),
+        row("erlport :python.call", lat.erlport),
+        row("raw Port echo", lat.raw),
+        "   p50 ratios: full / erlport #{x(f50 / e50)}, full / raw #{x(f50 / r50)}, erlport / raw #{x(e50 / r50)}"
+      ]
     end)
   end
 
