@@ -22,6 +22,9 @@ __version__ = "0.1.0"
 PROTOCOL_VERSION = 1
 
 #: Modules a worker may call into by default. Anything else is refused by name.
+#: The demo's ``vllm_bridge.demo.rank`` is not here: it writes and reads files at paths
+#: its caller names (``save_weights``, ``load_model``), so only the demo's pools allow it
+#: (the pool option ``modules:``, ``--also-allow``); see docs/SECURITY.md.
 PUBLIC_MODULES: tuple[str, ...] = (
     "vllm_bridge.bridge.diag",
     "vllm_bridge.cudagraph",
@@ -29,5 +32,4 @@ PUBLIC_MODULES: tuple[str, ...] = (
     "vllm_bridge.forward_context",
     "vllm_bridge.dp",
     "vllm_bridge.ubatch",
-    "vllm_bridge.demo.rank",
 )

@@ -18,7 +18,7 @@ defmodule VllmBridge.Bindings.RankTest do
   setup_all do
     # Calls without `__runtime__` reach this pool too; one worker, so the runner (a global
     # of the worker process) is the same for calls with and without the session.
-    start_default_pool!()
+    start_default_pool!(modules: ["vllm_bridge.demo.rank"])
     s = session!()
     dir = Path.join(System.tmp_dir!(), "vb_rank_#{System.unique_integer([:positive])}")
     on_exit(fn -> File.rm_rf(dir) end)
@@ -100,5 +100,26 @@ defmodule VllmBridge.Bindings.RankTest do
 
     assert {:error, %Error{type: :python_exception, message: m}} = Runner.save_weights("")
     assert m =~ "path must be a non-empty str"
+  end
+
+  # The runner writes and reads files at paths its caller names: it is not on the default
+  # allow-list, so only a pool that allows it (`modules:`, as this module's and the demo's
+  # do) reaches it.
+  test "a pool with default options refuses the runner by name and writes no file", %{dir: dir} do
+    pool = :rank_default_allow
+    {:ok, _} = VllmBridge.start_pool(pool, size: 1)
+    on_exit(fn -> VllmBridge.stop_pool(pool) end)
+    :ok = VllmBridge.Pool.await_ready(pool, 60_000)
+    rt = [pool_name: pool]
+    path = Path.join([dir, "default", "new", "w.pt"])
+
+    for call <- [
+          fn -> Runner.save_weights(path, 0, __runtime__: rt) end,
+          fn -> Runner.load_model(path, __runtime__: rt) end
+        ] do
+      assert {:error, %Error{type: :bad_argument, message: m}} = call.()
+      assert m =~ "module 'vllm_bridge.demo.rank' is not in the worker's allow-list"
+      refute File.exists?(Path.join(dir, "default"))
+    end
   end
 end

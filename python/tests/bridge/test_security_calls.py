@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import WorkerProc
+from conftest import WorkerProc, spawn_worker
 from security_support import D, FC, P, refused, w  # noqa: F401 - the fixture
 
 from vllm_bridge.bridge.diag import Level
@@ -178,19 +178,39 @@ def test_what_is_defined_outside_the_allow_list_is_not_called(w: WorkerProc, cas
     refused_call(lambda: w.invoke(["r", held, None], args), f"reference {held.ref_id} ", home)
 
 
-def test_the_runners_private_re_export_does_not_write_files(
-    worker: WorkerProc, tmp_path: Path
-) -> None:
+RANK = "vllm_bridge.demo.rank"
+
+
+def test_a_default_worker_refuses_the_demos_file_access(worker: WorkerProc, tmp_path: Path) -> None:
+    """The demo's runner writes and reads files at paths its caller names
+    (``save_weights``, ``load_model``): it is not on the default allow-list, so a worker
+    started without ``--allow``/``--also-allow`` (a pool with default options) refuses it
+    by name and touches no file."""
+    target = tmp_path / "new" / "dir" / "w.pt"
+    for name, args in (("save_weights", (str(target), 0)), ("load_model", (str(target),)),
+                       ("create_runner", ())):
+        message = refused(lambda: worker.call(RANK, name, *args))
+        assert f"module '{RANK}' is not in the worker's allow-list" in message, message
+        assert not (tmp_path / "new").exists()
+    assert RANK not in worker.hello["modules"]
+
+
+def test_the_runners_private_re_export_does_not_write_files(tmp_path: Path) -> None:
     """``vllm_bridge.demo.rank._save_weights`` is ``vllm_bridge.demo.model.weights.save_weights``
-    (the default allow-list has the runner, not the model package)."""
-    path = tmp_path / "w.pt"
-    refused_call(lambda: worker.call("vllm_bridge.demo.rank", "_save_weights", str(path), None, 0),
-                 "vllm_bridge.demo.rank._save_weights is the function "
-                 "vllm_bridge.demo.model.weights.save_weights", "vllm_bridge.demo.model.weights")
-    assert not path.exists()
-    # The allow-listed wrapper is what a caller calls.
-    assert worker.call("vllm_bridge.demo.rank", "save_weights", str(path), 0)["path"] == str(path)
-    assert path.exists()
+    (a worker that allows the runner, as the demo's do, does not allow the model package)."""
+    worker = spawn_worker(["--also-allow", RANK])
+    try:
+        path = tmp_path / "w.pt"
+        refused_call(lambda: worker.call(RANK, "_save_weights", str(path), None, 0),
+                     "vllm_bridge.demo.rank._save_weights is the function "
+                     "vllm_bridge.demo.model.weights.save_weights",
+                     "vllm_bridge.demo.model.weights")
+        assert not path.exists()
+        # The allow-listed wrapper is what a caller calls.
+        assert worker.call(RANK, "save_weights", str(path), 0)["path"] == str(path)
+        assert path.exists()
+    finally:
+        worker.stop()
 
 
 def test_a_callable_argument_is_judged_as_a_call(w: WorkerProc) -> None:

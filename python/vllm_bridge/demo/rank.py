@@ -15,6 +15,11 @@ calls::
 
 Everything returned is plain data (dicts, lists, numbers, strings, CPU tensors) so that it
 reads the same on both sides. See :mod:`vllm_bridge.demo.model_runner` for what a step does.
+
+This module is not on the workers' default allow-list (``vllm_bridge.PUBLIC_MODULES``):
+``save_weights`` and ``load_model`` write and read files at paths their caller names, so a
+pool must allow it by name (the pool option ``modules: ["vllm_bridge.demo.rank"]``), and
+its callers may then write files wherever the worker's user can. Only the demo's pools do.
 """
 
 import dataclasses

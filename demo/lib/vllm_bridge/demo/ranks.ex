@@ -43,6 +43,10 @@ defmodule VllmBridge.Demo.Ranks do
 
   @call_timeout_ms 600_000
 
+  # The runner is not on the workers' default allow-list (it writes and reads files at
+  # paths its caller names): the demo's pools, and only they, allow it.
+  @modules ["vllm_bridge.demo.rank"]
+
   @doc """
   Starts the DP ranks and opens a session on each: pool `pool` of `size` workers here,
   or with `nodes: 2` (`size` must then be 2) rank 0's pool here and rank 1's on a peer
@@ -147,6 +151,7 @@ defmodule VllmBridge.Demo.Ranks do
   defp pool_opts(dp, progress) do
     [
       size: length(Enum.to_list(dp[:ranks])),
+      modules: @modules,
       progress: progress,
       dp: dp,
       worker_env: [{"VLLM_LOG_BATCHSIZE_INTERVAL", 3600}, {"OMP_NUM_THREADS", 1}]

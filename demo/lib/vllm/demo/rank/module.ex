@@ -20,6 +20,11 @@ defmodule Vllm.Demo.Rank.Module do
   Everything returned is plain data (dicts, lists, numbers, strings, CPU tensors) so that it
   reads the same on both sides. See `vllm_bridge.demo.model_runner` for what a step does.
 
+  This module is not on the workers' default allow-list (`vllm_bridge.PUBLIC_MODULES`):
+  `save_weights` and `load_model` write and read files at paths their caller names, so a
+  pool must allow it by name (the pool option `modules: ["vllm_bridge.demo.rank"]`), and
+  its callers may then write files wherever the worker's user can. Only the demo's pools do.
+
   Bindings of the Python module `vllm_bridge.demo.rank`: its functions and module attributes. Calling conventions (positional and optional arguments, options): `VllmBridge.Bindings`; runtime options (`__runtime__:`): `VllmBridge.Runtime`.
   """
 
