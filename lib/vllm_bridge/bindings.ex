@@ -39,7 +39,9 @@ defmodule VllmBridge.Bindings do
   the dataclasses, atoms for enum members, `VllmBridge.Tensor`s, `VllmBridge.Ref`s for
   objects that cannot travel by value). The bindings assume workers started with the
   default allow-list (`vllm_bridge.PUBLIC_MODULES`): from a worker that leaves a module
-  out, that module's dataclasses come back as references instead of structs.
+  out, that module's dataclasses come back as references instead of structs. The demo's
+  `Vllm.Demo.Rank.Module` is not on it (it writes and reads files): its calls need a pool
+  with `modules: ["vllm_bridge.demo.rank"]`, and are refused by name elsewhere.
 
   ## Classes
 
