@@ -13,28 +13,88 @@ import dataclasses
 import enum
 import inspect
 import sys
+import types
+import weakref
 from typing import Any
 
 from vllm_bridge.bridge.protocol.registry import coerce_atom, enum_of_annotation, type_hints
 from vllm_bridge.bridge.protocol.types import Atom
 
 _Plan = tuple[inspect.Signature, dict[str, type[enum.Enum]]] | None
-_plans: dict[Any, _Plan] = {}
+
+# C functions and slot wrappers carry no annotations, so no plan; nor are they cached: a
+# bound one (``gen.send``, ``tensor.add``) is a new object per access, holding its self.
+# By id: ``type(fn)`` may be a class whose metaclass overrides __eq__ and __hash__.
+_NO_PLAN = frozenset(
+    id(t)
+    for t in (
+        types.BuiltinFunctionType,
+        types.MethodWrapperType,
+        types.WrapperDescriptorType,
+        types.MethodDescriptorType,
+        types.ClassMethodDescriptorType,
+    )
+)
+_PLANS_MAX = 256
 
 
-def _key(fn: Any) -> Any:
-    # A bound method is a new object on every access: key it by its function.
-    func = getattr(fn, "__func__", None)
-    return fn if func is None else (func, "bound")
+class _Entry(weakref.ref):
+    """A cached plan, referring weakly to the callable it was made for."""
+
+    __slots__ = ("key", "plan")
+
+
+class _Plans(dict[int, _Entry]):
+    """Plans by the ``id`` of the callable each was made for: never by the callable, whose
+    own __hash__ and __eq__ would decide the lookup and which a key would keep alive. The
+    entry's referent, compared with ``is``, tells a live callable from a dead one whose id
+    was reused; a callable's death drops its plan (a signature holds its defaults), and
+    past _PLANS_MAX the oldest goes, so fresh callables (a closure per call) cannot pile up.
+    """
+
+    def keep(self, owner: Any, plan: _Plan) -> None:
+        try:
+            entry = _Entry(owner, self._forget)
+        except TypeError:
+            return  # no weak reference to it: its plan is made anew on each call
+        entry.key, entry.plan = id(owner), plan
+        self[entry.key] = entry
+        while len(self) > _PLANS_MAX:
+            try:
+                del self[next(iter(self))]
+            except (KeyError, RuntimeError, StopIteration):
+                break  # another thread changed it meanwhile
+
+    def _forget(self, entry: _Entry) -> None:
+        if self.get(entry.key) is entry:
+            self.pop(entry.key, None)
+
+
+_plans = _Plans()
+_bound_plans = _Plans()  # a bound method's plan, by its function
 
 
 def _plan(fn: Any) -> _Plan:
-    """Signature and enum-annotated parameters of ``fn`` (cached per function)."""
-    key = _key(fn)
-    try:
-        return _plans[key]
-    except (KeyError, TypeError):
-        pass
+    """Signature and enum-annotated parameters of ``fn``, ``None`` when it has none
+    (cached per function)."""
+    t = type(fn)
+    # A bound method is a new object on every access; its signature is its function's.
+    if t is types.MethodType:
+        owner, plans = fn.__func__, _bound_plans
+    else:
+        owner, plans = fn, _plans
+    entry = plans.get(id(owner))
+    if entry is not None and entry() is owner:
+        return entry.plan
+    if id(t) in _NO_PLAN:
+        return None
+    plan = _make_plan(fn)
+    plans.keep(owner, plan)
+    return plan
+
+
+def _make_plan(fn: Any) -> _Plan:
+    """:func:`_plan`, not cached."""
     plan: _Plan = None
     try:
         sig = inspect.signature(fn)
@@ -55,10 +115,6 @@ def _plan(fn: Any) -> _Plan:
         if owner is not None and first is not None and first not in hints:
             enums[first] = owner
         plan = (sig, enums) if enums else None
-    try:
-        _plans[key] = plan
-    except TypeError:
-        pass  # unhashable callable: no cache
     return plan
 
 
