@@ -333,8 +333,34 @@ def test_a_timestamp_across_a_mib_of_a_large_frame_is_refused():
 
 
 def test_the_bytes_of_a_timestamp_header_elsewhere_decode():
-    body = packb([b"\xd6\xff\x00\x00\x00\x01", 0xD6, -1, b"\xc9\x00\x00\x00\x0c\xff", "x"])
-    assert unpackb(body) == [b"\xd6\xff\x00\x00\x00\x01", 0xD6, -1, b"\xc9\x00\x00\x00\x0c\xff", "x"]
+    value = [b"\xd6\xff\x00\x00\x00\x01", 0xD6, -1, b"\xc9\x00\x00\x00\x0c\xff", "x"]
+    assert unpackb(packb(value)) == value
     big = [bytes(1 << 20) + b"\xd7\xff" + bytes(8), -1]
     assert unpackb(memoryview(bytearray(packb(big)))) == big
 
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        msgpack.Timestamp(1, 0),
+        [1, msgpack.Timestamp(2**40, 5)],
+        {"a": msgpack.Timestamp(1, 0)},
+        {msgpack.Timestamp(1, 0): 1},
+        (msgpack.Timestamp(1, 0),),
+        Sample("a", payload=[msgpack.Timestamp(1, 0)]),
+    ],
+    ids=["alone", "item", "value", "key", "tuple", "field"],
+)
+def test_a_timestamp_is_refused_on_output(value):
+    # msgpack packs one itself (ext -1), never asking the encoder's default: refused,
+    # also where anything else without an encoding would become a reference.
+    made = []
+    for make_ref in (None, lambda obj: made.append(obj) or Ref("00" * 8, 1, "s", "x")):
+        with pytest.raises(TypeError, match="msgpack Timestamp .* has no encoding"):
+            Encoder(registry_for()).packb(value, make_ref)
+    assert made == []
+
+
+def test_the_bytes_of_a_timestamp_header_elsewhere_encode():
+    value = [b"\xd6\xff\x00\x00\x00\x01", 0xD6, -1, (b"\xc7\x0c\xff",), {"k": b"\xd7\xff"}]
+    assert unpackb(packb(value)) == value
