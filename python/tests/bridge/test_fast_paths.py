@@ -25,6 +25,7 @@ import pytest
 
 from vllm_bridge import PUBLIC_MODULES
 from vllm_bridge.bridge.protocol import messages
+from vllm_bridge.bridge.protocol.errors import short_repr
 from vllm_bridge.bridge.protocol.types import Atom, Ref
 from vllm_bridge.bridge.worker.server import Worker
 
@@ -115,6 +116,37 @@ def testplain_call_on_its_edges() -> None:
         assert outcome(lambda: messages.parse_request(msg, now)) == outcome(
             lambda: messages.parse_checked(msg, now)
         ), msg
+
+
+#: The longest timeout either way: the BEAM's longest wait, 2^32 - 1 ms.
+MAX_MS = 4_294_967_295
+
+
+@pytest.mark.parametrize(
+    "timeout",
+    [MAX_MS + 1, -MAX_MS - 1, MAX_MS + 0.5, 2**1600 - 1, -(2**1600), 1e300, float("inf"),
+     float("-inf"), NAN],
+    ids=lambda t: short_repr(t, 12),
+)  # fmt: skip
+def test_a_timeout_out_of_range_is_refused_by_both_paths_naming_it(timeout: Any) -> None:
+    # Out of range for the common call's path too (it once divided a big integer into a
+    # float: OverflowError, outside any handler on the worker's lane).
+    msg = ["call", 5, None, timeout, ["m", "mod", "p"], [], {}]
+    assert messages.plain_call(msg, 5.0) is None
+    for parse in (messages.parse_request, messages.parse_checked):
+        with pytest.raises(messages.RequestError) as info:
+            parse(msg, 5.0)
+        assert info.value.request_id == 5
+        assert short_repr(timeout, 60) in str(info.value)
+        assert f"at most {MAX_MS}" in str(info.value)
+
+
+@pytest.mark.parametrize("timeout", [MAX_MS, -MAX_MS, float(MAX_MS), 0, -0.0, 1.5])
+def test_a_timeout_at_the_ends_of_the_range_is_taken_by_both_paths(timeout: Any) -> None:
+    msg = ["call", 5, None, timeout, ["m", "mod", "p"], [], {}]
+    fast = messages.plain_call(msg, 5.0)
+    assert fast is not None and fast.deadline == 5.0 + timeout / 1000.0
+    assert fast == messages.parse_checked(msg, 5.0)
 
 
 @pytest.fixture(scope="module")

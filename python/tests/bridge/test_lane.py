@@ -14,14 +14,14 @@ before comparing such a pair (the frames of the code that raised, the message, t
 The frames mix the common call with what must leave the lane: other kinds (``get``,
 ``stream``, ``enter``/``exit``, ``release``, ``close``, ``ping``, ``cancel``, ``credit``,
 an unknown one), bad ids, sessions (new, reused, malformed), deadlines already passed,
-targets that are not one step of a module (dotted, dunder, private, missing, off the
-allow-list, references), atoms converted by annotation, tuples, dataclasses and enums,
-references made and used, code that raises, results that become references, and bodies
-cut short, with bytes after the value, with a reserved byte, or with a map whose keys
-collide. The count of requests the lane itself ran is checked too, so the comparison is
-not vacuous. Cancel, liveness (pings answered by the watcher during a long lane call), a
-passed deadline, sessions and log frames of lane calls run in real worker processes (the
-last two tests).
+timeouts out of range (big integers, infinities), targets that are not one step of a
+module (dotted, dunder, private, missing, off the allow-list, references), atoms converted
+by annotation, tuples, dataclasses and enums, references made and used, code that raises,
+results that become references, and bodies cut short, with bytes after the value, with a
+reserved byte, or with a map whose keys collide. The count of requests the lane itself ran
+is checked too, so the comparison is not vacuous. Cancel, liveness (pings answered by the
+watcher during a long lane call), a passed deadline, sessions, log frames of lane calls
+and a timeout out of range run in real worker processes (the last three tests).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import pytest
 
 from vllm_bridge import PUBLIC_MODULES
 from vllm_bridge.bridge.protocol.encoder import Encoder
+from vllm_bridge.bridge.protocol.errors import short_repr
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.types import Atom, Ref
 from vllm_bridge.bridge.worker.server import Worker
@@ -70,7 +71,10 @@ ARGS = [
 KWARGS = [{}, {}, {}, {"a": 1, "b": 2}, {"value": 3}, {"level": Atom("low")}, {"x": 1},
           {Atom("a"): 1, "b": 2}]  # fmt: skip
 SESSIONS = [None, None, None, "s1", "s2", Atom("s1"), 1, ""]
-TIMEOUTS = [None, None, 60_000, 0, -5, float("nan"), "5"]
+# Out of the protocol's range (2^32 - 1 ms either way) too: big integers (ext 7), which
+# once went into a float on the lane, and the infinities.
+TIMEOUTS = [None, None, 60_000, 0, -5, float("nan"), "5", 2**1600 - 1, -(2**1600), 2**32,
+            float("inf"), float("-inf")]  # fmt: skip
 IDS = ["good"] * 8 + [-1, "x", None, True, 2**64]
 #: Common calls with arguments that fit: the lane's own route, to its plain reply.
 PLAIN = [
@@ -279,3 +283,52 @@ def test_a_lane_call_answers_pings_is_cancelled_and_times_out_in_a_real_worker(w
     assert (kind, got, err["type"]) == ("error", late, "timeout"), err
     assert worker.call(DIAG, "get_var", session="lane") == "kept"
     assert worker.call(DIAG, "get_var") is None
+
+
+def test_a_timeout_out_of_range_is_refused_and_the_worker_goes_on(worker) -> None:
+    # The auditor's frame: a big integer (ext 7) for the timeout, which the lane once
+    # divided into a float outside any handler (OverflowError: the worker exited).
+    big = msgpack.ExtType(7, b"\x00" + b"\xff" * 200)  # 2**1600 - 1
+    worker.send_raw(msgpack.packb(["call", 5, None, big, ["m", DIAG, "add"], [1, 2], {}]))
+    for rid, timeout in ((5, None), (6, -(2**1600)), (7, 2**32), (8, float("inf"))):
+        if timeout is not None:
+            worker.send(["call", rid, None, timeout, ["m", DIAG, "add"], [1, 2], {}])
+        kind, got, err = worker.reply(rid)
+        assert (kind, got, err["type"]) == ("error", rid, "protocol"), err
+        named = short_repr(2**1600 - 1 if timeout is None else timeout, 60)
+        assert "call timeout must be nil or a number of milliseconds" in err["message"]
+        assert named in err["message"], err["message"]
+    assert worker.ping()["running"] is None
+    assert worker.call(DIAG, "add", 1, 2) == 3
+
+
+def test_a_timestamp_is_refused_alike_by_the_lane_and_the_general_path(tmp_path: Path) -> None:
+    # msgpack decodes ext -1 to a Timestamp without the ext hook (the lane decodes with
+    # msgpack itself); the protocol has no such type. The last two frames hold the bytes of
+    # a timestamp's header inside other values: taken.
+    ts = msgpack.Timestamp(1, 0)
+    add = ["m", DIAG, "add"]
+    msgs = [
+        ["call", 1, None, None, add, [ts, 1], {}],
+        ["call", 2, None, None, add, [], {"a": ts, "b": 1}],
+        ["call", 3, None, None, add, [[1, {ts: 2}]], {}],
+        ["call", 4, None, ts, add, [1, 2], {}],
+        ["call", 5, None, None, add, [], {ts: 1}],
+        ["call", 6, None, None, ["m", DIAG, "echo"], [b"\xd6\xff\x00\x00\x00\x01"], {}],
+        ["call", 7, None, None, add, [0xD6, -1], {}],
+    ]
+    stream = tmp_path / "frames"
+    stream.write_bytes(b"".join(HEADER.pack(len(b)) + b for b in map(msgpack.packb, msgs)))
+    lane_out, general_out = tmp_path / "lane", tmp_path / "general"
+    assert run_worker(stream, lane_out, lane=True)[0] == 2  # the last two, in the lane
+    run_worker(stream, general_out, lane=False)
+    lane, general = split(lane_out.read_bytes()), split(general_out.read_bytes())
+    assert lane == general
+    replies = [msgpack.unpackb(r, strict_map_key=False) for r in lane]
+    where = ["args[0]", "kwargs[\"a\"]", "a key of args[0][1]", "timeout", "a key of kwargs"]
+    for rid, (reply, at) in enumerate(zip(replies, where), 1):
+        assert reply[:2] == ["error", rid] and reply[2]["type"] == "bad_argument", reply
+        assert reply[2]["message"].startswith(
+            f"could not decode {at}: unknown extension type code -1"
+        ), reply
+    assert replies[5:] == [["ok", 6, b"\xd6\xff\x00\x00\x00\x01"], ["ok", 7, 213]]

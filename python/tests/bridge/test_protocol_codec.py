@@ -286,3 +286,81 @@ def test_extension_nesting_is_bounded():
         body = msgpack.packb(msgpack.ExtType(2, b"\x91" + body))
     with pytest.raises(BadArgument, match="nest deeper than 64"):
         unpackb(body)
+
+
+# -- msgpack's timestamp (ext type -1): not a type of the protocol ---------------------------
+
+#: A timestamp in each form msgpack's unpacker reads as one (it builds the Timestamp itself,
+#: never calling the ext hook): fixext 4 and 8 and ext 8 of 12 bytes (what msgpack writes),
+#: and ext 8, 16 and 32 of 4, 8 or 12 bytes (what it reads all the same).
+TIMESTAMPS = {
+    "fixext4": msgpack.packb(msgpack.Timestamp(1, 0)),
+    "fixext8": msgpack.packb(msgpack.Timestamp(2**33, 5)),
+    "ext8_12": msgpack.packb(msgpack.Timestamp(2**40, 5)),
+    "ext8_4": b"\xc7\x04\xff" + bytes(4),
+    "ext16_8": b"\xc8\x00\x08\xff" + bytes(8),
+    "ext32_12": b"\xc9\x00\x00\x00\x0c\xff" + bytes(12),
+}
+SAMPLE = packb("vllm_bridge.bridge.diag.Sample")
+#: Where one may sit: the body, an array's item, a map's value and key, a tuple's item,
+#: a dataclass's field (the last two: inside another extension's payload).
+PLACES = {
+    "body": lambda ts: ts,
+    "item": lambda ts: b"\x92\x01" + ts,
+    "value": lambda ts: b"\x81\xa1a" + ts,
+    "key": lambda ts: b"\x81" + ts + b"\x01",
+    "tuple": lambda ts: msgpack.packb(msgpack.ExtType(2, b"\x91" + ts)),
+    "field": lambda ts: msgpack.packb(msgpack.ExtType(4, b"\x92" + SAMPLE + b"\x81\xa4name" + ts)),
+}
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("form", TIMESTAMPS)
+def test_a_timestamp_is_refused_on_input(form, place):
+    assert isinstance(msgpack.unpackb(TIMESTAMPS[form]), msgpack.Timestamp)  # msgpack's own
+    with pytest.raises(BadArgument, match=r"unknown extension type code -1 \(msgpack's timestamp"):
+        unpackb(PLACES[place](TIMESTAMPS[form]))
+
+
+def test_a_timestamp_across_a_mib_of_a_large_frame_is_refused():
+    # A frame of 1 MiB or more, read into a buffer of its own, is looked at a MiB at a time;
+    # here the timestamp's header starts in the first MiB and ends in the second.
+    filler = (1 << 20) - 7
+    body = b"\x92\xc6" + struct.pack(">I", filler) + bytes(filler) + TIMESTAMPS["fixext4"]
+    assert body.index(b"\xd6\xff") == (1 << 20) - 1
+    with pytest.raises(BadArgument, match="unknown extension type code -1"):
+        unpackb(memoryview(bytearray(body)))
+
+
+def test_the_bytes_of_a_timestamp_header_elsewhere_decode():
+    value = [b"\xd6\xff\x00\x00\x00\x01", 0xD6, -1, b"\xc9\x00\x00\x00\x0c\xff", "x"]
+    assert unpackb(packb(value)) == value
+    big = [bytes(1 << 20) + b"\xd7\xff" + bytes(8), -1]
+    assert unpackb(memoryview(bytearray(packb(big)))) == big
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        msgpack.Timestamp(1, 0),
+        [1, msgpack.Timestamp(2**40, 5)],
+        {"a": msgpack.Timestamp(1, 0)},
+        {msgpack.Timestamp(1, 0): 1},
+        (msgpack.Timestamp(1, 0),),
+        Sample("a", payload=[msgpack.Timestamp(1, 0)]),
+    ],
+    ids=["alone", "item", "value", "key", "tuple", "field"],
+)
+def test_a_timestamp_is_refused_on_output(value):
+    # msgpack packs one itself (ext -1), never asking the encoder's default: refused,
+    # also where anything else without an encoding would become a reference.
+    made = []
+    for make_ref in (None, lambda obj: made.append(obj) or Ref("00" * 8, 1, "s", "x")):
+        with pytest.raises(TypeError, match="msgpack Timestamp .* has no encoding"):
+            Encoder(registry_for()).packb(value, make_ref)
+    assert made == []
+
+
+def test_the_bytes_of_a_timestamp_header_elsewhere_encode():
+    value = [b"\xd6\xff\x00\x00\x00\x01", 0xD6, -1, (b"\xc7\x0c\xff",), {"k": b"\xd7\xff"}]
+    assert unpackb(packb(value)) == value

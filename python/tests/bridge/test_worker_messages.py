@@ -227,6 +227,13 @@ def test_atoms_become_enum_members_by_annotation(shared_worker):
             "bad_argument",
             "unknown extension type code 9",
         ),
+        (  # msgpack's timestamp (ext -1), which msgpack decodes without the ext hook
+            msgpack.packb(["call", 14, None, None, ["m", D, "echo"], [msgpack.Timestamp(1, 0)],
+                           {}]),  # fmt: skip
+            14,
+            "bad_argument",
+            "could not decode args[0]: unknown extension type code -1",
+        ),
     ],
 )
 def test_malformed_frames_get_an_error_and_the_worker_keeps_serving(

@@ -7,7 +7,7 @@
    :class:`PendingStruct` / :class:`PendingEnum` (class name and fields). A value Python
    cannot take as it was meant - a map whose key cannot be hashed, a map whose keys are
    equal once decoded (``1`` and ``True``, ``:a`` and ``"a"``), nesting past msgpack's
-   limit, a malformed extension payload - raises
+   limit, a malformed extension payload, msgpack's own timestamp (ext -1) - raises
    :class:`~vllm_bridge.bridge.protocol.errors.BadArgument` naming what and where
    (:mod:`~vllm_bridge.bridge.protocol.locate` finds where, on that path only); malformed
    msgpack raises :class:`~vllm_bridge.bridge.protocol.errors.ProtocolError`. A dict never
@@ -33,7 +33,13 @@ from vllm_bridge.bridge.protocol.registry import TypeRegistry, coerce_atom
 from vllm_bridge.bridge.protocol.splice import SPLICE_MIN_FRAME, Spliced, splice_tensors
 from vllm_bridge.bridge.protocol.slots import SlotDir, split_payload
 from vllm_bridge.bridge.protocol.tensors import decode_tensor, parse_slot_header, tensor_from_slot
-from vllm_bridge.bridge.protocol.types import Atom, ExtCode, Ref
+from vllm_bridge.bridge.protocol.types import (
+    TIMESTAMP_REFUSED,
+    Atom,
+    ExtCode,
+    Ref,
+    timestamp_header_in,
+)
 
 #: How deeply extension values (tuples in tuples, ...) may nest inside one another.
 MAX_EXT_DEPTH = 64
@@ -80,7 +86,8 @@ class Decoder:
         ``pass.hook`` and :func:`checked_dict` as ``msgpack.unpackb``'s ``ext_hook`` and
         ``object_pairs_hook`` (and ``strict_map_key=False``) decode as :meth:`decode` does;
         ``pass.special`` says what :attr:`Decoded.special` would (reset it before each
-        use). A failure is named by :func:`undecodable`."""
+        use), and :func:`refuse_timestamps` refuses what msgpack decodes without the hook.
+        A failure is named by :func:`undecodable`."""
         return _Pass(None, slots=self.slots)
 
     def decode(self, data: bytes | bytearray | memoryview) -> Decoded:
@@ -95,8 +102,10 @@ class Decoder:
         # call is skipped, one Python call fewer per small request).
         spliced = splice_tensors(data) if len(data) >= SPLICE_MIN_FRAME else None
         p = _Pass(spliced, slots=self.slots)
+        body = spliced.body if spliced is not None else data
         try:
-            value = p.unpack(spliced.body if spliced is not None else data)
+            value = p.unpack(body)
+            refuse_timestamps(body, value)
         except Exception as exc:  # noqa: BLE001 - every failure is named, then re-raised
             raise undecodable(data, exc) from None
         return Decoded(value, p.special)
@@ -116,6 +125,34 @@ def undecodable(data: bytes | bytearray | memoryview, exc: Exception) -> BadArgu
     if value_error:
         return BadArgument(f"could not decode the frame: {what}")
     return ProtocolError(f"undecodable frame: {what}")
+
+
+def refuse_timestamps(body: bytes | bytearray | memoryview, value: Any) -> None:
+    """Raise :class:`BadArgument` when ``value``, decoded from ``body``, holds a
+    ``msgpack.Timestamp``: msgpack decodes ext -1 itself, never asking the ext hook, and
+    the protocol has no such type (nor has the Elixir codec). Only a body with the bytes of
+    its header is walked."""
+    if timestamp_header_in(body) and _holds_timestamp(value):
+        raise BadArgument(TIMESTAMP_REFUSED)
+
+
+def _holds_timestamp(value: Any) -> bool:
+    # What a decoded value can hold another in: arrays, maps (keys too), tuples (ext 2),
+    # dataclass fields (ext 4). A stack, not recursion: a body nests up to msgpack's limit.
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is list or t is tuple:
+            stack.extend(v)
+        elif t is dict:
+            stack.extend(v)
+            stack.extend(v.values())
+        elif t is PendingStruct:
+            stack.append(v.fields)
+        elif t is msgpack.Timestamp:
+            return True
+    return False
 
 
 class Pairs(list):  # type: ignore[type-arg]

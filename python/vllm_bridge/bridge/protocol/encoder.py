@@ -23,10 +23,17 @@ import msgpack
 import numpy as np
 import torch
 
+from vllm_bridge.bridge.protocol.errors import short_repr
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.slots import SlotDir, slot_payload
 from vllm_bridge.bridge.protocol.tensors import can_encode, tensor_parts
-from vllm_bridge.bridge.protocol.types import Atom, ExtCode, Ref, qualified_name
+from vllm_bridge.bridge.protocol.types import (
+    Atom,
+    ExtCode,
+    Ref,
+    qualified_name,
+    timestamp_header_in,
+)
 
 Segment = Union[bytes, memoryview]
 #: Turns an object that cannot travel by value into a reference (owned by a session).
@@ -126,6 +133,8 @@ class _Pass:
 
     def pack(self, value: Any) -> list[Segment]:
         data = msgpack.packb(value, default=self.default, strict_types=True, use_bin_type=True)
+        if b"\xff" in data and timestamp_header_in(data):
+            _refuse_timestamp(value)
         if not self.spliced:
             return [data]
         return self._splice(data)
@@ -244,3 +253,25 @@ class _Pass:
                 "is there to hold a reference to it"
             )
         return self.default(self.make_ref(obj))
+
+
+def _refuse_timestamp(value: Any) -> None:
+    """Raise ``TypeError`` for a ``msgpack.Timestamp`` that msgpack packed as part of
+    ``value`` (as ext -1, without asking :meth:`_Pass.default`: not a type of the protocol,
+    and the Elixir codec refuses it). Only what msgpack packs itself is walked, exact lists
+    and dicts: anything else went through ``default``, whose payloads :meth:`_Pass.pack`
+    checks as it packs them."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is list:
+            stack.extend(v)
+        elif t is dict:
+            stack.extend(v)
+            stack.extend(v.values())
+        elif t is msgpack.Timestamp:
+            raise TypeError(
+                f"a msgpack Timestamp ({short_repr(v, 80)}) has no encoding in this protocol "
+                "(ext -1 is not in its table); convert it first (to_unix_nano(), say)"
+            )

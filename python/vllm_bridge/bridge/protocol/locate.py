@@ -21,7 +21,7 @@ from vllm_bridge.bridge.protocol.describe import colliding_keys, hashable, unhas
 from vllm_bridge.bridge.protocol.errors import BadArgument
 from vllm_bridge.bridge.protocol.slots import split_payload
 from vllm_bridge.bridge.protocol.tensors import check_tensor_payload, parse_slot_header
-from vllm_bridge.bridge.protocol.types import ExtCode
+from vllm_bridge.bridge.protocol.types import TIMESTAMP_REFUSED, ExtCode
 
 #: msgpack's own nesting limit for one value (the C unpacker's stack).
 MSGPACK_DEPTH = 1024
@@ -216,6 +216,8 @@ def _each_value(cur: _Cursor, name: str, lenient: Callable[[], Any]) -> Found | 
             raise
         except Exception as exc:  # noqa: BLE001
             return (f"a key of {name}", describe_failure(exc))
+        if type(key) is msgpack.Timestamp:
+            return (f"a key of {name}", TIMESTAMP_REFUSED)
         found = _one(cur, f"{name}[{wire_repr(key)}]", lenient)
         if found is not None:
             return found
@@ -264,13 +266,18 @@ def _holds_nothing(raw: memoryview) -> bool:
 
 
 def _first_bad_map(value: Any, path: str) -> Found | None:
-    """The first map under ``value`` with a key Python cannot hash or two equal keys."""
+    """The first map under ``value`` with a key Python cannot hash or two equal keys, or
+    the first msgpack timestamp (ext -1, which msgpack decodes without the ext hook)."""
     from vllm_bridge.bridge.protocol.decoder import Pairs, PendingStruct
 
+    if type(value) is msgpack.Timestamp:
+        return (path, TIMESTAMP_REFUSED)
     if isinstance(value, Pairs):
         for key, _ in value:
             if not hashable(key):
                 return (path, unhashable_key(key))
+            if type(key) is msgpack.Timestamp:
+                return (f"a key of {path}", TIMESTAMP_REFUSED)
         if len({k for k, _ in value}) != len(value):
             return (path, colliding_keys(list(value)))
         for key, item in value:

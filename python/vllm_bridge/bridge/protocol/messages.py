@@ -106,6 +106,12 @@ class Control:
     info: dict[str, Any] | None = None
 
 
+#: The longest timeout, either way (ms): the BEAM's longest wait, 2^32 - 1 ms (about 49.7
+#: days; @max_ms in lib/vllm_bridge/call/runtime.ex), more than the Elixir side sends.
+#: Beyond it a number is refused, not made a deadline: a big integer (ext 7) does not fit
+#: a float, an infinity is no deadline, and a huge negative one no different from -1.
+MAX_TIMEOUT_MS = 4_294_967_295
+
 _ARITY = {
     "call": 7,
     "stream": 7,
@@ -268,7 +274,10 @@ def plain_call(msg: list[Any], now: float) -> Invoke | None:
         and (session is None or type(session) is str)
         and (
             timeout is None
-            or ((type(timeout) is int or type(timeout) is float) and timeout == timeout)
+            or (
+                (type(timeout) is int or type(timeout) is float)
+                and -MAX_TIMEOUT_MS <= timeout <= MAX_TIMEOUT_MS  # (False for NaN)
+            )
         )
         and type(target) is list
         and len(target) == 3
@@ -298,10 +307,14 @@ def _session(value: Any, kind: str, rid: int) -> str | None:
 def _deadline(value: Any, kind: str, rid: int, now: float) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not -MAX_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS  # NaN, too: never in range
+    ):
         raise RequestError(
-            f"{kind} timeout must be nil or a number of milliseconds, got "
-            f"{short_repr(value, 60)}",
+            f"{kind} timeout must be nil or a number of milliseconds of at most "
+            f"{MAX_TIMEOUT_MS} either way, got {short_repr(value, 60)}",
             rid,
         )
     return now + value / 1000.0

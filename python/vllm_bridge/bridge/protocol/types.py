@@ -4,7 +4,8 @@
   keyword names and compare equal to the plain string of the same name.
 * :class:`Ref` - an object reference (ext 6): an object that lives in one worker process
   and is owned by one session.
-* :class:`ExtCode` - the one table of msgpack extension codes (docs/PROTOCOL.md).
+* :class:`ExtCode` - the one table of msgpack extension codes (docs/PROTOCOL.md); msgpack's
+  own ext -1 (its timestamp) is not in it: :func:`timestamp_header_in` finds its bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,39 @@ class ExtCode(enum.IntEnum):
     REF = 6
     BIGINT = 7
     SLOT_TENSOR = 8
+
+
+#: The headers msgpack reads as its timestamp (ext -1 of 4, 8 or 12 bytes, in every ext form:
+#: fixext 4 and 8, ext 8, 16 and 32). Its unpacker builds a ``msgpack.Timestamp`` from them
+#: without calling ``ext_hook`` (its ``timestamp`` option only picks what it becomes), and
+#: its packer writes one without calling ``default``: the codec looks for these bytes.
+_TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff") + tuple(
+    form + n.to_bytes(size, "big") + b"\xff"
+    for form, size in ((b"\xc7", 1), (b"\xc8", 2), (b"\xc9", 4))
+    for n in (4, 8, 12)
+)
+#: A chunk of a memoryview searched at a time (``bytes.find`` takes no view: a copy each).
+_CHUNK = 1 << 20
+#: What a chunk repeats of the one before: a header cut at its end is found whole.
+_OVERLAP = max(map(len, _TIMESTAMP_HEADERS)) - 1
+
+#: A refusal's message for a msgpack timestamp (ext -1): the decoder's for an unknown code.
+TIMESTAMP_REFUSED = (
+    "unknown extension type code -1 (msgpack's timestamp, not a type of this protocol)"
+)
+
+
+def timestamp_header_in(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``data`` holds the bytes of a msgpack timestamp's header somewhere (a
+    header, or the same bytes inside another value: a bin's, a tensor's). A search in C,
+    a byte 0xFF first (a common small request has none)."""
+    if not isinstance(data, memoryview):
+        return b"\xff" in data and any(h in data for h in _TIMESTAMP_HEADERS)
+    view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    return any(
+        timestamp_header_in(view[i : i + _CHUNK + _OVERLAP].tobytes())
+        for i in range(0, len(view), _CHUNK)
+    )
 
 
 class Atom(str):

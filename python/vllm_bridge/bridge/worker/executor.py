@@ -75,6 +75,7 @@ class Executor(ExecutorControl):
         hold: Callable[[Any], bool] | None = None,
         flush: Callable[[], None] = lambda: None,
         ended: Callable[[], None] | None = None,
+        unhandled: Callable[[bytearray | memoryview, Exception], None] | None = None,
     ) -> None:
         """
         Args:
@@ -106,6 +107,9 @@ class Executor(ExecutorControl):
             ended: Called on the execution thread after each request, once every frame
                 that ran it has ended (the worker's journal of exceptions lets go of
                 their locals: ``Sessions.release_locals``).
+            unhandled: Answers a frame whose ``on_frame`` (or ``own_frame``) raised after
+                all, with what it raised (the worker: an error under the id read from the
+                frame's first bytes); the thread that read it reads on. ``None``: logged.
         """
         self._handle = handle
         self._expired = expired
@@ -121,6 +125,7 @@ class Executor(ExecutorControl):
         self._hold = hold
         self._flush = flush
         self._ended = ended
+        self._unhandled = unhandled
         self._holding = False  # this thread held a reply since it last flushed
         self._queue: deque[Request] = deque()
         # The condition's lock, entered directly where no wait or notify follows: `with` on a
@@ -279,7 +284,11 @@ class Executor(ExecutorControl):
             body = self._read()
             if body is None:
                 return None
-            request = self._own_frame(body)
+            try:
+                request = self._own_frame(body)
+            except Exception as exc:  # a last guard (on_frame answers its own): read on
+                self._frame_failed(body, exc)
+                continue
             if request is None:
                 continue
             with self._lock:

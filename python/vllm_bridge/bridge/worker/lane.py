@@ -9,12 +9,12 @@ more in its own layers than in decoding, calling and encoding
 frames:
 
 * :meth:`CallLane.on_frame` (the execution thread's frames only: the watcher's go the
-  general way) decodes with the decoder's own extension hook and map check, reusing one
-  decoding pass, and checks the common call's shape inline. Anything else (another kind,
-  a reference, dataclass or enum value, a frame large enough to splice, a malformed
-  message) goes on to the general path *with what was decoded* (a slot tensor is read
-  once), and a body that cannot be decoded is refused exactly as the general path
-  refuses it (:meth:`Worker.undecodable`).
+  general way) decodes with the decoder's own extension hook, map check and refusal of
+  msgpack's timestamp, reusing one decoding pass, and checks the common call's shape
+  inline. Anything else (another kind, a reference, dataclass or enum value, a frame
+  large enough to splice, a malformed message) goes on to the general path *with what
+  was decoded* (a slot tensor is read once), and a body that cannot be decoded is
+  refused exactly as the general path refuses it (:meth:`Worker.undecodable`).
 * The request is an ordinary :class:`~vllm_bridge.bridge.protocol.messages.Invoke` marked
   ``lane``: the executor begins, times out, cancels, hands the reading role over and
   answers it as any other (nothing of that is done here).
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from vllm_bridge.bridge.protocol.decoder import Decoder, checked_dict
+from vllm_bridge.bridge.protocol.decoder import Decoder, checked_dict, refuse_timestamps
 from vllm_bridge.bridge.protocol.messages import Invoke, Request, plain_call
 from vllm_bridge.bridge.worker.coerce import coerce_arguments
 from vllm_bridge.bridge.worker.dispatch import Dispatcher, Frame
@@ -85,6 +85,10 @@ class CallLane:
             msg = msgpack.unpackb(
                 body, strict_map_key=False, ext_hook=self._hook, object_pairs_hook=checked_dict
             )
+            # Ext -1, which msgpack decodes without the hook: only a body with a byte 0xFF
+            # can hold one (the reader's small bodies are bytearrays: `in` looks for bytes).
+            if type(body) is not bytearray or b"\xff" in body:
+                refuse_timestamps(body, msg)
         except Exception as exc:  # noqa: BLE001 - refused as the general path refuses it
             return self._worker.undecodable(body, exc)
         if type(msg) is list and len(msg) == 7 and msg[0] == "call" and not p.special:

@@ -200,6 +200,7 @@ class Worker:
             hold=self.channel.hold if hold else None,
             flush=self.channel.flush,
             ended=self.sessions.release_locals,
+            unhandled=self._not_handled,
         )
         self.interrupter.again = self.executor.interrupt_again
 

@@ -55,6 +55,7 @@ class Watcher:
     _poll: float
     _reader: FrameReader
     _on_frame: Callable[[bytearray | memoryview], Request | None]
+    _unhandled: Callable[[bytearray | memoryview, Exception], None] | None
     _on_eof: Callable[[], None]
     _eof_told: bool
     _wake_w: int
@@ -116,7 +117,11 @@ class Watcher:
                 body = self._read()
                 if body is None:
                     return False
-                request = self._on_frame(body)
+                try:
+                    request = self._on_frame(body)
+                except Exception as exc:  # a last guard (on_frame answers its own)
+                    self._frame_failed(body, exc)
+                    request = None
                 # Neither may live on in this loop until the next frame arrives: a large
                 # body holds its own buffer, a request its decoded arguments.
                 del body
@@ -133,6 +138,18 @@ class Watcher:
                     return True
 
     # -- both threads ------------------------------------------------------------------
+
+    def _frame_failed(self, body: bytearray | memoryview, exc: Exception) -> None:
+        """Answer a frame whose handler raised ``exc`` (the executor's ``unhandled``), or
+        log it: the thread that read it must read on, whatever the frame held.
+        KeyboardInterrupt and SystemExit are not caught on the way here."""
+        try:
+            if self._unhandled is not None:
+                self._unhandled(body, exc)
+                return
+        except Exception as failed:  # noqa: BLE001 - logged below, with what it answered
+            _log.error("the frame's error reply could not be made: %r", failed)
+        _log.error("a frame of %d bytes could not be handled", len(body), exc_info=exc)
 
     def _read(self) -> bytearray | memoryview | None:
         """One frame; on EOF or a broken stream: stop (once) and return ``None``."""
