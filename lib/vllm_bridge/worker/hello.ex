@@ -9,6 +9,7 @@ defmodule VllmBridge.Worker.Hello do
 
   alias VllmBridge.Codec
   alias VllmBridge.Error
+  alias VllmBridge.Worker.Launcher
 
   @protocol_version 1
 
@@ -38,6 +39,27 @@ defmodule VllmBridge.Worker.Hello do
          :ok <- check_window(hello),
          :ok <- check_shm(hello) do
       {:ok, hello}
+    end
+  end
+
+  @doc """
+  Checks the `pid` of a checked hello against `os_pid`, the OS process of the worker's
+  port: it must be that process or one of its descendants (the interpreter under a
+  `python:` wrapper that forks it). The pid is this side's to kill; one that names any
+  other process (`-1`, `0`, the BEAM's, another user's program) is refused, naming both.
+  """
+  @spec check_pid(t(), integer() | nil) :: :ok | {:error, Error.t()}
+  def check_pid(%{"pid" => pid}, os_pid) do
+    if Launcher.descendant?(pid, os_pid) do
+      :ok
+    else
+      {:error,
+       Error.new(
+         :protocol,
+         "the worker's hello names os pid #{inspect(pid)}, which is neither its own " <>
+           "process (os pid #{inspect(os_pid)}) nor one of that process's descendants; " <>
+           "refusing it"
+       )}
     end
   end
 
