@@ -9,7 +9,7 @@ defmodule VllmBridge.Worker.Hello do
 
   alias VllmBridge.Codec
   alias VllmBridge.Error
-  alias VllmBridge.Worker.Launcher
+  alias VllmBridge.Worker.{Describe, Launcher}
 
   @protocol_version 1
 
@@ -155,7 +155,7 @@ defmodule VllmBridge.Worker.Hello do
   defp check_hello({:ok, ["hello", %{"protocol" => @protocol_version} = hello]}) do
     case hello do
       %{"import_errors" => failed} when is_map(failed) and map_size(failed) > 0 ->
-        list = Enum.map_join(Enum.sort(failed), "; ", fn {m, why} -> "#{m} (#{why})" end)
+        list = import_errors(failed)
 
         {:error,
          Error.new(
@@ -188,4 +188,20 @@ defmodule VllmBridge.Worker.Hello do
 
   defp check_hello({:error, reason}),
     do: {:error, Error.new(:protocol, "undecodable handshake: #{reason}")}
+
+  # The modules that failed to import and why, each a string from our worker; anything
+  # else (a worker of one's own) described briefly. At most @shown_errors of them.
+  @shown_errors 20
+  defp import_errors(failed) do
+    shown =
+      failed
+      |> Enum.take(@shown_errors)
+      |> Enum.map(fn {m, why} -> "#{named(m)} (#{named(why)})" end)
+      |> Enum.sort()
+
+    more = map_size(failed) - length(shown)
+    Enum.join(shown, "; ") <> if(more > 0, do: "; and #{more} more", else: "")
+  end
+
+  defp named(value), do: Describe.text(value) || Describe.item(value)
 end
