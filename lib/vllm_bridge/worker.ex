@@ -175,7 +175,8 @@ defmodule VllmBridge.Worker do
   def status(state) do
     %{
       phase: state.phase,
-      os_pid: state.os_pid,
+      # The Python process's (its rss in VllmBridge.Pool.Status), as Worker.os_pid/1.
+      os_pid: state.python_pid || state.os_pid,
       device: state.hello && state.hello["device"],
       in_flight: Calls.size(state.calls),
       calls: Calls.targets(state.calls)

@@ -13,7 +13,8 @@ handshake or to send a frame header over the limit, so this one does, on purpose
   without answering them, then write a header declaring ``FAKE_WORKER_DECLARE`` bytes
   (default 4 GiB - 1) and a few bytes of "body", and wait for EOF (or to be killed).
   With ``FAKE_WORKER_ANSWER=1`` the requests are answered (``["ok", id, "answered"]``)
-  in the same write as the header, before it.
+  in the same write as the header, before it; with ``FAKE_WORKER_LINGER=1`` it sleeps
+  two minutes after the header instead of reading fd 3 (only a kill ends it sooner).
 * ``hello_chunk`` - one write holding the hello, a log record ("first") and the first
   two bytes of a second record's header; a moment later the rest of that record
   ("second"); then answer every request with ``["ok", id, "served"]`` until EOF.
@@ -25,10 +26,19 @@ handshake or to send a frame header over the limit, so this one does, on purpose
   then a last chunk (also within the window): the list of the credits it read, and the
   end. Other requests are
   ignored. A reader that does not take the window from the hello stalls it.
+* ``serve``   - a valid hello, then answer every request with ``["ok", id, "served"]``
+  until EOF.
+* ``bad_logs`` - as ``serve``, but before each answer write one ``log`` frame of each
+  shape a careless worker might send (``FAKE_WORKER_LOG_CASES``, below).
+
+Whatever the mode, ``FAKE_WORKER_HELLO_PID`` (an integer) is the ``pid`` its hello
+announces in place of its own (a worker that lies about its process), and
+``FAKE_WORKER_HELLO_EXTRA`` (a Python literal of a dict) is merged into its hello.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import struct
 import sys
@@ -100,7 +110,40 @@ def _serve_windowed() -> int:
 
 
 def _hello(**extra: object) -> dict[str, object]:
-    return {"protocol": 1, "pid": os.getpid(), "instance": os.urandom(8).hex(), **extra}
+    pid = int(os.environ.get("FAKE_WORKER_HELLO_PID", os.getpid()))
+    more = ast.literal_eval(os.environ.get("FAKE_WORKER_HELLO_EXTRA", "{}"))
+    return {"protocol": 1, "pid": pid, "instance": os.urandom(8).hex(), **extra, **more}
+
+
+# ``log`` frames of the wrong shape: a level, logger name or message that is not a
+# string, a frame too short or too long, a huge message.
+BAD_LOGS: list[list[object]] = [
+    ["log", "error", {"a": 1}, "msg"],
+    ["log", "error", "name", {"a": 1}],
+    ["log", "error", ["a", 1], ["b", 2]],
+    ["log", 7, 8, 9],
+    ["log", {"level": 1}, "name", "msg"],
+    ["log", "error", "name", b"\xff" * 3_000_000],
+    ["log", "error", "x" * 3_000_000, "msg"],
+    ["log", "error"],
+    ["log"],
+    ["log", "error", "name", "msg", "extra"],
+    ["log", None, None, None],
+]
+
+
+def _serve(bad_logs: bool) -> int:
+    """The ``serve`` and ``bad_logs`` modes."""
+    _write(msgpack.packb(["hello", _hello()]))
+    try:
+        while True:
+            request_id = _request_id()
+            out = b""
+            if bad_logs:
+                out = b"".join(_frame(msgpack.packb(log)) for log in BAD_LOGS)
+            os.write(4, out + _frame(msgpack.packb(["ok", request_id, "served"])))
+    except EOFError:
+        return 0
 
 
 def main() -> int:
@@ -133,6 +176,8 @@ def main() -> int:
             return 0
         declared = int(os.environ.get("FAKE_WORKER_DECLARE", str(0xFFFF_FFFF)))
         os.write(4, answers + struct.pack(">I", declared) + b"\x93" * 100)
+        if os.environ.get("FAKE_WORKER_LINGER") == "1":
+            time.sleep(120)  # deaf to EOF: only a kill ends it in time
         _wait_for_eof()
         return 0
     if mode == "hello_chunk":
@@ -157,6 +202,8 @@ def main() -> int:
         return 0
     if mode == "window":
         return _serve_windowed()
+    if mode in ("serve", "bad_logs"):
+        return _serve(mode == "bad_logs")
     sys.stderr.write(f"runtime_fake_worker: unknown FAKE_WORKER_MODE {mode!r}\n")
     return 2
 

@@ -84,7 +84,7 @@ defmodule VllmBridge.Worker.Cancel do
           VllmBridge.Worker.LogMeta.of(state)
         )
 
-        Launcher.kill(state.os_pid)
+        Launcher.kill_worker(state.os_pid, state.python_pid)
         # Every call that loses its worker, and every session lost with it, says why.
         %{state | killed: why}
     end

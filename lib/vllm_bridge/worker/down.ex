@@ -62,7 +62,7 @@ defmodule VllmBridge.Worker.Down do
   # down.
   @spec too_large(map(), non_neg_integer()) :: {:stop, term(), map()}
   def too_large(state, len) do
-    Launcher.kill(state.os_pid)
+    Launcher.kill_worker(state.os_pid, state.python_pid)
     down(state, Launcher.too_large_message(state.os_pid, len, state.max_frame))
   end
 
@@ -95,7 +95,9 @@ defmodule VllmBridge.Worker.Down do
 
     calls = Calls.fail_all(state.calls, message)
 
-    if state.port, do: Launcher.close(state.port, state.os_pid, state.shutdown_grace)
+    if state.port,
+      do: Launcher.close(state.port, state.os_pid, state.shutdown_grace, state.python_pid)
+
     # Down once: terminate/2 runs this again, and must not overwrite the reason recorded.
     %{state | calls: calls, port: nil, instance: nil}
   end

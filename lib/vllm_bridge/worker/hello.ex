@@ -9,6 +9,7 @@ defmodule VllmBridge.Worker.Hello do
 
   alias VllmBridge.Codec
   alias VllmBridge.Error
+  alias VllmBridge.Worker.{Describe, Launcher}
 
   @protocol_version 1
 
@@ -38,6 +39,27 @@ defmodule VllmBridge.Worker.Hello do
          :ok <- check_window(hello),
          :ok <- check_shm(hello) do
       {:ok, hello}
+    end
+  end
+
+  @doc """
+  Checks the `pid` of a checked hello against `os_pid`, the OS process of the worker's
+  port: it must be that process or one of its descendants (the interpreter under a
+  `python:` wrapper that forks it). The pid is this side's to kill; one that names any
+  other process (`-1`, `0`, the BEAM's, another user's program) is refused, naming both.
+  """
+  @spec check_pid(t(), integer() | nil) :: :ok | {:error, Error.t()}
+  def check_pid(%{"pid" => pid}, os_pid) do
+    if Launcher.descendant?(pid, os_pid) do
+      :ok
+    else
+      {:error,
+       Error.new(
+         :protocol,
+         "the worker's hello names os pid #{inspect(pid)}, which is neither its own " <>
+           "process (os pid #{inspect(os_pid)}) nor one of that process's descendants; " <>
+           "refusing it"
+       )}
     end
   end
 
@@ -133,7 +155,7 @@ defmodule VllmBridge.Worker.Hello do
   defp check_hello({:ok, ["hello", %{"protocol" => @protocol_version} = hello]}) do
     case hello do
       %{"import_errors" => failed} when is_map(failed) and map_size(failed) > 0 ->
-        list = Enum.map_join(Enum.sort(failed), "; ", fn {m, why} -> "#{m} (#{why})" end)
+        list = import_errors(failed)
 
         {:error,
          Error.new(
@@ -166,4 +188,20 @@ defmodule VllmBridge.Worker.Hello do
 
   defp check_hello({:error, reason}),
     do: {:error, Error.new(:protocol, "undecodable handshake: #{reason}")}
+
+  # The modules that failed to import and why, each a string from our worker; anything
+  # else (a worker of one's own) described briefly. At most @shown_errors of them.
+  @shown_errors 20
+  defp import_errors(failed) do
+    shown =
+      failed
+      |> Enum.take(@shown_errors)
+      |> Enum.map(fn {m, why} -> "#{named(m)} (#{named(why)})" end)
+      |> Enum.sort()
+
+    more = map_size(failed) - length(shown)
+    Enum.join(shown, "; ") <> if(more > 0, do: "; and #{more} more", else: "")
+  end
+
+  defp named(value), do: Describe.text(value) || Describe.item(value)
 end

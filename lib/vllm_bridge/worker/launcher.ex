@@ -271,11 +271,13 @@ defmodule VllmBridge.Worker.Launcher do
 
   @doc """
   Closes the port (the worker sees EOF and exits) and waits up to `grace` ms for the OS
-  process to be gone; kills it with SIGKILL if it is still there. Returns `:exited` when
-  the process left by itself, `:killed` when it had to be killed (logged as a warning).
+  process to be gone; kills it with SIGKILL if it is still there (with `child`, the
+  Python process under a `python:` wrapper that forks, as `kill_worker/2` does). Returns
+  `:exited` when the process left by itself, `:killed` when it had to be killed (logged
+  as a warning).
   """
-  @spec close(port(), non_neg_integer() | nil, non_neg_integer()) :: :exited | :killed
-  def close(port, os_pid, grace) do
+  @spec close(port(), integer() | nil, non_neg_integer(), integer() | nil) :: :exited | :killed
+  def close(port, os_pid, grace, child \\ nil) do
     try do
       Port.close(port)
     rescue
@@ -288,18 +290,92 @@ defmodule VllmBridge.Worker.Launcher do
           "of its port closing; killing it"
       )
 
-      kill(os_pid)
+      kill_worker(os_pid, child)
       :killed
     else
       :exited
     end
   end
 
-  @doc "Sends SIGKILL to an OS process."
-  @spec kill(non_neg_integer()) :: :ok
-  def kill(os_pid) when is_integer(os_pid) do
-    System.cmd("kill", ["-KILL", Integer.to_string(os_pid)], stderr_to_stdout: true)
+  @doc """
+  Kills a worker's processes with SIGKILL: `os_pid`, the port's own OS process, and
+  before it `child` (the pid its hello announced), only when that is another process and
+  still one of `os_pid`'s descendants (a `python:` wrapper that forks the interpreter;
+  once the wrapper is gone, its child's parent changes and could not be told from any
+  other process). A pid the worker merely announced is never killed.
+  """
+  @spec kill_worker(integer() | nil, integer() | nil) :: :ok
+  def kill_worker(os_pid, child) do
+    if is_integer(os_pid) and is_integer(child) and child != os_pid and
+         descendant?(child, os_pid),
+       do: kill(child)
+
+    if os_pid, do: kill(os_pid)
     :ok
+  end
+
+  @doc """
+  Sends SIGKILL to an OS process. Refuses (an error naming the pid, logged) anything but
+  a pid above 1, and the BEAM's own: `kill -KILL -1` would kill every process of the
+  user, 0 the BEAM's process group.
+  """
+  @spec kill(term()) :: :ok | {:error, Error.t()}
+  def kill(os_pid) do
+    if is_integer(os_pid) and os_pid > 1 and os_pid != beam_os_pid() do
+      System.cmd("kill", ["-KILL", Integer.to_string(os_pid)], stderr_to_stdout: true)
+      :ok
+    else
+      e =
+        Error.new(
+          :bad_argument,
+          "refusing to kill os pid #{inspect(os_pid)}: only a worker's own process " <>
+            "(a pid above 1, not the BEAM's #{beam_os_pid()}) is killed"
+        )
+
+      Logger.error("vllm_bridge: #{e.message}")
+      {:error, e}
+    end
+  end
+
+  defp beam_os_pid, do: String.to_integer(System.pid())
+
+  # Parents followed at most (a chain longer than this is not a wrapper's).
+  @max_depth 64
+
+  @doc """
+  Whether OS process `pid` is `ancestor` or one of its descendants, by the chain of
+  parents in Linux `/proc/<pid>/stat` (false when a process on the way is gone, or
+  either pid is not above 1).
+  """
+  @spec descendant?(term(), term()) :: boolean()
+  def descendant?(pid, ancestor)
+      when is_integer(pid) and is_integer(ancestor) and pid > 1 and ancestor > 1,
+      do: descends(pid, ancestor, @max_depth)
+
+  def descendant?(_pid, _ancestor), do: false
+
+  defp descends(pid, pid, _depth), do: true
+  defp descends(pid, _ancestor, depth) when pid <= 1 or depth == 0, do: false
+
+  defp descends(pid, ancestor, depth) do
+    case parent(pid) do
+      {:ok, ppid} -> descends(ppid, ancestor, depth - 1)
+      :error -> false
+    end
+  end
+
+  # The parent of `pid`: the field after the state in /proc/<pid>/stat, which follows
+  # the command's name in parentheses (a name that may itself hold ") ").
+  defp parent(pid) do
+    with {:ok, stat} <- File.read("/proc/#{pid}/stat"),
+         [_ | _] = parens <- :binary.matches(stat, ")"),
+         {at, 1} = List.last(parens),
+         [_state, ppid | _] <- String.split(binary_part(stat, at + 1, byte_size(stat) - at - 1)),
+         {ppid, ""} <- Integer.parse(ppid) do
+      {:ok, ppid}
+    else
+      _ -> :error
+    end
   end
 
   @doc "Whether an OS process exists and is not a zombie (Linux `/proc`)."

@@ -7,22 +7,32 @@ defmodule VllmBridge.Worker.PythonLog do
 
   require Logger
 
-  @doc "Logs one `log` frame of the worker whose state is `state`; a malformed one is logged as such."
+  alias VllmBridge.Worker.Describe
+
+  @doc """
+  Logs one `log` frame of the worker whose state is `state`. One whose level, logger
+  name or message is not UTF-8 text, or that has other fields, is logged as malformed,
+  described briefly (`VllmBridge.Worker.Describe`): the worker goes on.
+  """
   @spec emit(binary(), map()) :: :ok
   def emit(bin, state) do
-    label = VllmBridge.Worker.label(state)
+    decoded = VllmBridge.Codec.decode(bin)
 
-    case VllmBridge.Codec.decode(bin) do
-      {:ok, ["log", level, name, message]} ->
-        Logger.log(
-          level(level),
-          fn -> "[python #{name}] #{message}" end,
-          [{:python_logger, name} | VllmBridge.Worker.LogMeta.of(state)]
-        )
-
-      other ->
+    with {:ok, ["log", level, name, message]} <- decoded,
+         level when is_binary(level) <- Describe.text(level),
+         name when is_binary(name) <- Describe.text(name),
+         true <- is_binary(Describe.text(message)) do
+      Logger.log(
+        level(level),
+        fn -> "[python #{name}] #{message}" end,
+        [{:python_logger, name} | VllmBridge.Worker.LogMeta.of(state)]
+      )
+    else
+      _ ->
         Logger.warning(
-          "vllm_bridge worker #{label}: malformed log frame #{inspect(other)}",
+          "vllm_bridge worker #{VllmBridge.Worker.label(state)}: malformed log frame " <>
+            "(a log frame is [\"log\", level, name, message], each a string): " <>
+            Describe.frame(decoded),
           VllmBridge.Worker.LogMeta.of(state)
         )
     end

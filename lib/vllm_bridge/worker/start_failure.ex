@@ -30,7 +30,9 @@ defmodule VllmBridge.Worker.StartFailure do
       ArgumentError -> :ok
     end
 
-    if state.os_pid && Launcher.alive?(state.os_pid), do: Launcher.kill(state.os_pid)
+    if state.os_pid && Launcher.alive?(state.os_pid),
+      do: Launcher.kill_worker(state.os_pid, state.python_pid)
+
     %{state | port: nil}
   end
 

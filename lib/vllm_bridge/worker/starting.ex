@@ -84,7 +84,11 @@ defmodule VllmBridge.Worker.Starting do
         port: port,
         framer: Framer.new(),
         max_frame: min(Launcher.max_frame_bytes(opts), Wire.max_body_size()),
+        # The port's own OS process: the one process this side ever kills.
         os_pid: os_pid,
+        # The pid the hello announced once checked (VllmBridge.Worker.Hello.check_pid/2):
+        # os_pid, or the Python process under a python: wrapper that forks it.
+        python_pid: nil,
         # The process that logs the Python process's stdout and stderr.
         output: output,
         # When this start began (native units), and who hears of its progress.
@@ -172,8 +176,10 @@ defmodule VllmBridge.Worker.Starting do
         {:noreply, %{state | framer: framer}}
 
       {:ok, [hello | frames], framer} ->
-        case Hello.check(hello, state.max_frame) do
-          {:ok, hello} -> hello(%{state | framer: framer}, hello, frames)
+        with {:ok, hello} <- Hello.check(hello, state.max_frame),
+             :ok <- Hello.check_pid(hello, state.os_pid) do
+          hello(%{state | framer: framer}, hello, frames)
+        else
           {:error, e} -> start_failed(state, e)
         end
 
@@ -273,7 +279,7 @@ defmodule VllmBridge.Worker.Starting do
       state
       | hello: hello,
         instance: hello["instance"],
-        os_pid: hello["pid"],
+        python_pid: hello["pid"],
         stream_window: Hello.stream_window(hello),
         handshake_time: System.monotonic_time() - state.started_at,
         stderr: nil,

@@ -59,7 +59,7 @@ defmodule VllmBridge.Call.Wire.Args do
       end
 
     if n < 0 do
-      bad("args must be a proper list, got #{inspect(args, limit: 5)}")
+      bad("args must be a proper list, got #{inspect(args, limit: 8)}")
     else
       {:ok, [Msgpack.enc_array_header(n) | encode_each(args, 0)]}
     end
@@ -95,16 +95,33 @@ defmodule VllmBridge.Call.Wire.Args do
   defp kwargs(nil), do: {:ok, %{}}
   defp kwargs(kw) when kw == %{} or kw == [], do: {:ok, %{}}
 
-  defp kwargs(kw) when is_map(kw) or is_list(kw) do
+  defp kwargs(kw) when is_list(kw) and not is_map(kw) do
+    if proper?(kw) do
+      kwargs_of(kw)
+    else
+      bad(
+        "kwargs must be a map or a keyword list, got the improper list #{inspect(kw, limit: 8)}"
+      )
+    end
+  end
+
+  defp kwargs(kw) when is_map(kw), do: kwargs_of(kw)
+
+  defp kwargs(other),
+    do: bad("kwargs must be a map or a keyword list, got #{inspect(other, limit: 5)}")
+
+  # (Enum would raise on an improper list's tail, not an ArgumentError.)
+  defp proper?([]), do: true
+  defp proper?([_ | tail]), do: proper?(tail)
+  defp proper?(_tail), do: false
+
+  defp kwargs_of(kw) do
     Enum.reduce_while(kw, {:ok, %{}}, fn
       {k, v}, {:ok, acc} when is_atom(k) -> put_kwarg(acc, Atom.to_string(k), k, v)
       {k, v}, {:ok, acc} when is_binary(k) -> put_kwarg(acc, k, k, v)
       other, _ -> {:halt, bad("a keyword argument must be {name, value}, got #{inspect(other)}")}
     end)
   end
-
-  defp kwargs(other),
-    do: bad("kwargs must be a map or a keyword list, got #{inspect(other, limit: 5)}")
 
   defp put_kwarg(acc, name, given, value) do
     if Map.has_key?(acc, name) do
