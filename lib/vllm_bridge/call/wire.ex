@@ -324,7 +324,11 @@ defmodule VllmBridge.Call.Wire do
         {:error, Error.from_wire(map)}
 
       {:ok, other} ->
-        {:error, Error.new(:protocol, "unexpected reply #{inspect(other, limit: 8)}")}
+        {:error,
+         Error.new(
+           :protocol,
+           "unexpected reply #{inspect(other, limit: 8, printable_limit: 200)}"
+         )}
 
       {:error, reason} ->
         {:error, Error.new(:protocol, "undecodable reply: #{reason}")}
