@@ -271,6 +271,7 @@ defmodule VllmBridge.Worker do
   def terminate(reason, state) do
     Events.ended(state, reason, Calls.size(state.calls))
     Down.shut(state, "the worker is shutting down")
+    VllmBridge.Shm.ReplyLimits.delete(self())
     # A start cut short (the pool stopped meanwhile) leaves no start-up stderr file.
     if state[:stderr], do: Launcher.delete_stderr(state.stderr)
     :ok

@@ -4,6 +4,10 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
   worker's own encoder never writes, sent by user code (test/support/rt_forge.py) or
   handed to the worker process's routing as they would come from the port.
 
+    * a result slot (ext 8) is bounded like a reply through the pipe: its data and the
+      frame together at most the worker's `max_frame_bytes`, refused (`:protocol`,
+      naming the size and the limit) before the file is opened, and handed back; a
+      sparse file declaring 1 TiB allocates nothing, and the worker serves on;
     * the worker process reads a frame's kind and id from its head, whatever its array
       and string forms, without decoding the rest: a reply with an array16 head reaches
       its caller with its result slot still there to read, and a frame of millions of
@@ -14,22 +18,25 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
   use ExUnit.Case, async: false
   @moduletag :capture_log
 
+  import Bitwise, only: [<<<: 2]
   import ExUnit.CaptureLog
   import VllmBridge.RuntimeHelpers
 
-  alias VllmBridge.{Bytes, Shm, Tensor, Worker}
+  alias VllmBridge.{Bytes, Error, Shm, Tensor, Worker}
   alias VllmBridge.Call.Wire
   alias VllmBridge.Codec.SlotExt
   alias VllmBridge.Worker.Calls
   alias VllmBridge.Worker.Messages.Submit
 
   @pool :rt_untrusted
+  @small :rt_untrusted_small
   @forge "rt_forge"
   @diag "vllm_bridge.bridge.diag"
 
   setup_all do
-    start_pool!(@pool, size: 1, allow: [@diag, @forge], worker_env: [python_path([support_dir()])])
-
+    opts = [size: 1, allow: [@diag, @forge], worker_env: [python_path([support_dir()])]]
+    start_pool!(@pool, opts)
+    start_pool!(@small, [max_frame_bytes: 65_536] ++ opts)
     :ok
   end
 
@@ -39,6 +46,64 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
   # A worker process's state, enough for routing frames (VllmBridge.Worker.route/2).
   defp state(calls \\ Calls.new(nil, 0)),
     do: %{pool: nil, index: nil, os_pid: 4242, loans: nil, calls: calls}
+
+  describe "result slots are bounded as replies through the pipe are" do
+    setup do
+      %{path: dir} = Shm.dir()
+      [w] = workers!(@pool)
+      [s] = workers!(@small)
+      names = for w <- [w, s], n <- [900_001, 900_002], do: "r-#{w.os_pid}-#{n}"
+
+      on_exit(fn ->
+        for name <- names, suffix <- ["", ".free"], do: File.rm(Path.join(dir, name <> suffix))
+      end)
+
+      %{dir: dir, w: w, s: s}
+    end
+
+    test "a slot over the pool's max_frame_bytes is refused, naming its size and the limit",
+         %{dir: dir, s: s} do
+      name = "r-#{s.os_pid}-900001"
+
+      assert {:error, %Error{type: :protocol, message: msg}} =
+               call(@small, @forge, "forged_slot", [1 <<< 20, 900_001])
+
+      assert msg =~ "the tensor slot \"#{name}\" (ext 8)"
+      assert msg =~ "1048576 bytes"
+      assert msg =~ "over the reply limit of 65536 bytes (max_frame_bytes)"
+      # Handed back (renamed .free, as a slot refused for its size is), never read.
+      assert File.exists?(Path.join(dir, name <> ".free"))
+      refute File.exists?(Path.join(dir, name))
+
+      # One within the limit still travels; the same Python process serves on.
+      assert {:ok, %Tensor{shape: [1000], data: data}} =
+               call(@small, @forge, "forged_slot", [1000, 900_002])
+
+      assert data == <<0::1000*8>>
+      assert {:ok, 3} = call(@small, @diag, "add", [1, 2])
+      assert [%{os_pid: os_pid}] = workers!(@small)
+      assert os_pid == s.os_pid
+    end
+
+    test "a sparse slot declaring 1 TiB allocates nothing; the worker and its pool serve on",
+         %{dir: dir, w: w} do
+      binary = :erlang.memory(:binary)
+      total = :erlang.memory(:total)
+
+      assert {:error, %Error{type: :protocol, message: msg}} =
+               call(@pool, @forge, "forged_slot", [1 <<< 40, 900_001])
+
+      assert msg =~ "1099511627776 bytes"
+      assert msg =~ "over the reply limit of 1073741824 bytes (max_frame_bytes)"
+      assert File.exists?(Path.join(dir, "r-#{w.os_pid}-900001.free"))
+      assert :erlang.memory(:binary) - binary < 64 <<< 20
+      assert :erlang.memory(:total) - total < 64 <<< 20
+
+      assert {:ok, 3} = call(@pool, @diag, "add", [1, 2])
+      assert [%{os_pid: os_pid}] = workers!(@pool)
+      assert os_pid == w.os_pid
+    end
+  end
 
   describe "the worker process reads only a frame's head" do
     test "an ok reply with an array16 head reaches its caller, its result slot unread" do

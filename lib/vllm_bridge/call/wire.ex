@@ -15,6 +15,7 @@ defmodule VllmBridge.Call.Wire do
 
   alias VllmBridge.{Codec, Error, Ref}
   alias VllmBridge.Call.Wire.Args
+  alias VllmBridge.Codec.SlotExt
 
   # Request bodies up to this size are flattened into one binary.
   @flatten_max 64 * 1024
@@ -282,21 +283,25 @@ defmodule VllmBridge.Call.Wire do
 
   @doc """
   Decodes an `ok` or `error` reply (the caller does this, not the worker process):
-  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`.
+  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `from` is the worker process the
+  reply came from (nil: unknown): its frame limit bounds the reply's result slots
+  (`VllmBridge.Codec.SlotExt.within_reply/3`).
   """
-  @spec decode_reply(binary()) :: {:ok, term()} | {:error, Error.t()}
+  @spec decode_reply(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
+  def decode_reply(bin, from \\ nil)
+
   # Fast path: an `ok` whose id is an unsigned int and whose value is a scalar spanning
   # the rest of the frame (the reply of most small calls), read by pattern; any other
-  # shape goes to `decode_reply_general/1`, which answers the same for these
+  # shape goes to `decode_reply_general/2`, which answers the same for these
   # (test/codec/reply_fast_path_test.exs).
-  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin) do
+  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin, from) do
     case scalar(after_uint(rest)) do
       {:ok, _} = ok -> ok
-      :general -> decode_reply_general(bin)
+      :general -> decode_reply_general(bin, from)
     end
   end
 
-  def decode_reply(bin), do: decode_reply_general(bin)
+  def decode_reply(bin, from), do: decode_reply_general(bin, from)
 
   defp after_uint(<<0::1, _::7, r::binary>>), do: r
   defp after_uint(<<0xCC, _::8, r::binary>>), do: r
@@ -324,10 +329,10 @@ defmodule VllmBridge.Call.Wire do
   defp scalar(<<0xD9, n::8, s::binary-size(n)>>), do: {:ok, s}
   defp scalar(_), do: :general
 
-  @doc "`decode_reply/1`'s general path: a full decode of any reply."
-  @spec decode_reply_general(binary()) :: {:ok, term()} | {:error, Error.t()}
-  def decode_reply_general(bin) do
-    case Codec.decode(bin) do
+  @doc "`decode_reply/2`'s general path: a full decode of any reply."
+  @spec decode_reply_general(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
+  def decode_reply_general(bin, from \\ nil) do
+    case SlotExt.within_reply(from, byte_size(bin), fn -> Codec.decode(bin) end) do
       {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
         {:ok, value}
 
