@@ -1,14 +1,14 @@
 defmodule VllmBridge.Shm.ReplyLimits do
   @moduledoc false
-  # The frame limit (`max_frame_bytes`) of each worker process whose Python worker writes
-  # result slots into this node's directory, by the worker process's pid, so that a
-  # reply's result slots are bounded as the reply would be through the pipe
-  # (VllmBridge.Codec.SlotExt): a caller decodes its reply itself, and knows the worker
-  # process the reply came from, not that worker's limit.
+  # The frame limit (`max_frame_bytes`) of each worker process of this node, by its pid
+  # (whether or not its Python worker writes result slots: a frame may name one all the
+  # same), so that a reply's result slots are bounded as the reply would be through the
+  # pipe (VllmBridge.Codec.SlotExt): a caller decodes its reply itself, and knows the
+  # worker process the reply came from, not that worker's limit.
   #
-  # A worker process puts its row when its hello names this node's directory and deletes
-  # it when it terminates. The table is the keeper's (VllmBridge.Shm.Keeper), made with
-  # the directory: without a directory there are no slots to bound and no table. A pid
+  # A worker process puts its row when its hello comes and deletes it when it
+  # terminates. The table is the keeper's (VllmBridge.Shm.Keeper), made with the
+  # directory: without a directory there are no slots to bound and no table. A pid
   # without a row (its worker process ended, or a decode that does not say whose reply it
   # is) gets the default frame limit.
 

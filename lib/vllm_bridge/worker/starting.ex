@@ -281,8 +281,9 @@ defmodule VllmBridge.Worker.Starting do
     }
 
     if state.meta, do: VllmBridge.Shm.mark(state.meta, state.index, VllmBridge.Shm.reads?(hello))
-    # Its replies' result slots are bounded by its frame limit, as its frames are.
-    if state.loans, do: VllmBridge.Shm.ReplyLimits.put(self(), state.max_frame)
+    # Its replies' result slots are bounded by its frame limit, as its frames are (also
+    # when it writes none: a frame may still name one).
+    VllmBridge.Shm.ReplyLimits.put(self(), state.max_frame)
 
     # The frames that came with the hello (a log record, say) as if they came after it.
     state = Enum.reduce(frames, state, &Worker.route(&2, &1))
