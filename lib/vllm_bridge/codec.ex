@@ -7,7 +7,7 @@ defmodule VllmBridge.Codec do
   |---|---|---|
   | `nil`, `true`, `false` | nil, bool | the same |
   | integer in -2^63..2^64-1 | int | the same |
-  | integer outside it | ext 7 (big integer) | the same |
+  | integer outside it, up to 4 096 magnitude bytes (32 768 bits) | ext 7 (big integer) | the same |
   | float | float 64 | the same (`-0.0` keeps its sign bit) |
   | `:nan`, `:infinity`, `:neg_infinity` | float 64 NaN / +inf / -inf | the same atom |
   | binary, valid UTF-8 | str | the binary |
@@ -33,8 +33,8 @@ defmodule VllmBridge.Codec do
   Python could not take it as it is: a map key Python cannot hash (a list, a map, a tuple
   holding one), two map keys Python holds equal (`1` and `true`, `1` and `1.0`, `:a` and
   `"a"`, a struct and a `VllmBridge.Object` of its class with equal fields: a dict would
-  keep one), an Object whose field names are not all strings, or a value nested deeper
-  than `max_depth/0` levels (docs/PROTOCOL.md, "Map keys, nesting, keyword arguments").
+  keep one), an Object whose field names are not all strings, an integer of more than
+  4 096 magnitude bytes, or a value nested deeper than `max_depth/0` levels (docs/PROTOCOL.md, "Map keys, nesting, keyword arguments").
   Whether a dataclass is frozen is not known here: a struct key of one that is not (it
   cannot be hashed) is refused by the worker, under the request's id, not before sending.
 
@@ -43,7 +43,7 @@ defmodule VllmBridge.Codec do
 
   Decoding never raises: malformed input (truncated, bad extension payloads, unknown
   extension codes, bad tensor headers, declared lengths beyond the input, nesting deeper
-  than 1024) is `{:error, reason}`. Nothing decoded creates an atom or loads a module.
+  than 1024, a big integer of more than 4 096 magnitude bytes) is `{:error, reason}`. Nothing decoded creates an atom or loads a module.
   Binaries in a decoded value are sub-binaries of the input (no copy): they keep the input
   alive while they live; `:binary.copy/1` one to keep it apart.
   """

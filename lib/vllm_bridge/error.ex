@@ -67,7 +67,11 @@ defmodule VllmBridge.Error do
   """
   @spec from_wire(term()) :: t()
   def from_wire(%{"type" => type} = map) when is_binary(type) do
-    message = if is_binary(map["message"]), do: map["message"], else: inspect(map["message"])
+    message =
+      case map["message"] do
+        m when is_binary(m) -> m
+        m -> inspect(m, limit: 8, printable_limit: 200)
+      end
 
     details =
       case map["exc_id"] do

@@ -272,6 +272,7 @@ defmodule VllmBridge.Worker do
   def terminate(reason, state) do
     Events.ended(state, reason, Calls.size(state.calls))
     Down.shut(state, "the worker is shutting down")
+    VllmBridge.Shm.ReplyLimits.delete(self())
     # A start cut short (the pool stopped meanwhile) leaves no start-up stderr file.
     if state[:stderr], do: Launcher.delete_stderr(state.stderr)
     :ok
@@ -313,15 +314,26 @@ defmodule VllmBridge.Worker do
         PythonLog.emit(bin, state)
         state
 
-      other ->
+      head ->
         Logger.warning(
           "vllm_bridge worker #{label(state)}: frame without a call to answer " <>
-            "(#{inspect(other)}): #{inspect(VllmBridge.Codec.decode(bin), limit: 12)}",
+            "(#{stray(head, bin)})",
           VllmBridge.Worker.LogMeta.of(state)
         )
 
         state
     end
+  end
+
+  # A frame that answers no call, in words that cost what its head does: its kind, its
+  # id, its size and its first bytes in hex. Never decoded here: the frame is untrusted,
+  # and printing a decoded value can take seconds (an integer prints in quadratic time).
+  defp stray({kind, id}, bin) do
+    kind = if kind == :unknown, do: "unknown kind", else: Atom.to_string(kind)
+    id = if id, do: "id #{id}", else: "no id"
+    size = byte_size(bin)
+    hex = Base.encode16(binary_part(bin, 0, min(size, 16)), case: :lower)
+    "#{kind}, #{id}; #{size} bytes: #{hex}#{if size > 16, do: "..."}"
   end
 
   # A frame about to go to the caller of call `id`: the result slots it names (if any)

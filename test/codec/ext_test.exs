@@ -7,6 +7,7 @@ defmodule VllmBridge.Codec.ExtTest do
   defp bin(term), do: IO.iodata_to_binary(Codec.encode(term))
   defp roundtrip(term), do: Codec.decode(bin(term))
   defp ext(type, payload), do: <<0xC7, byte_size(payload), type, payload::binary>>
+  defp ext32(type, payload), do: <<0xC9, byte_size(payload)::32, type, payload::binary>>
   defp body(term), do: IO.iodata_to_binary(VllmBridge.Codec.Msgpack.encode(term))
 
   describe "atoms (ext 1)" do
@@ -82,6 +83,29 @@ defmodule VllmBridge.Codec.ExtTest do
     test "integers in the 64-bit range never use ext 7" do
       for i <- [0xFFFFFFFFFFFFFFFF, -0x8000000000000000],
           do: refute(match?(<<0xC7, _::binary>>, bin(i)))
+    end
+
+    # Printing an integer takes time quadratic in its size (a 200 KB one, seconds), and
+    # logs and errors print values: an ext 7 is refused past 4 096 magnitude bytes
+    # (32 768 bits, more than twice the 4 300 digits Python prints by default).
+    test "a magnitude over 4 096 bytes is refused naming its size and the cap, both ways" do
+      at_cap = :binary.copy(<<0xFF>>, 4_096)
+      assert {:ok, i} = Codec.decode(ext32(7, <<1, at_cap::binary>>))
+      assert i == -:binary.decode_unsigned(at_cap)
+      assert roundtrip(i) == {:ok, i}
+
+      over = <<0, 1, 0::4_096*8>>
+      assert {:error, msg} = Codec.decode(ext32(7, over))
+      assert msg =~ "big integer (ext 7) of 4097 magnitude bytes"
+      assert msg =~ "over the cap of 4096 bytes"
+
+      assert {:error, msg} =
+               Codec.decode(ext32(7, <<0, :binary.copy(<<0xFF>>, 300_000)::binary>>))
+
+      assert msg =~ "of 300000 magnitude bytes"
+
+      e = assert_raise ArgumentError, fn -> Codec.encode(Bitwise.bsl(1, 4_096 * 8)) end
+      assert e.message =~ "of 4097 magnitude bytes, over the cap of 4096 bytes"
     end
 
     test "malformed payloads are errors" do

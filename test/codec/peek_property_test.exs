@@ -1,11 +1,12 @@
 defmodule VllmBridge.Codec.PeekPropertyTest do
   @moduledoc """
   `VllmBridge.Call.Wire.peek/1` (the kind and id a worker process routes a frame by,
-  read from its first bytes) answers exactly as its general path, `peek_general/1` (a
-  full decode), for every well-formed frame: generated frames of every kind a worker
-  sends, ids at every msgpack integer width and ids that are not ids, values of every
-  kind, and shapes of other lengths. bench/results/fast-paths.md ("Fast paths beside
-  general paths") has what it saves.
+  read from its first bytes) answers exactly as its general path, `peek_general/1` (any
+  head, read by hand), and both as a full decode of the frame would, for every
+  well-formed frame: generated frames of every kind a worker sends, ids at every msgpack
+  integer width and ids that are not ids, values of every kind, shapes of other lengths,
+  and the same frames with array 16 and array 32 heads and str 8, 16 and 32 kinds.
+  bench/results/fast-paths.md ("Fast paths beside general paths") has what it saves.
   """
   use ExUnit.Case, async: true
 
@@ -75,7 +76,46 @@ defmodule VllmBridge.Codec.PeekPropertyTest do
     IO.iodata_to_binary(Codec.encode(term))
   end
 
-  test "peek/1 answers as peek_general/1 for 5 000 generated frames" do
+  # What a full decode says the kind and id are (what the worker process must not do).
+  @kinds %{"ok" => :ok, "error" => :error, "chunk" => :chunk, "end" => :end, "pong" => :pong}
+
+  defp decoded_head(bin) do
+    case Codec.decode(bin) do
+      {:ok, [kind | _]} when kind in ["log", "hello"] ->
+        {String.to_existing_atom(kind), nil}
+
+      {:ok, [kind | rest]} when is_map_key(@kinds, kind) ->
+        case rest do
+          [id | _] when is_integer(id) and id >= 0 -> {@kinds[kind], id}
+          _ -> {@kinds[kind], nil}
+        end
+
+      _ ->
+        {:unknown, nil}
+    end
+  end
+
+  # The same frame with its array header (when it is a fixarray) and its first element's
+  # header (when it is a fixstr) in a longer form that msgpack also allows.
+  defp widened(<<0b1001::4, n::4, rest::binary>>) do
+    array = Enum.random([<<0x90 + n>>, <<0xDC, n::16>>, <<0xDD, n::32>>])
+
+    rest =
+      case rest do
+        <<0b101::3, len::5, s::binary-size(len), tail::binary>> ->
+          str = Enum.random([<<0xA0 + len>>, <<0xD9, len>>, <<0xDA, len::16>>, <<0xDB, len::32>>])
+          <<str::binary, s::binary, tail::binary>>
+
+        _ ->
+          rest
+      end
+
+    <<array::binary, rest::binary>>
+  end
+
+  defp widened(bin), do: bin
+
+  test "peek/1 answers as peek_general/1 and as a full decode for 5 000 generated frames" do
     seed = :erlang.phash2(make_ref())
     :rand.seed(:exsss, {seed, 14, 6})
 
@@ -83,8 +123,10 @@ defmodule VllmBridge.Codec.PeekPropertyTest do
       for _ <- 1..5_000 do
         bin = frame()
 
-        assert Wire.peek(bin) == Wire.peek_general(bin),
-               "seed #{seed}: #{inspect(bin, limit: 40)}"
+        for b <- [bin, widened(bin)] do
+          assert Wire.peek(b) == Wire.peek_general(b), "seed #{seed}: #{inspect(b, limit: 40)}"
+          assert Wire.peek(b) == decoded_head(b), "seed #{seed}: #{inspect(b, limit: 40)}"
+        end
 
         Wire.peek(bin)
       end
@@ -97,11 +139,14 @@ defmodule VllmBridge.Codec.PeekPropertyTest do
   end
 
   test "a frame whose head is well-formed but whose tail is not is read by its head" do
-    # The fast path reads no further (the caller decoding it gets :protocol); the general
-    # path, a full decode, cannot read it at all.
+    # Neither path reads further (the caller decoding it gets :protocol); a full decode
+    # cannot read it at all.
     bin = IO.iodata_to_binary(Codec.encode(["ok", 300, "a value"]))
     truncated = binary_part(bin, 0, byte_size(bin) - 1)
     assert Wire.peek(truncated) == {:ok, 300}
-    assert Wire.peek_general(truncated) == {:unknown, nil}
+    assert Wire.peek_general(truncated) == {:ok, 300}
+    <<0x93, rest::binary>> = truncated
+    assert Wire.peek(<<0xDC, 3::16, rest::binary>>) == {:ok, 300}
+    assert decoded_head(truncated) == {:unknown, nil}
   end
 end

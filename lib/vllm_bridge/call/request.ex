@@ -273,7 +273,7 @@ defmodule VllmBridge.Call.Request do
   # observed pays nothing for it.
   defp receive_reply({pid, id, mref}, wait, opts, sized) do
     receive do
-      Messages.reply(^mref, bin) -> decode(bin, sized)
+      Messages.reply(^mref, bin) -> decode(pid, bin, sized)
       Messages.worker_exit(^mref, message) -> worker_exit(message)
       Messages.reply_error(^mref, e) -> {:error, e}
       {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
@@ -285,6 +285,7 @@ defmodule VllmBridge.Call.Request do
 
           :forget ->
             late_reply(
+              pid,
               mref,
               "no reply to request #{id} before its deadline; it still runs",
               sized
@@ -300,8 +301,9 @@ defmodule VllmBridge.Call.Request do
     end
   end
 
-  defp decode(bin, false), do: Wire.decode_reply(bin)
-  defp decode(bin, true), do: {:sized, Wire.decode_reply(bin), byte_size(bin)}
+  # (`pid`: the worker process the reply came from, whose frame limit bounds its slots.)
+  defp decode(pid, bin, false), do: Wire.decode_reply(bin, pid)
+  defp decode(pid, bin, true), do: {:sized, Wire.decode_reply(bin, pid), byte_size(bin)}
 
   defp sized({:sized, result, bytes}), do: {result, bytes}
   defp sized(result), do: {result, 0}
@@ -322,7 +324,7 @@ defmodule VllmBridge.Call.Request do
 
     result =
       receive do
-        Messages.reply(^mref, bin) -> decode(bin, sized)
+        Messages.reply(^mref, bin) -> decode(pid, bin, sized)
         Messages.cancelled(^mref) -> {:error, Error.new(:timeout, message)}
         Messages.worker_exit(^mref, worker_message) -> worker_exit(worker_message)
         Messages.reply_error(^mref, e) -> {:error, e}
@@ -351,11 +353,11 @@ defmodule VllmBridge.Call.Request do
 
   # Deactivates the alias, then takes a reply that made it in before that, else drops
   # whatever else arrived and answers :timeout with `message`.
-  defp late_reply(mref, message, sized) do
+  defp late_reply(pid, mref, message, sized) do
     Process.demonitor(mref, [:flush])
 
     receive do
-      Messages.reply(^mref, bin) -> decode(bin, sized)
+      Messages.reply(^mref, bin) -> decode(pid, bin, sized)
     after
       0 ->
         flush(mref)

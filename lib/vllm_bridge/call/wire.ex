@@ -9,11 +9,13 @@ defmodule VllmBridge.Call.Wire do
   # its arguments' array and map headers in `VllmBridge.Call.Wire.Args`, so that the
   # parts of a request can be encoded at different times: the arguments in the caller
   # before anything is reserved, the id and the milliseconds left just before the frame
-  # is sent. `peek/1` reads the first two elements of a reply by hand (fixarray, short
-  # str, unsigned int or nil) and falls back to the full decoder for any other shape.
+  # is sent. `peek/1` reads the first two elements of a frame by hand (an array header, a
+  # str, an unsigned int) and nothing after them: the worker process never decodes a
+  # frame (it is untrusted, and a decode there would read the frame's result slots).
 
   alias VllmBridge.{Codec, Error, Ref}
   alias VllmBridge.Call.Wire.Args
+  alias VllmBridge.Codec.SlotExt
 
   # Request bodies up to this size are flattened into one binary.
   @flatten_max 64 * 1024
@@ -216,8 +218,9 @@ defmodule VllmBridge.Call.Wire do
   # -- replies ----------------------------------------------------------------------------
 
   @doc """
-  The kind and id of a frame from the worker, reading only its first bytes. Frames of
-  any other shape fall back to a full decode; undecodable ones are `{:unknown, nil}`.
+  The kind and id of a frame from the worker, reading only its first bytes: the common
+  heads by pattern here, any other array and str form by `peek_general/1`. Nothing after
+  the id is read; a head that cannot be read is `{:unknown, nil}`.
   """
   @spec peek(binary()) :: head()
   def peek(<<0x93, 0xA2, "ok", rest::binary>>), do: {:ok, id(rest)}
@@ -247,45 +250,58 @@ defmodule VllmBridge.Call.Wire do
   }
 
   @doc """
-  `peek/1`'s general path: the kind and id read from a full decode. `peek/1` answers as
-  this does for every well-formed frame (test/codec/peek_property_test.exs); a frame
-  whose head is well-formed but whose tail is not is read by its head there (its caller
-  then finds the tail undecodable), and is `{:unknown, nil}` here.
+  `peek/1`'s general path: the kind and id read by hand from a head of any form (a
+  fixarray, array 16 or array 32; the kind a fixstr or str 8, 16 or 32; the id an
+  unsigned int, else nil), without reading further and without decoding the frame: it
+  runs in the worker process for every frame, which must neither spend a full decode
+  on an untrusted frame nor read (and hand back) the result slots the frame names
+  before its caller does. It answers as a full decode would for every well-formed frame
+  (test/codec/peek_property_test.exs); a frame whose head is well formed and whose tail
+  is not is read by its head (its caller's decode then refuses it).
   """
   @spec peek_general(binary()) :: head()
   def peek_general(bin) do
-    case Codec.decode(bin) do
-      {:ok, [kind | rest]} when is_map_key(@kinds, kind) ->
-        id =
-          case rest do
-            [id | _] when is_integer(id) and id >= 0 -> id
-            _ -> nil
-          end
-
-        if kind in ["log", "hello"], do: {Map.fetch!(@kinds, kind), nil}, else: {@kinds[kind], id}
-
-      _ ->
-        {:unknown, nil}
+    with {n, rest} when n > 0 <- array_head(bin),
+         {kind, rest} <- str_head(rest),
+         {:ok, tag} <- Map.fetch(@kinds, kind) do
+      if tag in [:log, :hello] or n == 1, do: {tag, nil}, else: {tag, id(rest)}
+    else
+      _ -> {:unknown, nil}
     end
   end
+
+  defp array_head(<<0b1001::4, n::4, rest::binary>>), do: {n, rest}
+  defp array_head(<<0xDC, n::16, rest::binary>>), do: {n, rest}
+  defp array_head(<<0xDD, n::32, rest::binary>>), do: {n, rest}
+  defp array_head(_), do: :error
+
+  defp str_head(<<0b101::3, n::5, s::binary-size(n), rest::binary>>), do: {s, rest}
+  defp str_head(<<0xD9, n::8, s::binary-size(n), rest::binary>>), do: {s, rest}
+  defp str_head(<<0xDA, n::16, s::binary-size(n), rest::binary>>), do: {s, rest}
+  defp str_head(<<0xDB, n::32, s::binary-size(n), rest::binary>>), do: {s, rest}
+  defp str_head(_), do: :error
 
   @doc """
   Decodes an `ok` or `error` reply (the caller does this, not the worker process):
-  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`.
+  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `from` is the worker process the
+  reply came from (nil: unknown): its frame limit bounds the reply's result slots
+  (`VllmBridge.Codec.SlotExt.within_reply/3`).
   """
-  @spec decode_reply(binary()) :: {:ok, term()} | {:error, Error.t()}
+  @spec decode_reply(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
+  def decode_reply(bin, from \\ nil)
+
   # Fast path: an `ok` whose id is an unsigned int and whose value is a scalar spanning
   # the rest of the frame (the reply of most small calls), read by pattern; any other
-  # shape goes to `decode_reply_general/1`, which answers the same for these
+  # shape goes to `decode_reply_general/2`, which answers the same for these
   # (test/codec/reply_fast_path_test.exs).
-  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin) do
+  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin, from) do
     case scalar(after_uint(rest)) do
       {:ok, _} = ok -> ok
-      :general -> decode_reply_general(bin)
+      :general -> decode_reply_general(bin, from)
     end
   end
 
-  def decode_reply(bin), do: decode_reply_general(bin)
+  def decode_reply(bin, from), do: decode_reply_general(bin, from)
 
   defp after_uint(<<0::1, _::7, r::binary>>), do: r
   defp after_uint(<<0xCC, _::8, r::binary>>), do: r
@@ -313,10 +329,10 @@ defmodule VllmBridge.Call.Wire do
   defp scalar(<<0xD9, n::8, s::binary-size(n)>>), do: {:ok, s}
   defp scalar(_), do: :general
 
-  @doc "`decode_reply/1`'s general path: a full decode of any reply."
-  @spec decode_reply_general(binary()) :: {:ok, term()} | {:error, Error.t()}
-  def decode_reply_general(bin) do
-    case Codec.decode(bin) do
+  @doc "`decode_reply/2`'s general path: a full decode of any reply."
+  @spec decode_reply_general(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
+  def decode_reply_general(bin, from \\ nil) do
+    case SlotExt.within_reply(from, byte_size(bin), fn -> Codec.decode(bin) end) do
       {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
         {:ok, value}
 
@@ -324,7 +340,11 @@ defmodule VllmBridge.Call.Wire do
         {:error, Error.from_wire(map)}
 
       {:ok, other} ->
-        {:error, Error.new(:protocol, "unexpected reply #{inspect(other, limit: 8)}")}
+        {:error,
+         Error.new(
+           :protocol,
+           "unexpected reply #{inspect(other, limit: 8, printable_limit: 200)}"
+         )}
 
       {:error, reason} ->
         {:error, Error.new(:protocol, "undecodable reply: #{reason}")}

@@ -25,6 +25,12 @@ defmodule VllmBridge.Codec.Ext do
   @bigint 7
   @slot_tensor 8
 
+  # The most magnitude bytes of a big integer (ext 7), both ways: 32 768 bits, more than
+  # twice the 4 300 decimal digits Python prints by default. Printing an integer takes
+  # time quadratic in its size (a 200 KB one, seconds; logs and errors print values),
+  # and a frame from a worker is untrusted, so a larger one is refused, never decoded.
+  @bigint_max_bytes 4096
+
   # -- encoding --------------------------------------------------------------
 
   # A tuple's payload is its array, at the tuple's own level; a struct and a reference
@@ -67,7 +73,15 @@ defmodule VllmBridge.Codec.Ext do
 
   def encode_other(i, _h, _d) when is_integer(i) do
     {sign, magnitude} = if i < 0, do: {1, -i}, else: {0, i}
-    Msgpack.enc_ext(@bigint, [sign | :binary.encode_unsigned(magnitude)])
+    bytes = :binary.encode_unsigned(magnitude)
+
+    if byte_size(bytes) > @bigint_max_bytes do
+      raise ArgumentError,
+            "cannot encode an integer of #{byte_size(bytes)} magnitude bytes, over the cap " <>
+              "of #{@bigint_max_bytes} bytes of a big integer (ext 7)"
+    end
+
+    Msgpack.enc_ext(@bigint, [sign | bytes])
   end
 
   def encode_other(other, _h, _d) do
@@ -122,6 +136,14 @@ defmodule VllmBridge.Codec.Ext do
           "a reference (ext 6) payload must be [instance, id, session, type], got #{short(other)}"
         )
     end
+  end
+
+  def decode_ext(@bigint, <<_sign, magnitude::binary>>, _depth)
+      when byte_size(magnitude) > @bigint_max_bytes do
+    Decoder.fail!(
+      "a big integer (ext 7) of #{byte_size(magnitude)} magnitude bytes is over the cap " <>
+        "of #{@bigint_max_bytes} bytes"
+    )
   end
 
   def decode_ext(@bigint, <<sign, magnitude::binary>>, _depth)

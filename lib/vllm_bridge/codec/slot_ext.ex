@@ -9,10 +9,17 @@ defmodule VllmBridge.Codec.SlotExt do
   # which only this side reads). The reader takes the name relative to the directory,
   # refuses a symbolic link, and checks a regular file of its own uid whose size is the
   # tensor's; then copies the data out and hands the slot back (renames it `<name>.free`).
+  #
+  # A reply through slots is bounded as one through the pipe: its frame and the data of
+  # its slots together at most the frame limit (`max_frame_bytes`) of the worker process
+  # it came from (`within_reply/3`; VllmBridge.Shm.ReplyLimits), else the default frame
+  # limit. A slot past it is refused before its file is touched (a sparse file declaring
+  # 1 TiB would otherwise be read into a binary of 1 TiB) and handed back unread.
 
   alias VllmBridge.Codec.{Msgpack, TensorExt}
   alias VllmBridge.Codec.Msgpack.Decoder
   alias VllmBridge.{Shm, Tensor}
+  alias VllmBridge.Shm.ReplyLimits
 
   @type_code 8
   @result_name ~r/\Ar-[0-9]{1,10}-[0-9]{1,20}\z/
@@ -24,6 +31,8 @@ defmodule VllmBridge.Codec.SlotExt do
           "and reclaimed for another result, before it was read)"
   # Set while a frame nobody will read is decoded (unread/1).
   @unread {__MODULE__, :unread}
+  # Set while a reply is decoded (within_reply/3): {worker process, bytes so far}.
+  @reply {__MODULE__, :reply}
 
   @doc "The ext 8 value of a tensor (validated by the caller) whose data is in `slot`."
   @spec encode(Tensor.t(), String.t()) :: iodata()
@@ -97,18 +106,44 @@ defmodule VllmBridge.Codec.SlotExt do
     end
   end
 
+  @doc """
+  Runs `fun`, the decode of a reply of `size` bytes from the worker process `from` (nil:
+  unknown), with its result slots bounded as the reply would be through the pipe: the
+  frame and the data of its slots together at most that worker's frame limit
+  (`max_frame_bytes`; the default one for nil or a worker process that has ended). A
+  slot past the limit fails the decode, naming its size and the limit, and is handed
+  back unread.
+  """
+  @spec within_reply(pid() | nil, non_neg_integer(), (() -> result)) :: result
+        when result: term()
+  def within_reply(from, size, fun) do
+    previous = Process.put(@reply, {from, size})
+
+    try do
+      fun.()
+    after
+      if previous, do: Process.put(@reply, previous), else: Process.delete(@reply)
+    end
+  end
+
   defp unread(dtype, shape, device, slot) do
+    hand_back_unread(slot)
+    %Tensor{dtype: dtype, shape: shape, data: <<>>, device: device}
+  end
+
+  defp hand_back_unread(slot) do
     with %{path: dir} <- Shm.dir(),
          true <- Regex.match?(@result_name, slot) do
       path = Path.join(dir, slot)
       _ = :file.rename(path, path <> ".free")
     end
 
-    %Tensor{dtype: dtype, shape: shape, data: <<>>, device: device}
+    :ok
   end
 
   defp read_tensor(dtype, shape, device, slot) do
     nbytes = Enum.reduce(shape, 1, &(&1 * &2)) * Tensor.itemsize(dtype)
+    bound(slot, nbytes)
 
     data =
       case read(Shm.dir(), slot, nbytes) do
@@ -119,6 +154,27 @@ defmodule VllmBridge.Codec.SlotExt do
     if dtype == :bool, do: TensorExt.check_bool(data)
 
     %Tensor{dtype: dtype, shape: shape, data: data, device: device}
+  end
+
+  # Within the reply's limit (`within_reply/3`), counted; past it, the slot is handed
+  # back unread and the decode fails, before its file is opened or its size looked at.
+  defp bound(slot, nbytes) do
+    reply = Process.get(@reply)
+    {from, used} = reply || {nil, 0}
+    limit = ReplyLimits.of(from)
+
+    if used + nbytes > limit do
+      hand_back_unread(slot)
+
+      Decoder.fail!(
+        "the tensor slot #{inspect(slot)} (ext 8): its #{nbytes} bytes of data, with the " <>
+          "reply's other #{used} bytes, are over the reply limit of #{limit} bytes " <>
+          "(max_frame_bytes); it was not read"
+      )
+    end
+
+    if reply, do: Process.put(@reply, {from, used + nbytes})
+    :ok
   end
 
   @doc false

@@ -207,7 +207,7 @@ defmodule VllmBridge.Worker.Starting do
   end
 
   def handle_info(Messages.reply(alias, bin), %{setup: alias} = state) do
-    case Wire.decode_reply(bin) do
+    case Wire.decode_reply(bin, self()) do
       {:ok, _value} ->
         # Nobody reads the result: references in it are released (queued until ready).
         Calls.drop(bin)
@@ -287,6 +287,9 @@ defmodule VllmBridge.Worker.Starting do
     }
 
     if state.meta, do: VllmBridge.Shm.mark(state.meta, state.index, VllmBridge.Shm.reads?(hello))
+    # Its replies' result slots are bounded by its frame limit, as its frames are (also
+    # when it writes none: a frame may still name one).
+    VllmBridge.Shm.ReplyLimits.put(self(), state.max_frame)
 
     # The frames that came with the hello (a log record, say) as if they came after it.
     state = Enum.reduce(frames, state, &Worker.route(&2, &1))

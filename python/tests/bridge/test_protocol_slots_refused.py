@@ -52,3 +52,40 @@ def test_a_reply_refused_for_its_size_gives_its_result_slots_back(slot_root: Pat
         assert logs == []
     finally:
         wp.stop()
+
+
+def test_a_reply_whose_slots_are_over_the_frame_limit_is_refused(slot_root: Path):
+    """The data of a reply's result slots counts toward the frame limit, as it would
+    through the pipe: a reply whose frame is small but whose slot holds more than the
+    limit is refused by its size (the Elixir side would refuse the slot too), and its
+    slot goes back at once."""
+    wp = spawn_worker(
+        ["--allow", "answer_support", "--max-frame-bytes", "65536"],
+        support=True,
+        env={"VLLM_BRIDGE_SHM_DIR": str(slot_root), "VLLM_BRIDGE_SHM_MIN_BYTES": str(MIN)},
+    )
+    try:
+
+        def call(numel: int) -> list:
+            rid = next_id()
+            head = b"\x97" + packb("call") + packb(rid) + packb(None) + packb(30_000)
+            target = packb(["m", "answer_support", "tensor_and_bytes"])
+            wp.send_raw(head + target + packb([numel, 10]) + b"\x80")
+            while (reply := msgpack.unpackb(wp.recv_raw(), raw=False))[0] == "log":
+                pass
+            assert reply[1] == rid, reply
+            return reply
+
+        # 20 000 float32 elements: 80 000 bytes in a slot, a frame of a few dozen.
+        kind, _, err = call(20_000)
+        assert kind == "error", err
+        assert "exceeds the frame limit of 65536 bytes" in err["message"], err
+        # Within the limit: a slot, the refused reply's (given back at once, so nothing
+        # else is lent).
+        kind, _, value = call(10_000)
+        assert kind == "ok" and value[0].code == 8, value
+        _, name = split_payload(value[0].data)
+        lent = [n for n in os.listdir(slot_root) if n.startswith("r-") and "." not in n]
+        assert lent == [name], lent
+    finally:
+        wp.stop()

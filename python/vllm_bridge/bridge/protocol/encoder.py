@@ -96,14 +96,17 @@ class Encoder:
         Args:
             value: Any value. Values with no by-value encoding become references.
             make_ref: Creates those references; without it they raise ``TypeError``.
-            check: Called with the body's length once it is encoded; what it raises
-                (a body over the frame limit) refuses the frame as a failed encode does.
+            check: Called with the body's length once it is encoded, counting the data
+                of the tensors it put in result slots (a reply is bounded by the frame
+                limit whichever way its tensors travel, and the Elixir side refuses
+                slots past it); what it raises (a reply over the frame limit) refuses
+                the frame as a failed encode does.
         """
         p = _Pass(self, make_ref)
         try:
             segments = p.pack(value)
             if check is not None:
-                check(segments_length(segments))
+                check(segments_length(segments) + p.slot_bytes)
             return segments
         except BaseException:
             # The frame will not be sent: its result slots are free again.
@@ -130,6 +133,8 @@ class _Pass:
         self.nonce = b""
         self.spliced: list[tuple[int, list[Segment]]] = []
         self.slots_written: list[str] = []
+        #: The data bytes of the tensors written to result slots.
+        self.slot_bytes = 0
 
     def pack(self, value: Any) -> list[Segment]:
         data = msgpack.packb(value, default=self.default, strict_types=True, use_bin_type=True)
@@ -234,6 +239,7 @@ class _Pass:
             name = slots.write(data)
             if name is not None:  # else every result slot is lent: the pipe
                 self.slots_written.append(name)
+                self.slot_bytes += data.nbytes
                 return msgpack.ExtType(ExtCode.SLOT_TENSOR, slot_payload(header, name))
         if data.nbytes >= self.encoder.large_tensor_bytes:
             return self._token(ExtCode.TENSOR, [header, data])

@@ -1,0 +1,43 @@
+"""What user code in a worker can send that the worker's own encoder never would, for
+test/runtime/untrusted_frames_test.exs: the Python process runs user code, so the bytes
+it writes are not to be trusted by the Elixir side.
+
+* :func:`write_frame` writes a whole frame straight to the worker's output pipe (fd 4),
+  beside the worker's own frames (call it while nothing else is in flight);
+* :func:`forged_slot` returns an ext 8 (a tensor in a result slot) naming a sparse file
+  of any declared size, made in the node's slot directory.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import msgpack
+
+
+def write_frame(body: bytes) -> int:
+    """Write ``body`` as one frame (4-byte big-endian length, then the body) to fd 4;
+    return its length."""
+    if not isinstance(body, bytes):
+        raise TypeError(f"body must be bytes, got {type(body).__name__}")
+    data = memoryview(struct.pack(">I", len(body)) + body)
+    while data:
+        data = data[os.write(4, data) :]
+    return len(body)
+
+
+def forged_slot(nbytes: int, n: int) -> msgpack.ExtType:
+    """A uint8 tensor of shape ``[nbytes]`` in the result slot ``r-<this pid>-<n>``: a
+    sparse file of ``nbytes`` bytes (no pages written) in ``VLLM_BRIDGE_SHM_DIR``."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int of at least 0, got {nbytes!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int of at least 0, got {n!r}")
+    name = f"r-{os.getpid()}-{n}"
+    path = os.path.join(os.environ["VLLM_BRIDGE_SHM_DIR"], name)
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    # ext 3's header (dtype code 1 = uint8, ndim 1, no device, the shape), then the name.
+    header = bytes([1, 1, 0]) + struct.pack(">Q", nbytes)
+    return msgpack.ExtType(8, header + bytes([len(name)]) + name.encode())
