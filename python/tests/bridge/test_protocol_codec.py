@@ -70,6 +70,20 @@ def test_big_integer_decode_is_lenient_about_leading_zeros_but_not_the_sign():
         unpackb(bytes.fromhex("d5070201"))
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+def test_big_integers_at_the_protocols_cap_travel_and_over_it_are_refused_both_ways(sign):
+    # 4 096 magnitude bytes is the BEAM's cap too (lib/vllm_bridge/codec/ext.ex): one
+    # over it must be refused where it is made, not arrive as an undecodable reply.
+    top = sign * (2 ** (8 * 4096) - 1)
+    assert roundtrip(top) == top
+    with pytest.raises(TypeError, match=r"32769 bits \(4097 bytes\).*limit of 4096"):
+        packb(sign * 2 ** (8 * 4096))
+    payload = b"\x00" + b"\x01" * 4097
+    frame = msgpack.packb(msgpack.ExtType(7, payload))
+    with pytest.raises(BadArgument, match="4097 magnitude bytes is over the protocol's limit of 4096"):
+        unpackb(frame)
+
+
 def test_atoms_tuples_and_lists_stay_apart():
     value = [Atom("a"), "a", (1, [2, (3,)]), [1, 2]]
     back = roundtrip(value)

@@ -34,6 +34,7 @@ from vllm_bridge.bridge.protocol.splice import SPLICE_MIN_FRAME, Spliced, splice
 from vllm_bridge.bridge.protocol.slots import SlotDir, split_payload
 from vllm_bridge.bridge.protocol.tensors import decode_tensor, parse_slot_header, tensor_from_slot
 from vllm_bridge.bridge.protocol.types import (
+    BIGINT_MAX_BYTES,
     TIMESTAMP_REFUSED,
     Atom,
     ExtCode,
@@ -246,6 +247,11 @@ class _Pass:
             self.special = True
             return ref
         if code == ExtCode.BIGINT:
+            if len(data) - 1 > BIGINT_MAX_BYTES:
+                raise BadArgument(
+                    f"big integer of {len(data) - 1} magnitude bytes is over the protocol's "
+                    f"limit of {BIGINT_MAX_BYTES} (ext 7)"
+                )
             if len(data) < 1 or data[0] not in (0, 1):
                 raise BadArgument(
                     "big integer payload must start with sign byte 0 or 1, got "

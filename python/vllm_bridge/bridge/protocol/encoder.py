@@ -28,6 +28,7 @@ from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.slots import SlotDir, slot_payload
 from vllm_bridge.bridge.protocol.tensors import can_encode, tensor_parts
 from vllm_bridge.bridge.protocol.types import (
+    BIGINT_MAX_BYTES,
     Atom,
     ExtCode,
     Ref,
@@ -66,9 +67,16 @@ def segments_length(segments: list[Segment]) -> int:
 
 
 def bigint_payload(n: int) -> bytes:
-    """The ext 7 payload of ``n``: a sign byte, then the magnitude big-endian."""
+    """The ext 7 payload of ``n``: a sign byte, then the magnitude big-endian. Raises
+    :class:`TypeError` for a magnitude over :data:`BIGINT_MAX_BYTES` bytes."""
     mag = abs(n)
-    return (b"\x01" if n < 0 else b"\x00") + mag.to_bytes((mag.bit_length() + 7) // 8, "big")
+    size = (mag.bit_length() + 7) // 8
+    if size > BIGINT_MAX_BYTES:
+        raise TypeError(
+            f"an integer of {mag.bit_length()} bits ({size} bytes) is over the protocol's "
+            f"limit of {BIGINT_MAX_BYTES} bytes for a big integer (ext 7)"
+        )
+    return (b"\x01" if n < 0 else b"\x00") + mag.to_bytes(size, "big")
 
 
 class Encoder:

@@ -29,6 +29,12 @@ class ExtCode(enum.IntEnum):
     SLOT_TENSOR = 8
 
 
+#: The most magnitude bytes a big integer (ext 7) may have, either way (32 768 bits): the
+#: BEAM's codec refuses more (lib/vllm_bridge/codec/ext.ex, @bigint_max_bytes), so each
+#: side refuses a larger one where it is made or read, naming its size.
+BIGINT_MAX_BYTES = 4096
+
+
 #: The headers msgpack reads as its timestamp (ext -1 of 4, 8 or 12 bytes, in every ext form:
 #: fixext 4 and 8, ext 8, 16 and 32). Its unpacker builds a ``msgpack.Timestamp`` from them
 #: without calling ``ext_hook`` (its ``timestamp`` option only picks what it becomes), and
