@@ -105,6 +105,35 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
     end
   end
 
+  describe "log and hello frames never read a slot" do
+    test "a slot named in a log frame or a hello is handed back unread" do
+      %{path: dir} = Shm.dir()
+
+      # What each says: the log line, the hello's refusal.
+      for check <- [
+            fn ext -> capture_log(fn -> Worker.route(state(), log_frame(ext)) end) end,
+            fn ext -> inspect(VllmBridge.Worker.Hello.check(hello_frame(ext), 1 <<< 20)) end
+          ] do
+        name = "r-#{System.pid()}-#{System.unique_integer([:positive])}"
+        path = Path.join(dir, name)
+        on_exit(fn -> for p <- [path, path <> ".free"], do: File.rm(p) end)
+        # A file shorter than its shape says: a read of it fails, naming the slot.
+        File.write!(path, <<1, 2, 3, 4>>)
+        payload = SlotExt.payload(:uint8, [1000], "", name)
+        said = check.(<<0xC7, byte_size(payload), 8, payload::binary>>)
+
+        refute said =~ "the tensor slot", "the slot was read: #{said}"
+        assert File.exists?(path <> ".free")
+        refute File.exists?(path)
+      end
+    end
+  end
+
+  defp log_frame(ext), do: <<0x94, 0xA3, "log", 0xA4, "info", 0xA1, "x", ext::binary>>
+
+  defp hello_frame(ext),
+    do: <<0x92, 0xA5, "hello", 0x81, 0xA4, "junk", ext::binary>>
+
   describe "the worker process reads only a frame's head" do
     test "an ok reply with an array16 head reaches its caller, its result slot unread" do
       %{path: dir} = Shm.dir()

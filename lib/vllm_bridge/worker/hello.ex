@@ -34,7 +34,9 @@ defmodule VllmBridge.Worker.Hello do
   """
   @spec check(binary(), pos_integer()) :: {:ok, t()} | {:error, Error.t()}
   def check(frame, max) do
-    with {:ok, hello} <- check_hello(Codec.decode(frame)),
+    # (Slots a hello names are handed back unread, as a log frame's: see PythonLog.)
+    with {:ok, hello} <-
+           check_hello(VllmBridge.Codec.SlotExt.unread(fn -> Codec.decode(frame) end)),
          :ok <- check_limit(hello, max),
          :ok <- check_window(hello),
          :ok <- check_shm(hello) do

@@ -16,7 +16,10 @@ defmodule VllmBridge.Worker.PythonLog do
   """
   @spec emit(binary(), map()) :: :ok
   def emit(bin, state) do
-    decoded = VllmBridge.Codec.decode(bin)
+    # A log frame has no business naming result slots: any it names are handed back
+    # unread, so a forged one cannot make this process read slot data (whose bound is a
+    # reply's, not a log record's).
+    decoded = VllmBridge.Codec.SlotExt.unread(fn -> VllmBridge.Codec.decode(bin) end)
 
     with {:ok, ["log", level, name, message]} <- decoded,
          level when is_binary(level) <- Describe.text(level),
