@@ -205,7 +205,8 @@ defmodule VllmBridge.Runtime.FrameLimitTest do
                  pool_name: :rt_limit
                )
 
-      assert msg =~ ~r/a reply of \d+ bytes exceeds the frame limit of 65536 bytes/
+      assert msg =~
+               ~r/a reply of \d+ bytes \(its result slots' data counted\) exceeds the frame limit of 65536 bytes/
 
       assert {:ok, 3} =
                VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{},

@@ -5,7 +5,7 @@ defmodule VllmBridge.Pool.Options do
   | option | meaning | default |
   |---|---|---|
   | `:size` | worker processes | 1 |
-  | `:python` | the Python interpreter (a path); its environment must have the `vllm_bridge` package (docs/USING.md) | `config :vllm_bridge, :python`, else the environment variable `VLLM_BRIDGE_PYTHON` read when the pool starts |
+  | `:python` | the Python interpreter (a path), or a wrapper that execs or forks it in the same pid namespace (the worker's hello must name the started process or a descendant of it, docs/PROTOCOL.md; `docker run` and the like are refused); its environment must have the `vllm_bridge` package (docs/USING.md) | `config :vllm_bridge, :python`, else the environment variable `VLLM_BRIDGE_PYTHON` read when the pool starts |
   | `:python_path` | folders put in front of the workers' `PYTHONPATH` (where one's own Python modules live): paths, or `{app, path}` for `Application.app_dir(app, path)` (a release's `priv/python`); each must be a folder | `[]` |
   | `:modules` | Python modules added to the allow-list (one's own): `allow ++ modules`, or the worker's default list ++ `modules` | `[]` |
   | `:allow` | module allow-list (`--allow`), replacing the worker's default (`vllm_bridge.PUBLIC_MODULES`); `[]` keeps the default | `[]` |

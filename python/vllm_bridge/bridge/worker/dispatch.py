@@ -373,8 +373,8 @@ class Dispatcher:
         limit = self.channel.max_frame
         if size > limit:
             raise ValueError(
-                f"a reply of {size} bytes exceeds the frame limit of {limit} bytes "
-                "(max_frame_bytes)"
+                f"a reply of {size} bytes (its result slots' data counted) exceeds the "
+                f"frame limit of {limit} bytes (max_frame_bytes)"
             )
 
     def _fail(self, req: Request, session: Session, exc: BaseException) -> Frame:
