@@ -37,7 +37,7 @@ defmodule VllmBridge.Worker.Describe do
 
   @doc """
   A decoded frame (`{:ok, term}` or `{:error, reason}` of `VllmBridge.Codec.decode/1`) in
-  a few words: a short list item by item (`describe/1`), anything else as one item.
+  a few words: a short list item by item (`item/1`), anything else as one item.
   """
   @spec frame({:ok, term()} | {:error, term()}) :: String.t()
   def frame({:ok, items}) when is_list(items) do
