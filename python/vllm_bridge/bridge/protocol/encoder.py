@@ -146,7 +146,7 @@ class _Pass:
 
     def pack(self, value: Any) -> list[Segment]:
         data = msgpack.packb(value, default=self.default, strict_types=True, use_bin_type=True)
-        if b"\xff" in data and timestamp_header_in(data):
+        if 0xFF in data and timestamp_header_in(data):
             _refuse_timestamp(value)
         if not self.spliced:
             return [data]

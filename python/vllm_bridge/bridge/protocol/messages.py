@@ -111,6 +111,8 @@ class Control:
 #: Beyond it a number is refused, not made a deadline: a big integer (ext 7) does not fit
 #: a float, an infinity is no deadline, and a huge negative one no different from -1.
 MAX_TIMEOUT_MS = 4_294_967_295
+# Its negative, made once (a large int negated per request is an allocation per request).
+_MIN_TIMEOUT_MS = -MAX_TIMEOUT_MS
 
 _ARITY = {
     "call": 7,
@@ -276,7 +278,7 @@ def plain_call(msg: list[Any], now: float) -> Invoke | None:
             timeout is None
             or (
                 (type(timeout) is int or type(timeout) is float)
-                and -MAX_TIMEOUT_MS <= timeout <= MAX_TIMEOUT_MS  # (False for NaN)
+                and _MIN_TIMEOUT_MS <= timeout <= MAX_TIMEOUT_MS  # (False for NaN)
             )
         )
         and type(target) is list
@@ -310,7 +312,7 @@ def _deadline(value: Any, kind: str, rid: int, now: float) -> float | None:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not -MAX_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS  # NaN, too: never in range
+        or not _MIN_TIMEOUT_MS <= value <= MAX_TIMEOUT_MS  # NaN, too: never in range
     ):
         raise RequestError(
             f"{kind} timeout must be nil or a number of milliseconds of at most "

@@ -86,8 +86,9 @@ class CallLane:
                 body, strict_map_key=False, ext_hook=self._hook, object_pairs_hook=checked_dict
             )
             # Ext -1, which msgpack decodes without the hook: only a body with a byte 0xFF
-            # can hold one (the reader's small bodies are bytearrays: `in` looks for bytes).
-            if type(body) is not bytearray or b"\xff" in body:
+            # can hold one (the reader's small bodies are bytearrays: `in` looks for the
+            # int, 20 ns; the bytes b"\xff" take 0.29 us, as the common call's lane measured).
+            if type(body) is not bytearray or 0xFF in body:
                 refuse_timestamps(body, msg)
         except Exception as exc:  # noqa: BLE001 - refused as the general path refuses it
             return self._worker.undecodable(body, exc)
