@@ -39,6 +39,7 @@ from vllm_bridge.bridge.protocol.types import (
     Atom,
     ExtCode,
     Ref,
+    find_timestamp,
     timestamp_header_in,
 )
 
@@ -133,27 +134,8 @@ def refuse_timestamps(body: bytes | bytearray | memoryview, value: Any) -> None:
     ``msgpack.Timestamp``: msgpack decodes ext -1 itself, never asking the ext hook, and
     the protocol has no such type (nor has the Elixir codec). Only a body with the bytes of
     its header is walked."""
-    if timestamp_header_in(body) and _holds_timestamp(value):
+    if timestamp_header_in(body) and find_timestamp(value, PendingStruct) is not None:
         raise BadArgument(TIMESTAMP_REFUSED)
-
-
-def _holds_timestamp(value: Any) -> bool:
-    # What a decoded value can hold another in: arrays, maps (keys too), tuples (ext 2),
-    # dataclass fields (ext 4). A stack, not recursion: a body nests up to msgpack's limit.
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        t = type(v)
-        if t is list or t is tuple:
-            stack.extend(v)
-        elif t is dict:
-            stack.extend(v)
-            stack.extend(v.values())
-        elif t is PendingStruct:
-            stack.append(v.fields)
-        elif t is msgpack.Timestamp:
-            return True
-    return False
 
 
 class Pairs(list):  # type: ignore[type-arg]

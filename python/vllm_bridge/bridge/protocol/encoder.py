@@ -32,6 +32,7 @@ from vllm_bridge.bridge.protocol.types import (
     Atom,
     ExtCode,
     Ref,
+    find_timestamp,
     qualified_name,
     timestamp_header_in,
 )
@@ -272,20 +273,10 @@ class _Pass:
 def _refuse_timestamp(value: Any) -> None:
     """Raise ``TypeError`` for a ``msgpack.Timestamp`` that msgpack packed as part of
     ``value`` (as ext -1, without asking :meth:`_Pass.default`: not a type of the protocol,
-    and the Elixir codec refuses it). Only what msgpack packs itself is walked, exact lists
-    and dicts: anything else went through ``default``, whose payloads :meth:`_Pass.pack`
-    checks as it packs them."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        t = type(v)
-        if t is list:
-            stack.extend(v)
-        elif t is dict:
-            stack.extend(v)
-            stack.extend(v.values())
-        elif t is msgpack.Timestamp:
-            raise TypeError(
-                f"a msgpack Timestamp ({short_repr(v, 80)}) has no encoding in this protocol "
-                "(ext -1 is not in its table); convert it first (to_unix_nano(), say)"
-            )
+    and the Elixir codec refuses it)."""
+    found = find_timestamp(value)
+    if found is not None:
+        raise TypeError(
+            f"a msgpack Timestamp ({short_repr(found, 80)}) has no encoding in this protocol "
+            "(ext -1 is not in its table); convert it first (to_unix_nano(), say)"
+        )

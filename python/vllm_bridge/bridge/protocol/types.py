@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
+
+import msgpack
 
 from vllm_bridge.bridge.protocol.errors import short_repr
 
@@ -67,6 +70,27 @@ def timestamp_header_in(data: bytes | bytearray | memoryview) -> bool:
         timestamp_header_in(view[i : i + _CHUNK + _OVERLAP].tobytes())
         for i in range(0, len(view), _CHUNK)
     )
+
+
+def find_timestamp(value: Any, struct: type | None = None) -> msgpack.Timestamp | None:
+    """The first ``msgpack.Timestamp`` inside ``value`` (``None`` when none), looking
+    through lists, tuples and maps (keys too), and the ``fields`` of values of type
+    ``struct`` (the decoder's pending dataclass). A stack, not recursion: a value nests
+    up to msgpack's limit. The decoder and the encoder both refuse what this finds."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is list or t is tuple:
+            stack.extend(v)
+        elif t is dict:
+            stack.extend(v)
+            stack.extend(v.values())
+        elif t is msgpack.Timestamp:
+            return v
+        elif t is struct:
+            stack.append(v.fields)
+    return None
 
 
 class Atom(str):
