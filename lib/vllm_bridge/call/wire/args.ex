@@ -51,14 +51,9 @@ defmodule VllmBridge.Call.Wire.Args do
 
   # The array of positional arguments, each one encoded on its own.
   defp each_arg(args) do
-    n =
-      try do
-        length(args)
-      rescue
-        ArgumentError -> -1
-      end
+    n = proper_length(args)
 
-    if n < 0 do
+    if n == nil do
       bad("args must be a proper list, got #{inspect(args, limit: 8)}")
     else
       {:ok, [Msgpack.enc_array_header(n) | encode_each(args, 0)]}
@@ -96,7 +91,7 @@ defmodule VllmBridge.Call.Wire.Args do
   defp kwargs(kw) when kw == %{} or kw == [], do: {:ok, %{}}
 
   defp kwargs(kw) when is_list(kw) and not is_map(kw) do
-    if proper?(kw) do
+    if proper_length(kw) do
       kwargs_of(kw)
     else
       bad(
@@ -110,10 +105,13 @@ defmodule VllmBridge.Call.Wire.Args do
   defp kwargs(other),
     do: bad("kwargs must be a map or a keyword list, got #{inspect(other, limit: 5)}")
 
-  # (Enum would raise on an improper list's tail, not an ArgumentError.)
-  defp proper?([]), do: true
-  defp proper?([_ | tail]), do: proper?(tail)
-  defp proper?(_tail), do: false
+  # A list's length, nil when it is improper (Enum would raise on its tail, and not an
+  # ArgumentError).
+  defp proper_length(list) do
+    length(list)
+  rescue
+    ArgumentError -> nil
+  end
 
   defp kwargs_of(kw) do
     Enum.reduce_while(kw, {:ok, %{}}, fn
