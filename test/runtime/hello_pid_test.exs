@@ -59,27 +59,22 @@ defmodule VllmBridge.Runtime.HelloPidTest do
   end
 
   test "a hello naming pid -1 or 0 is refused by name" do
-    for pid <- [-1, 0] do
-      name = :"hello_pid_#{pid + 1}"
-      result = start(name, fake("serve", [{"FAKE_WORKER_HELLO_PID", "#{pid}"}]))
-
-      assert match?({:error, %Error{type: :protocol}}, result), "pid #{pid}: #{inspect(result)}"
-      {:error, %Error{message: msg}} = result
-
-      assert msg =~ "os pid #{pid}"
-    end
+    for pid <- [-1, 0], do: assert_pid_refused(:"hello_pid_#{pid + 1}", pid)
   end
 
   test "a hello naming pid 1 or the BEAM's own is refused by name" do
-    for pid <- [1, String.to_integer(System.pid())] do
-      name = :"hello_pid_#{pid}"
-      result = start(name, fake("serve", [{"FAKE_WORKER_HELLO_PID", "#{pid}"}]))
+    for pid <- [1, String.to_integer(System.pid())],
+        do: assert_pid_refused(:"hello_pid_#{pid}", pid)
+  end
 
-      assert match?({:error, %Error{type: :protocol}}, result), "pid #{pid}: #{inspect(result)}"
-      {:error, %Error{message: msg}} = result
+  # A pool whose worker's hello names `pid` does not start, and says which pid.
+  defp assert_pid_refused(name, pid) do
+    result = start(name, fake("serve", [{"FAKE_WORKER_HELLO_PID", "#{pid}"}]))
 
-      assert msg =~ "os pid #{pid}"
-    end
+    assert match?({:error, %Error{type: :protocol}}, result), "pid #{pid}: #{inspect(result)}"
+    {:error, %Error{message: msg}} = result
+
+    assert msg =~ "os pid #{pid}"
   end
 
   test "Launcher.kill/1 refuses -1, 0, 1, the BEAM's own pid and what is not a pid, by name" do
