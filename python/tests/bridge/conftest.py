@@ -195,6 +195,28 @@ def _value(reply: Any, rid: int) -> Any:
     raise AssertionError(f"unexpected reply to {rid}: {reply!r}")
 
 
+def run_loop(worker: Any, stream: Path, out: Path) -> None:
+    """Run a worker's execution loop in this process over the frames in the file
+    ``stream`` until EOF, its replies written to the file ``out``."""
+    worker.channel.fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    worker.executor._reader.fd = os.open(stream, os.O_RDONLY)
+    try:
+        worker.executor.run()
+    finally:
+        os.close(worker.executor._reader.fd)
+        os.close(worker.channel.fd)
+
+
+def split_frames(data: bytes) -> list[bytes]:
+    """The bodies of the frames (4-byte big-endian length, then the body) in ``data``."""
+    found, pos = [], 0
+    while pos < len(data):
+        (n,) = struct.unpack_from(">I", data, pos)
+        found.append(data[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    return found
+
+
 def wire_fds(r_in: int, w_out: int) -> Callable[[], None]:
     """A ``preexec_fn`` that puts ``r_in`` on fd 3 and ``w_out`` on fd 4."""
 

@@ -26,7 +26,6 @@ and a timeout out of range run in real worker processes (the last three tests).
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import struct
@@ -36,6 +35,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from conftest import run_loop, split_frames
 
 from vllm_bridge import PUBLIC_MODULES
 from vllm_bridge.bridge.protocol.encoder import Encoder
@@ -177,13 +177,7 @@ def run_worker(stream: Path, out: Path, lane: bool) -> tuple[int, int]:
 
         worker.lane._in_session = counted  # type: ignore[method-assign]
         worker.lane._pack = counted_pack  # type: ignore[method-assign]
-    worker.channel.fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    worker.executor._reader.fd = os.open(stream, os.O_RDONLY)
-    try:
-        worker.executor.run()
-    finally:
-        os.close(worker.executor._reader.fd)
-        os.close(worker.channel.fd)
+    run_loop(worker, stream, out)
     if worker.lane is not None:
         # The lane reads the guards' verdict tables it was given: they must be the ones
         # the guards still clear (never replaced), or a verdict dropped there would stay.
@@ -191,15 +185,6 @@ def run_worker(stream: Path, out: Path, lane: bool) -> tuple[int, int]:
         assert worker.lane._guard_passed is guard.passed
         assert worker.lane._calls_passed is guard.calls.passed
     return taken, packed
-
-
-def split(data: bytes) -> list[bytes]:
-    found, pos = [], 0
-    while pos < len(data):
-        (n,) = HEADER.unpack_from(data, pos)
-        found.append(data[pos + 4 : pos + 4 + n])
-        pos += 4 + n
-    return found
 
 
 #: A traceback's entry for a frame of the worker's own code: the worker package, the
@@ -231,7 +216,7 @@ def test_the_lane_answers_every_frame_as_the_general_path(
     lane_out, general_out = tmp_path / "lane", tmp_path / "general"
     taken, packed = run_worker(stream, lane_out, lane=True)
     assert run_worker(stream, general_out, lane=False) == (0, 0)
-    lane, general = split(lane_out.read_bytes()), split(general_out.read_bytes())
+    lane, general = split_frames(lane_out.read_bytes()), split_frames(general_out.read_bytes())
     assert len(lane) == len(general) > 500
     assert taken > 100 and packed > 50  # the lane ran common calls itself
     kinds = {msgpack.unpackb(g, strict_map_key=False)[0] for g in general}
@@ -322,7 +307,7 @@ def test_a_timestamp_is_refused_alike_by_the_lane_and_the_general_path(tmp_path:
     lane_out, general_out = tmp_path / "lane", tmp_path / "general"
     assert run_worker(stream, lane_out, lane=True)[0] == 2  # the last two, in the lane
     run_worker(stream, general_out, lane=False)
-    lane, general = split(lane_out.read_bytes()), split(general_out.read_bytes())
+    lane, general = split_frames(lane_out.read_bytes()), split_frames(general_out.read_bytes())
     assert lane == general
     replies = [msgpack.unpackb(r, strict_map_key=False) for r in lane]
     where = ["args[0]", "kwargs[\"a\"]", "a key of args[0][1]", "timeout", "a key of kwargs"]

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from conftest import run_loop, split_frames
 
 from vllm_bridge import PUBLIC_MODULES
 from vllm_bridge.bridge.protocol import messages
@@ -37,20 +38,8 @@ def run(tmp_path: Path, msgs: list[Any], lane: bool) -> list[Any]:
     """The replies of an in-process worker's execution loop to ``msgs`` (then EOF)."""
     stream, out = tmp_path / "frames", tmp_path / "replies"
     stream.write_bytes(b"".join(HEADER.pack(len(b)) + b for b in map(msgpack.packb, msgs)))
-    worker = Worker(tuple(PUBLIC_MODULES), 8, lane=lane)
-    worker.channel.fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    worker.executor._reader.fd = os.open(stream, os.O_RDONLY)
-    try:
-        worker.executor.run()
-    finally:
-        os.close(worker.executor._reader.fd)
-        os.close(worker.channel.fd)
-    data, replies, pos = out.read_bytes(), [], 0
-    while pos < len(data):
-        (n,) = HEADER.unpack_from(data, pos)
-        replies.append(msgpack.unpackb(data[pos + 4 : pos + 4 + n], strict_map_key=False))
-        pos += 4 + n
-    return replies
+    run_loop(Worker(tuple(PUBLIC_MODULES), 8, lane=lane), stream, out)
+    return [msgpack.unpackb(b, strict_map_key=False) for b in split_frames(out.read_bytes())]
 
 
 @pytest.mark.parametrize("lane", [True, False])
