@@ -86,8 +86,11 @@ def test_arguments_win_over_the_environment(clean_env: pytest.MonkeyPatch) -> No
         ({}, {"rank": 2, "world_size": 2, "master_port": 1}, ValueError,
          "rank must be < world_size"),
         ({}, {"rank": 0, "world_size": 1, "master_port": 70000}, ValueError, "got 70000"),
-        ({}, {"rank": 0, "world_size": 1, "master_port": 1, "master_addr": "0.0.0.0"},
+        # (a wildcard from a call is refused earlier: test_dp_master_addr.py)
+        ({"VLLM_DP_MASTER_IP": "0.0.0.0"}, {"rank": 0, "world_size": 1, "master_port": 1},
          ValueError, "master_addr must be the address of rank 0's host .* got '0.0.0.0'"),
+        ({}, {"rank": 0, "world_size": 1, "master_port": 1, "master_addr": "0.0.0.0"},
+         ValueError, "master_addr '0.0.0.0' is refused: .* dp: option"),
         ({"VLLM_DP_MASTER_IP": " 10.0.0.1"}, {"rank": 0, "world_size": 1, "master_port": 1},
          ValueError, "got ' 10.0.0.1'"),
         ({}, {"rank": 0, "world_size": 1, "master_port": 1, "timeout_s": 0}, ValueError,

@@ -1,8 +1,12 @@
 """Settings of the DP group: arguments, with the environment as fallback, checked.
 
-See :mod:`vllm_bridge.dp` for the variables and what they mean.
+See :mod:`vllm_bridge.dp` for the variables and what they mean. The environment is the
+operator's (the pool option ``dp:`` sets it) and may name any rendezvous; an argument is
+the caller's and may name only a loopback one or the configured one
+(:func:`check_caller_addr`, :func:`check_caller_port`).
 """
 
+import ipaddress
 import os
 
 import torch
@@ -13,6 +17,86 @@ from vllm_bridge._checks import check_int
 DEFAULT_TIMEOUT_S: float = 60.0
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*")
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+#: Characters of a refused address a message shows.
+_SHOWN = 80
+_REMOTE = (
+    "a remote rendezvous is set by the pool's dp: option (VLLM_DP_MASTER_IP, "
+    "VLLM_DP_MASTER_PORT in the worker's environment), not by a call"
+)
+
+
+def _shown(addr: str) -> str:
+    if len(addr) <= _SHOWN:
+        return repr(addr)
+    return f"{addr[:_SHOWN]!r}... ({len(addr)} characters)"
+
+
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` is ``localhost``, ``::1`` or an address of 127.0.0.0/8 written as
+    :class:`ipaddress.IPv4Address` writes it.
+
+    Only the one canonical text of each address: the other spellings a resolver takes
+    (``127.1``, ``0x7f000001``, ``2130706433``, ``0177.0.0.1``, ``0:0::1``, an IPv4-mapped
+    ``::ffff:127.0.0.1``, a scope ``::1%lo``, a port, spaces) are not loopback here. No
+    name is resolved.
+    """
+    if addr in ("localhost", "::1"):
+        return True
+    try:
+        ip = ipaddress.IPv4Address(addr)
+    except ValueError:
+        return False
+    return ip.is_loopback and str(ip) == addr
+
+
+def configured_addr() -> str:
+    """The operator's rendezvous address: ``VLLM_DP_MASTER_IP``, else ``127.0.0.1``."""
+    return os.environ.get("VLLM_DP_MASTER_IP") or DEFAULT_MASTER_ADDR
+
+
+def check_caller_addr(master_addr: object) -> str:
+    """``master_addr`` given in a call, as a plain ``str``, if a call may name it.
+
+    A call may name a loopback address (:func:`is_loopback`) or exactly the configured
+    ``VLLM_DP_MASTER_IP``; any other host is the operator's to choose, so a caller of the
+    worker cannot make it connect to (or resolve) a host of the caller's choosing. Checked
+    before anything is resolved or connected.
+
+    Raises:
+        TypeError: not a ``str``.
+        ValueError: any other address, named (cut to 80 characters).
+    """
+    if not isinstance(master_addr, str):
+        raise TypeError(f"master_addr must be a str, got {master_addr!r:.{_SHOWN}}")
+    addr = str.__str__(master_addr)  # a plain str: a subclass's methods play no part
+    if is_loopback(addr) or addr == configured_addr():
+        return addr
+    raise ValueError(
+        f"master_addr {_shown(addr)} is refused: a call may name only a loopback address "
+        "(localhost, ::1, or 127.x.y.z written canonically, such as 127.0.0.1) or the "
+        f"worker's configured VLLM_DP_MASTER_IP; {_REMOTE}"
+    )
+
+
+def check_caller_port(master_addr: str, master_port: int) -> None:
+    """Refuse a ``master_port`` given in a call that points the configured remote
+    rendezvous host (``VLLM_DP_MASTER_IP``, not loopback) at another port than the
+    configured ``VLLM_DP_MASTER_PORT``. Loopback takes any port.
+
+    Raises:
+        ValueError: naming the port, the host and the configured port.
+    """
+    if is_loopback(master_addr) or master_addr != os.environ.get("VLLM_DP_MASTER_IP"):
+        return
+    configured = _env_int("VLLM_DP_MASTER_PORT")
+    if configured is not None and master_port != configured:
+        raise ValueError(
+            f"master_port {master_port!r} is refused for master_addr {master_addr!r}: the "
+            f"worker's configured rendezvous there is port {configured} "
+            f"(VLLM_DP_MASTER_PORT), and a call may not point that host at another port; "
+            f"{_REMOTE}"
+        )
 
 
 def _env_int(name: str) -> int | None:
@@ -65,14 +149,17 @@ def resolve_settings(
 
     ``None`` arguments come from ``VLLM_DP_RANK``, ``VLLM_DP_SIZE``, ``VLLM_DP_MASTER_IP``
     (default ``127.0.0.1``), ``VLLM_DP_MASTER_PORT``, ``VLLM_DP_BACKEND`` and
-    ``VLLM_DP_TIMEOUT_S``.
+    ``VLLM_DP_TIMEOUT_S``. A ``master_addr`` or ``master_port`` given as an argument
+    must pass :func:`check_caller_addr` / :func:`check_caller_port`.
 
     Raises:
         ValueError / TypeError: a missing or bad setting, named in the message.
     """
+    port_given = master_port is not None
+    # The caller's address first: nothing below resolves or connects, but keep it so.
+    master_addr = configured_addr() if master_addr is None else check_caller_addr(master_addr)
     rank = rank if rank is not None else _env_int("VLLM_DP_RANK")
     world_size = world_size if world_size is not None else _env_int("VLLM_DP_SIZE")
-    master_addr = master_addr or os.environ.get("VLLM_DP_MASTER_IP") or "127.0.0.1"
     master_port = master_port if master_port is not None else _env_int("VLLM_DP_MASTER_PORT")
     if rank is None:
         raise ValueError("rank is required (argument or VLLM_DP_RANK)")
@@ -87,8 +174,8 @@ def resolve_settings(
     check_int("master_port", master_port, minimum=1)
     if master_port > 65535:
         raise ValueError(f"master_port must be <= 65535, got {master_port}")
-    if not isinstance(master_addr, str):
-        raise TypeError(f"master_addr must be a str, got {master_addr!r}")
+    if port_given:
+        check_caller_port(master_addr, master_port)
     if master_addr.strip() != master_addr or master_addr in WILDCARDS:
         # The address the other ranks connect to (rank 0's store listens on every
         # interface anyway): a wildcard reaches rank 0 from no other host.
