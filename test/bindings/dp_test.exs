@@ -168,6 +168,32 @@ defmodule VllmBridge.Bindings.DpTest do
     assert {:ok, false} = DP.destroy_dp_group()
   end
 
+  test "a call cannot point a worker's rendezvous at a host of its choosing", %{
+    ranks: [rank0 | _],
+    port: port
+  } do
+    rt = [__runtime__: [session_id: rank0]]
+
+    # Refused by the worker before it resolves or connects: only the pool's dp: option
+    # (the worker's VLLM_DP_MASTER_IP) names a remote rendezvous.
+    for addr <- ["10.1.2.3", "127.1", "0x7f000001", "metadata.google.internal", ""] do
+      assert {:error, %Error{type: :python_exception, python_type: "ValueError", message: m}} =
+               DP.init_dp_group(0, 1, addr, port, "gloo", 1.0, rt)
+
+      assert m =~ "master_addr '#{addr}' is refused"
+      assert m =~ "pool's dp: option (VLLM_DP_MASTER_IP"
+    end
+
+    assert {:error, %Error{python_type: "ValueError", message: m}} =
+             DP.init_dp_group(0, 1, "10.1.2.3", port, "gloo", 1.0)
+
+    assert m =~ "master_addr '10.1.2.3' is refused"
+
+    # The worker serves on, in no group, and its session with it.
+    assert DP.dp_group_info(rt) == {:ok, nil}
+    assert DP.default_timeout_s(rt) == {:ok, 60.0}
+  end
+
   test "bad arguments" do
     assert {:error, %Error{type: :bad_argument, message: m}} = DP.init_dp_group("0")
     assert m =~ ~s|rank must be integer() \| nil, got "0"|
