@@ -12,7 +12,8 @@ defmodule Vllm.Dp.Module do
       destroy_dp_group()
 
   Rank 0 hosts the rendezvous store at `master_addr:master_port`. Arguments left as `None`
-  come from the environment:
+  come from the environment (the operator's; a call may name only a loopback rendezvous or
+  the configured one: `init_dp_group`):
 
   ```
   =========================== ===========================================================
@@ -495,6 +496,15 @@ defmodule Vllm.Dp.Module do
   `VLLM_DP_MASTER_PORT`, `VLLM_DP_BACKEND` and `VLLM_DP_TIMEOUT_S` (default 60).
   Calling it again with the same settings returns the current group.
 
+  Where the rendezvous is, is the environment's to say (the operator's: a pool's `dp:`
+  option sets it), not the caller's: an explicit `master_addr` must be a loopback
+  address written canonically (`127.0.0.1` or another `127.x.y.z`, `::1`) or
+  `localhost`, or exactly the configured `VLLM_DP_MASTER_IP`; and when it names the
+  configured host (not loopback) and `VLLM_DP_MASTER_PORT` is set, an explicit
+  `master_port` must be that port. Anything else (another host or IP, a host name,
+  `127.1`, `0x7f000001`, `::ffff:127.0.0.1`, an address with a port, a scope or
+  spaces) is refused with `ValueError` before any name is resolved or socket opened.
+
   ## Parameters
 
     * `rank` (`integer() | nil`, default `nil`)
@@ -512,7 +522,7 @@ defmodule Vllm.Dp.Module do
 
   ## Raises
 
-    * `ValueError / TypeError` - a missing or bad setting (the message names it).
+    * `ValueError / TypeError` - a missing or bad setting (the message names it), or a `master_addr` / `master_port` a call may not choose (above).
     * `DPTimeoutError` - the peers did not all join within `timeout_s` seconds.
     * `DPGroupError` - this process is already in a different group.
 

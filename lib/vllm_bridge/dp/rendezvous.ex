@@ -22,7 +22,10 @@ defmodule VllmBridge.DP.Rendezvous do
       Vllm.Dp.Module.init_dp_group(__runtime__: [session_id: session.id])
 
   To join per call instead (a worker of a pool without `dp:`), `kwargs/2` gives the
-  arguments of `Vllm.Dp.Module.init_dp_group` for one rank.
+  arguments of `Vllm.Dp.Module.init_dp_group` for one rank; per call, the worker accepts
+  only a loopback `:master_addr` (`"127.0.0.1"`, `"::1"`, `"localhost"`: every rank on one
+  host) or its own configured `VLLM_DP_MASTER_IP` (with its `VLLM_DP_MASTER_PORT`). A
+  rendezvous on another host is the operator's to set, through `dp:` (docs/SECURITY.md).
 
   Fields:
 
@@ -135,7 +138,9 @@ defmodule VllmBridge.DP.Rendezvous do
 
   @doc """
   The arguments of `Vllm.Dp.Module.init_dp_group` that join worker `index`'s rank, by
-  name (append `__runtime__:`): for joining per call rather than through a pool's `dp:`.
+  name (append `__runtime__:`): for joining per call rather than through a pool's `dp:`,
+  on loopback (a worker refuses another `:master_addr` from a call unless its own
+  environment configures it).
   """
   @spec kwargs(t(), non_neg_integer()) :: keyword()
   def kwargs(%__MODULE__{} = r, index) do
