@@ -9,6 +9,10 @@ defmodule VllmBridge.Worker.Unclaimed do
   # frame of at most @inline_max bytes is decoded in the worker process (microseconds);
   # a larger one (it may hold millions of values) in a process of its own, so that it
   # does not hold up the frames behind it.
+  #
+  # A frame the decode refuses (a malformed value, a big integer over its cap) still
+  # releases its references and hands back its slots (VllmBridge.Call.Wire.Refused,
+  # told that the worker process is the one to release them to).
 
   alias VllmBridge.Call.{Request, Wire}
   alias VllmBridge.Codec.SlotExt
@@ -29,7 +33,7 @@ defmodule VllmBridge.Worker.Unclaimed do
   end
 
   defp release_refs(bin, worker) do
-    with {:ok, value} <- SlotExt.unread(fn -> Wire.decode_reply(bin) end),
+    with {:ok, value} <- SlotExt.unread(fn -> Wire.decode_reply(bin, worker) end),
          [_ | _] = refs <- Ref.collect(value) do
       Request.cast_release(worker, refs)
     else
