@@ -223,6 +223,18 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
       end
     end
 
+    test "an error reply without its error map gives back what it holds", %{dir: dir} do
+      items = [{:ref, new_ref()}, new_slot(dir), {:ref, new_ref()}]
+      bin = frame(items) |> String.replace_prefix(<<0x93, 0xA2, "ok">>, <<0x93, 0xA5, "error">>)
+
+      assert {:error,
+              %Error{type: :protocol, message: "the worker answered a malformed error map" <> _}} =
+               Wire.decode_reply(bin, self())
+
+      for name <- names(items), do: assert(freed?(dir, name))
+      assert Enum.sort(released(releases())) == Enum.sort(refs(items))
+    end
+
     test "a refused reply nobody reads releases its references (the worker process drops it)",
          %{dir: dir} do
       items = [{:ref, new_ref()}, {:raw, <<0xD4, 99, 0>>}, new_slot(dir), {:ref, new_ref()}]

@@ -332,7 +332,7 @@ defmodule VllmBridge.Call.Wire do
 
   @doc """
   `decode_reply/2`'s general path: a full decode of any reply. A reply it refuses
-  (undecodable, or of another shape) hands back the result slots it names and releases
+  (undecodable, of another shape, or an error without its error map) hands back the result slots it names and releases
   the references it carries to `from` (`VllmBridge.Call.Wire.Refused`).
   """
   @spec decode_reply_general(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
@@ -341,8 +341,13 @@ defmodule VllmBridge.Call.Wire do
       {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
         {:ok, value}
 
-      {:ok, ["error", _id, map]} ->
+      {:ok, ["error", _id, %{"type" => type} = map]} when is_binary(type) ->
         {:error, Error.from_wire(map)}
+
+      # (An error map without its type is refused too: `Error.from_wire/1` names it.)
+      {:ok, ["error", _id, malformed]} ->
+        Refused.settle(bin, from)
+        {:error, Error.from_wire(malformed)}
 
       {:ok, other} ->
         Refused.settle(bin, from)
