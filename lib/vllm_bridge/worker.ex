@@ -57,7 +57,7 @@ defmodule VllmBridge.Worker do
   alias VllmBridge.Shm.Loans
   alias VllmBridge.Worker.{Calls, Cancel, Down, Events, Framer, Hello, Intake, Launcher}
   alias VllmBridge.Worker.Messages
-  alias VllmBridge.Worker.{PythonLog, Starting}
+  alias VllmBridge.Worker.{PythonLog, Starting, Unclaimed}
   alias VllmBridge.Worker.Messages.Submit
 
   @start_timeout 60_000
@@ -298,7 +298,7 @@ defmodule VllmBridge.Worker do
       {:chunk, id} when id != nil ->
         case Calls.live(state.calls, id) do
           nil ->
-            Calls.drop(bin)
+            Unclaimed.drop(bin)
             state
 
           alias ->

@@ -373,7 +373,7 @@ defmodule VllmBridge.Runtime.ShmTest do
 
       try do
         Process.put(:vllm_bridge_slot_swap, fn p -> send(me, {:opened, p}) end)
-        assert :ok = VllmBridge.Worker.Calls.drop(reply)
+        assert :ok = VllmBridge.Worker.Unclaimed.drop(reply)
         refute_received {:opened, _}
         assert File.exists?(path <> ".free") and not File.exists?(path)
 

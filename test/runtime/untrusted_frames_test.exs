@@ -25,7 +25,7 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
   alias VllmBridge.{Bytes, Error, Shm, Tensor, Worker}
   alias VllmBridge.Call.Wire
   alias VllmBridge.Codec.SlotExt
-  alias VllmBridge.Worker.Calls
+  alias VllmBridge.Worker.{Calls, Unclaimed}
   alias VllmBridge.Worker.Messages.Submit
 
   @pool :rt_untrusted
@@ -203,7 +203,7 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
       n = 3_000_000
       body = <<0x93, 0xA2, "ok", 9, 0xDD, n::32, :binary.copy(<<0xA1, ?x>>, n)::binary>>
       {:reductions, before} = Process.info(self(), :reductions)
-      assert :ok = Calls.drop(body)
+      assert :ok = Unclaimed.drop(body)
       {:reductions, later} = Process.info(self(), :reductions)
       assert later - before < 100_000
 
@@ -214,7 +214,7 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
       big =
         IO.iodata_to_binary(VllmBridge.Codec.encode(["ok", 9, [ref, :binary.copy("x", 10_000)]]))
 
-      assert :ok = Calls.drop(big)
+      assert :ok = Unclaimed.drop(big)
       assert_receive {:"$vb_req", %Submit{frame: frame}}, 5_000
       assert IO.iodata_to_binary(frame) =~ "release"
     end

@@ -5,7 +5,9 @@ it writes are not to be trusted by the Elixir side.
 * :func:`write_frame` writes a whole frame straight to the worker's output pipe (fd 4),
   beside the worker's own frames (call it while nothing else is in flight);
 * :func:`forged_slot` returns an ext 8 (a tensor in a result slot) naming a sparse file
-  of any declared size, made in the node's slot directory.
+  of any declared size, made in the node's slot directory;
+* :func:`refused_mix` returns a value holding real references and real result slots
+  around a value the BEAM refuses (test/runtime/refused_reply_test.exs).
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ import os
 import struct
 
 import msgpack
+
+#: Elements of each tensor :func:`refused_mix` returns: 1.2 MB of float32, over the
+#: 1 MiB slot threshold (a result slot while the worker has one free).
+MIX_NUMEL = 300_000
+#: Magnitude bytes of the big integer :func:`refused_mix` returns: one past the cap the
+#: BEAM decodes (the worker's encoder refuses a Python int that large, not this ExtType).
+MIX_BIGINT_BYTES = 4097
+
+
+class Held:
+    """An object the wire has no encoding for: it travels as a reference the worker holds."""
 
 
 def write_frame(body: bytes) -> int:
@@ -41,3 +54,28 @@ def forged_slot(nbytes: int, n: int) -> msgpack.ExtType:
     # ext 3's header (dtype code 1 = uint8, ndim 1, no device, the shape), then the name.
     header = bytes([1, 1, 0]) + struct.pack(">Q", nbytes)
     return msgpack.ExtType(8, header + bytes([len(name)]) + name.encode())
+
+
+def refused_mix(spec: object) -> object:
+    """``spec`` with its leaves made real: ``"ref"`` a new :class:`Held` (a reference),
+    ``"slot"`` a float32 tensor of :data:`MIX_NUMEL` elements (a result slot), and
+    ``"refuse"`` an ext 7 of :data:`MIX_BIGINT_BYTES` magnitude bytes; lists, tuples and
+    dicts are rebuilt around them, any other leaf is kept."""
+    import torch
+
+    def build(x: object) -> object:
+        if x == "ref":
+            return Held()
+        if x == "slot":
+            return torch.ones(MIX_NUMEL, dtype=torch.float32)
+        if x == "refuse":
+            return msgpack.ExtType(7, b"\x00" + b"\x01" * MIX_BIGINT_BYTES)
+        if isinstance(x, list):
+            return [build(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(build(v) for v in x)
+        if isinstance(x, dict):
+            return {k: build(v) for k, v in x.items()}
+        return x
+
+    return build(spec)

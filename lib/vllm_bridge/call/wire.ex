@@ -14,7 +14,7 @@ defmodule VllmBridge.Call.Wire do
   # frame (it is untrusted, and a decode there would read the frame's result slots).
 
   alias VllmBridge.{Codec, Error, Ref}
-  alias VllmBridge.Call.Wire.Args
+  alias VllmBridge.Call.Wire.{Args, Refused}
   alias VllmBridge.Codec.SlotExt
 
   # Request bodies up to this size are flattened into one binary.
@@ -285,7 +285,8 @@ defmodule VllmBridge.Call.Wire do
   Decodes an `ok` or `error` reply (the caller does this, not the worker process):
   `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `from` is the worker process the
   reply came from (nil: unknown): its frame limit bounds the reply's result slots
-  (`VllmBridge.Codec.SlotExt.within_reply/3`).
+  (`VllmBridge.Codec.SlotExt.within_reply/3`), and the references of a reply refused
+  are released to it (`decode_reply_general/2`).
   """
   @spec decode_reply(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
   def decode_reply(bin, from \\ nil)
@@ -329,17 +330,28 @@ defmodule VllmBridge.Call.Wire do
   defp scalar(<<0xD9, n::8, s::binary-size(n)>>), do: {:ok, s}
   defp scalar(_), do: :general
 
-  @doc "`decode_reply/2`'s general path: a full decode of any reply."
+  @doc """
+  `decode_reply/2`'s general path: a full decode of any reply. A reply it refuses
+  (undecodable, of another shape, or an error without its error map) hands back the result slots it names and releases
+  the references it carries to `from` (`VllmBridge.Call.Wire.Refused`).
+  """
   @spec decode_reply_general(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
   def decode_reply_general(bin, from \\ nil) do
     case SlotExt.within_reply(from, byte_size(bin), fn -> Codec.decode(bin) end) do
       {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
         {:ok, value}
 
-      {:ok, ["error", _id, map]} ->
+      {:ok, ["error", _id, %{"type" => type} = map]} when is_binary(type) ->
         {:error, Error.from_wire(map)}
 
+      # (An error map without its type is refused too: `Error.from_wire/1` names it.)
+      {:ok, ["error", _id, malformed]} ->
+        Refused.settle(bin, from)
+        {:error, Error.from_wire(malformed)}
+
       {:ok, other} ->
+        Refused.settle(bin, from)
+
         {:error,
          Error.new(
            :protocol,
@@ -347,6 +359,7 @@ defmodule VllmBridge.Call.Wire do
          )}
 
       {:error, reason} ->
+        Refused.settle(bin, from)
         {:error, Error.new(:protocol, "undecodable reply: #{reason}")}
     end
   end

@@ -81,6 +81,22 @@ defmodule VllmBridge.Codec.SlotExt do
   def parse(payload),
     do: Decoder.fail!("truncated tensor-in-a-slot (ext 8) payload (#{byte_size(payload)} bytes)")
 
+  @doc false
+  # The slot name an ext 8 payload holds (`{:ok, name}`; `:error` when it is cut short or
+  # has bytes after the name), the rest unchecked; never raises (for the walks that find
+  # a frame's slots without decoding it: VllmBridge.Shm.FrameSlots, VllmBridge.Call.Wire.Refused).
+  @spec name(binary()) :: {:ok, binary()} | :error
+  def name(<<_code, ndim, len, _dev::binary-size(len), rest::binary>>) do
+    shape_bytes = 8 * ndim
+
+    case rest do
+      <<_::binary-size(shape_bytes), n, name::binary-size(n)>> -> {:ok, name}
+      _ -> :error
+    end
+  end
+
+  def name(_payload), do: :error
+
   @doc "Decodes an ext 8 payload: reads the slot, hands it back, returns the tensor."
   @spec decode(binary()) :: Tensor.t()
   def decode(payload) do
@@ -127,11 +143,15 @@ defmodule VllmBridge.Codec.SlotExt do
   end
 
   defp unread(dtype, shape, device, slot) do
-    hand_back_unread(slot)
+    hand_back(slot)
     %Tensor{dtype: dtype, shape: shape, data: <<>>, device: device}
   end
 
-  defp hand_back_unread(slot) do
+  @doc false
+  # Hands the result slot `slot` back unread (renamed `.free`), when it is a name of the
+  # result pattern and still lent; a name handed back already is gone, and nothing changes.
+  @spec hand_back(binary()) :: :ok
+  def hand_back(slot) do
     with %{path: dir} <- Shm.dir(),
          true <- Regex.match?(@result_name, slot) do
       path = Path.join(dir, slot)
@@ -164,7 +184,7 @@ defmodule VllmBridge.Codec.SlotExt do
     limit = ReplyLimits.of(from)
 
     if used + nbytes > limit do
-      hand_back_unread(slot)
+      hand_back(slot)
 
       Decoder.fail!(
         "the tensor slot #{inspect(slot)} (ext 8): its #{nbytes} bytes of data, with the " <>

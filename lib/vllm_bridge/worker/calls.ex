@@ -23,9 +23,9 @@ defmodule VllmBridge.Worker.Calls do
 
   alias VllmBridge.Error
   alias VllmBridge.Session.Open
-  alias VllmBridge.Call.{Request, Wire}
+  alias VllmBridge.Call.Wire
   alias VllmBridge.Pool.Slots
-  alias VllmBridge.Worker.Messages
+  alias VllmBridge.Worker.{Messages, Unclaimed}
   alias VllmBridge.Worker.Messages.Submit
 
   defmodule Entry do
@@ -49,8 +49,6 @@ defmodule VllmBridge.Worker.Calls do
 
   # How many callers of one call `recent` holds at most (`unhold/2`).
   @recent_max 256
-  # The largest dropped frame decoded in the worker process itself (`drop/1`).
-  @drop_inline_max 4096
 
   defstruct map: %{}, callers: %{}, recent: %{}, arrivals: 0, slot: nil, seen: nil
 
@@ -220,40 +218,12 @@ defmodule VllmBridge.Worker.Calls do
           Messages.send_finish(e.alias, tag, bin)
           unhold(%{t | map: map}, e.caller)
         else
-          drop(bin)
+          Unclaimed.drop(bin)
           %{t | map: map}
         end
 
       {nil, _} ->
         t
-    end
-  end
-
-  @doc false
-  # A reply or chunk nobody will read (its caller gave up or died): the references in it
-  # were made for it and no process got them, so nobody could ever release them (those
-  # of the default session would outlive every session, those of a session would hold
-  # its objects until it closes); they are released, each in its session, by release
-  # requests to this worker process. Decoded only on this path, and its result slots,
-  # if any, go back to the worker unread. A frame of at most @drop_inline_max bytes is
-  # decoded here (microseconds); a larger one (it may hold millions of values) in a
-  # process of its own, so that it does not hold up the frames behind it.
-  @spec drop(binary() | nil) :: :ok
-  def drop(nil), do: :ok
-  def drop(bin) when byte_size(bin) <= @drop_inline_max, do: release_refs(bin, self())
-
-  def drop(bin) do
-    worker = self()
-    _ = spawn(fn -> release_refs(bin, worker) end)
-    :ok
-  end
-
-  defp release_refs(bin, worker) do
-    with {:ok, value} <- VllmBridge.Codec.SlotExt.unread(fn -> Wire.decode_reply(bin) end),
-         [_ | _] = refs <- VllmBridge.Ref.collect(value) do
-      Request.cast_release(worker, refs)
-    else
-      _ -> :ok
     end
   end
 

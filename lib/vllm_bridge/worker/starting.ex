@@ -30,7 +30,7 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Worker
   alias VllmBridge.Call.Wire
   alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, OnStart}
-  alias VllmBridge.Worker.{Cancel, Down, Output, Progress, StartFailure}
+  alias VllmBridge.Worker.{Cancel, Down, Output, Progress, StartFailure, Unclaimed}
 
   # The worker module whose start-up stderr is captured: ours takes its stderr FIFO back
   # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own has its
@@ -210,7 +210,7 @@ defmodule VllmBridge.Worker.Starting do
     case Wire.decode_reply(bin, self()) do
       {:ok, _value} ->
         # Nobody reads the result: references in it are released (queued until ready).
-        Calls.drop(bin)
+        Unclaimed.drop(bin)
         ready(%{state | setup: nil})
 
       {:error, e} ->
