@@ -258,7 +258,7 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
       assert length(shells) == 2
       cats = cats_of(shells)
       assert length(cats) == 2
-      VllmBridge.Worker.Launcher.kill(String.to_integer(hd(cats)))
+      VllmBridge.Worker.OsProcess.kill(String.to_integer(hd(cats)))
 
       wait_until(
         # (A worker not up at this moment is nil in the list.)

@@ -20,13 +20,16 @@ defmodule VllmBridge.Worker.Output do
   # once the backlog is gone: memory stays bounded. The
   # partial last line is logged when its stream ends. When the worker process goes, this
   # one waits up to @drain_ms for both streams to end (the Python process and its children
-  # gone), then kills the readers and stops.
+  # gone), then kills the readers and stops; and kills what is left of the worker's
+  # processes (VllmBridge.Worker.OsProcess, told by `procs/2`): a worker process killed
+  # (no terminate/2, so no close) or stopped before its close was done leaves a Python
+  # process that ignores the EOF of its port (stuck in C code) running, else.
 
   use GenServer
 
   require Logger
 
-  alias VllmBridge.Worker.OutputLines
+  alias VllmBridge.Worker.{OsProcess, OutputLines}
 
   # One reader: a shell that makes its FIFO ($1) (so that no name exists before
   # something that removes it), starts a reader that opens it (which waits for a writer:
@@ -86,6 +89,10 @@ defmodule VllmBridge.Worker.Output do
   @spec os_pid(pid(), non_neg_integer() | nil) :: :ok
   def os_pid(pid, os_pid), do: GenServer.cast(pid, {:os_pid, os_pid})
 
+  @doc "Tells the reader the worker's OS processes, those killed if left when it goes."
+  @spec procs(pid(), OsProcess.t()) :: :ok
+  def procs(pid, procs), do: GenServer.cast(pid, {:procs, procs})
+
   @doc """
   The Python process has opened its FIFOs (its hello came): their names go (nothing is
   left in the temporary folder), and so do this process's own holds on them, once both
@@ -137,7 +144,8 @@ defmodule VllmBridge.Worker.Output do
          streams: streams,
          meta: VllmBridge.Worker.LogMeta.new(meta[:pool], meta[:index], nil),
          dropped: 0,
-         draining: false
+         draining: false,
+         procs: %OsProcess{}
        }}
     else
       {:error, reason} ->
@@ -200,6 +208,8 @@ defmodule VllmBridge.Worker.Output do
   @impl true
   def handle_cast({:os_pid, os_pid}, state),
     do: {:noreply, %{state | meta: Keyword.put(state.meta, :os_pid, os_pid)}}
+
+  def handle_cast({:procs, procs}, state), do: {:noreply, %{state | procs: procs}}
 
   def handle_cast(:unlink, state), do: {:noreply, maybe_unlink(%{state | hello: true})}
 
@@ -276,6 +286,18 @@ defmodule VllmBridge.Worker.Output do
       # Closing the port ends the reader's lifeline: one still blocked opening its FIFO,
       # or whose FIFO a child process that outlives the worker keeps open, is killed.
       close(port)
+    end
+
+    # The worker process is gone (the port closed with it): a process of it still there
+    # has had @drain_ms to go, or closed its output and stayed.
+    if state.draining and not OsProcess.gone?(state.procs) do
+      Logger.warning(
+        "vllm_bridge: the Python worker (os pid #{OsProcess.label(state.procs)}) is still " <>
+          "there after its worker process ended; killing it",
+        state.meta
+      )
+
+      OsProcess.kill_worker(state.procs)
     end
 
     :ok
