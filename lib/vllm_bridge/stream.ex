@@ -228,8 +228,8 @@ defmodule VllmBridge.Stream do
 
   defp next(%{handle: {pid, id, mref}} = st) do
     receive do
-      Messages.chunk(^mref, bin) ->
-        case Wire.decode_reply(bin, pid) do
+      Messages.chunk(^mref, bin, max) ->
+        case Wire.decode_reply(bin, max) do
           {:ok, value} ->
             # Outside a session, what the chunk references belongs to this process.
             if st.loose, do: LooseRefs.track(self(), Ref.collect(value, session: :none))
@@ -245,10 +245,10 @@ defmodule VllmBridge.Stream do
       Messages.stream_end(^mref) ->
         {:halt, %{st | done: true}}
 
-      Messages.reply(^mref, bin) ->
+      Messages.reply(^mref, bin, max) ->
         finished(st)
 
-        case Wire.decode_reply(bin, pid) do
+        case Wire.decode_reply(bin, max) do
           {:error, e} ->
             raise e
 
@@ -317,22 +317,22 @@ defmodule VllmBridge.Stream do
   defp settle(%{handle: {pid, id, mref}} = st) do
     ack = :erlang.monitor(:process, pid, [{:alias, :demonitor}])
     Messages.send_settle(pid, id, ack)
-    refs = drain(pid, mref, ack, [])
+    refs = drain(mref, ack, [])
     Process.demonitor(ack, [:flush])
     Request.flush(ack)
     Request.cast_release(pid, refs)
     finished(st)
   end
 
-  defp drain(pid, mref, ack, refs) do
+  defp drain(mref, ack, refs) do
     receive do
       Messages.cancelled(^ack) ->
         refs
 
-      Messages.chunk(^mref, bin) ->
-        case Wire.decode_reply(bin, pid) do
-          {:ok, value} -> drain(pid, mref, ack, Ref.collect(value) ++ refs)
-          {:error, _} -> drain(pid, mref, ack, refs)
+      Messages.chunk(^mref, bin, max) ->
+        case Wire.decode_reply(bin, max) do
+          {:ok, value} -> drain(mref, ack, Ref.collect(value) ++ refs)
+          {:error, _} -> drain(mref, ack, refs)
         end
 
       {:DOWN, ^ack, :process, _, _} ->

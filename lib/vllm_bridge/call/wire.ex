@@ -283,25 +283,26 @@ defmodule VllmBridge.Call.Wire do
 
   @doc """
   Decodes an `ok` or `error` reply (the caller does this, not the worker process):
-  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `from` is the worker process the
-  reply came from (nil: unknown): its frame limit bounds the reply's result slots
+  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `max` is the frame limit of the
+  worker the reply came from (it comes with the reply, VllmBridge.Worker.Messages; nil:
+  the default one): it bounds the reply's result slots
   (`VllmBridge.Codec.SlotExt.within_reply/3`).
   """
-  @spec decode_reply(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
-  def decode_reply(bin, from \\ nil)
+  @spec decode_reply(binary(), pos_integer() | nil) :: {:ok, term()} | {:error, Error.t()}
+  def decode_reply(bin, max \\ nil)
 
   # Fast path: an `ok` whose id is an unsigned int and whose value is a scalar spanning
   # the rest of the frame (the reply of most small calls), read by pattern; any other
   # shape goes to `decode_reply_general/2`, which answers the same for these
   # (test/codec/reply_fast_path_test.exs).
-  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin, from) do
+  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin, max) do
     case scalar(after_uint(rest)) do
       {:ok, _} = ok -> ok
-      :general -> decode_reply_general(bin, from)
+      :general -> decode_reply_general(bin, max)
     end
   end
 
-  def decode_reply(bin, from), do: decode_reply_general(bin, from)
+  def decode_reply(bin, max), do: decode_reply_general(bin, max)
 
   defp after_uint(<<0::1, _::7, r::binary>>), do: r
   defp after_uint(<<0xCC, _::8, r::binary>>), do: r
@@ -330,9 +331,10 @@ defmodule VllmBridge.Call.Wire do
   defp scalar(_), do: :general
 
   @doc "`decode_reply/2`'s general path: a full decode of any reply."
-  @spec decode_reply_general(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
-  def decode_reply_general(bin, from \\ nil) do
-    case SlotExt.within_reply(from, byte_size(bin), fn -> Codec.decode(bin) end) do
+  @spec decode_reply_general(binary(), pos_integer() | nil) ::
+          {:ok, term()} | {:error, Error.t()}
+  def decode_reply_general(bin, max \\ nil) do
+    case SlotExt.within_reply(max, byte_size(bin), fn -> Codec.decode(bin) end) do
       {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
         {:ok, value}
 

@@ -9,7 +9,7 @@ defmodule VllmBridge.Worker.Starting do
   # the worker :ready (in a pool: registered, its slots opened), and what waited is served.
   #
   # `on_start` is an ordinary `call` request (VllmBridge.Worker.OnStart) whose reply comes
-  # back here as `{alias, :reply, frame}`. Its result is dropped (references in it released).
+  # back here as `{alias, :reply, frame, max}`. Its result is dropped (references in it released).
   #
   # A start that fails (no hello, a bad one, an on_start that raises or overstays) is
   # handled by VllmBridge.Worker.StartFailure: logged once, with the last lines of the Python process's stderr when it ended before
@@ -210,8 +210,8 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
-  def handle_info(Messages.reply(alias, bin), %{setup: alias} = state) do
-    case Wire.decode_reply(bin, self()) do
+  def handle_info(Messages.reply(alias, bin, max), %{setup: alias} = state) do
+    case Wire.decode_reply(bin, max) do
       {:ok, _value} ->
         # Nobody reads the result: references in it are released (queued until ready).
         Calls.drop(bin)
@@ -293,9 +293,6 @@ defmodule VllmBridge.Worker.Starting do
     }
 
     if state.meta, do: VllmBridge.Shm.mark(state.meta, state.index, VllmBridge.Shm.reads?(hello))
-    # Its replies' result slots are bounded by its frame limit, as its frames are (also
-    # when it writes none: a frame may still name one).
-    VllmBridge.Shm.ReplyLimits.put(self(), state.max_frame)
 
     # The frames that came with the hello (a log record, say) as if they came after it.
     state = Enum.reduce(frames, state, &Worker.route(&2, &1))
