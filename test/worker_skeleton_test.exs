@@ -59,7 +59,8 @@ defmodule VllmBridge.WorkerSkeletonTest do
   test "closing a worker reports that its process left by itself" do
     {:ok, port} = VllmBridge.Worker.Launcher.open([])
     {:ok, %{"pid" => os_pid}} = await_hello(port)
-    assert VllmBridge.Worker.Launcher.close(port, os_pid, 5_000) == :exited
+    procs = VllmBridge.Worker.OsProcess.spawned(os_pid)
+    assert VllmBridge.Worker.Launcher.close(port, procs, 5_000) == :exited
     refute alive?(os_pid)
   end
 
@@ -67,10 +68,11 @@ defmodule VllmBridge.WorkerSkeletonTest do
     # `sleep` never reads its stdin-less port: it stands for a worker stuck past EOF.
     port = Port.open({:spawn_executable, System.find_executable("sleep")}, [{:args, ["60"]}])
     {:os_pid, os_pid} = Port.info(port, :os_pid)
+    procs = VllmBridge.Worker.OsProcess.spawned(os_pid)
 
     log =
       ExUnit.CaptureLog.capture_log(fn ->
-        assert VllmBridge.Worker.Launcher.close(port, os_pid, 200) == :killed
+        assert VllmBridge.Worker.Launcher.close(port, procs, 200) == :killed
       end)
 
     assert log =~ "did not exit within 200 ms"

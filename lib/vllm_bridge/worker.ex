@@ -272,7 +272,6 @@ defmodule VllmBridge.Worker do
   def terminate(reason, state) do
     Events.ended(state, reason, Calls.size(state.calls))
     Down.shut(state, "the worker is shutting down")
-    VllmBridge.Shm.ReplyLimits.delete(self())
     # A start cut short (the pool stopped meanwhile) leaves no start-up stderr file.
     if state[:stderr], do: Launcher.delete_stderr(state.stderr)
     :ok
@@ -293,7 +292,7 @@ defmodule VllmBridge.Worker do
     case Wire.peek(bin) do
       {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
         state = lend(state, id, bin)
-        %{state | calls: Calls.finish(state.calls, id, :reply, bin)}
+        %{state | calls: Calls.finish(state.calls, id, :reply, bin, state.max_frame)}
 
       {:chunk, id} when id != nil ->
         case Calls.live(state.calls, id) do
@@ -303,12 +302,12 @@ defmodule VllmBridge.Worker do
 
           alias ->
             state = lend(state, id, bin)
-            Messages.send_chunk(alias, bin)
+            Messages.send_chunk(alias, bin, state.max_frame)
             state
         end
 
       {:end, id} when id != nil ->
-        %{state | calls: Calls.finish(state.calls, id, :end, nil)}
+        %{state | calls: Calls.finish(state.calls, id, :end, nil, state.max_frame)}
 
       {:log, _} ->
         PythonLog.emit(bin, state)

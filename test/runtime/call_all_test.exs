@@ -10,7 +10,7 @@ defmodule VllmBridge.Runtime.CallAllTest do
   import VllmBridge.RuntimeHelpers
 
   alias VllmBridge.Error
-  alias VllmBridge.Worker.Launcher
+  alias VllmBridge.Worker.OsProcess
 
   @own_dir Path.expand("../support/own_modules", __DIR__)
   @pool :ca_three
@@ -120,7 +120,7 @@ defmodule VllmBridge.Runtime.CallAllTest do
       end)
 
     wait_until(fn -> Enum.all?(ws, &running?(&1.pid)) end, 5_000, "all three running")
-    Launcher.kill(Enum.at(ws, 1).os_pid)
+    OsProcess.kill(Enum.at(ws, 1).os_pid)
 
     assert {:error, %Error{type: :worker_exit} = e} = Task.await(task, 30_000)
     assert [{:ok, _}, {:error, %Error{type: :worker_exit}}, {:ok, _}] = e.details.results

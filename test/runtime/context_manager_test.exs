@@ -248,7 +248,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       assert [%{"name" => "late", "type" => nil}] = exit_log()
       assert {:ok, nil} = diag("get_var", [], session_id: s.id)
       assert {:ok, %{"refs" => ^refs}} = Worker.ping(w)
-      refute_received {_, :reply, _}
+      refute_received {_, :reply, _, _}
     end
 
     test "an enter given up after it finished is exited before the session's next call",
@@ -268,7 +268,7 @@ defmodule VllmBridge.Runtime.ContextManagerTest do
       assert [%{"name" => "orphan", "type" => nil}] = exit_log()
       wait_until(fn -> worker_idle?(w, meta) end)
       assert {:ok, %{"refs" => ^refs}} = Worker.ping(w)
-      refute_received {^mref, :reply, _}
+      refute_received {^mref, :reply, _, _}
     end
 
     test "an enter whose caller dies while __enter__ runs leaves no context behind",

@@ -13,7 +13,7 @@ defmodule VllmBridge.Runtime.HelloPidTest do
   import VllmBridge.RuntimeHelpers
 
   alias VllmBridge.{Error, Pool}
-  alias VllmBridge.Worker.Launcher
+  alias VllmBridge.Worker.OsProcess
 
   defp fake(mode, env) do
     [
@@ -77,11 +77,11 @@ defmodule VllmBridge.Runtime.HelloPidTest do
     assert msg =~ "os pid #{pid}"
   end
 
-  test "Launcher.kill/1 refuses -1, 0, 1, the BEAM's own pid and what is not a pid, by name" do
+  test "OsProcess.kill/1 refuses -1, 0, 1, the BEAM's own pid and what is not a pid, by name" do
     beam = String.to_integer(System.pid())
 
     for pid <- [-1, 0, 1, beam, nil, "123", 1.5] do
-      assert {:error, %Error{type: :bad_argument, message: msg}} = Launcher.kill(pid)
+      assert {:error, %Error{type: :bad_argument, message: msg}} = OsProcess.kill(pid)
       assert msg =~ "refusing to kill os pid #{inspect(pid)}"
     end
   end
@@ -89,12 +89,12 @@ defmodule VllmBridge.Runtime.HelloPidTest do
   test "descendant?/2 follows the parents: a child of ours, not an unrelated process" do
     beam = String.to_integer(System.pid())
     victim = victim!()
-    assert Launcher.descendant?(victim, beam)
-    assert Launcher.descendant?(victim, victim)
-    refute Launcher.descendant?(beam, victim)
-    refute Launcher.descendant?(victim, 1)
-    refute Launcher.descendant?(-1, beam)
-    refute Launcher.descendant?(victim, -1)
+    assert OsProcess.descendant?(victim, beam)
+    assert OsProcess.descendant?(victim, victim)
+    refute OsProcess.descendant?(beam, victim)
+    refute OsProcess.descendant?(victim, 1)
+    refute OsProcess.descendant?(-1, beam)
+    refute OsProcess.descendant?(victim, -1)
   end
 
   describe "a python: wrapper that forks the interpreter" do
@@ -124,7 +124,7 @@ defmodule VllmBridge.Runtime.HelloPidTest do
 
       {port_pid, python_pid} = processes(:hello_pid_fork)
       assert port_pid != python_pid
-      assert Launcher.descendant?(python_pid, port_pid)
+      assert OsProcess.descendant?(python_pid, port_pid)
 
       assert {:ok, 3} =
                VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{},

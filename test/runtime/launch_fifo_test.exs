@@ -14,7 +14,7 @@ defmodule VllmBridge.Runtime.LaunchFifoTest do
   """
   use ExUnit.Case, async: false
 
-  alias VllmBridge.Worker.Launcher
+  alias VllmBridge.Worker.{Launcher, OsProcess}
 
   @probe ~S"""
   import os, sys
@@ -84,9 +84,9 @@ defmodule VllmBridge.Runtime.LaunchFifoTest do
   defp close_and_await_exit(port, os_pid) do
     Port.close(port)
 
-    unless Launcher.await_exit(os_pid, 30_000) do
+    unless OsProcess.await_exit(os_pid, 30_000) do
       state = File.read("/proc/#{os_pid}/stat")
-      Launcher.kill(os_pid)
+      OsProcess.kill(os_pid)
       flunk("os pid #{os_pid} still there 30 s after its port closed: #{inspect(state)}")
     end
   end
@@ -178,7 +178,7 @@ defmodule VllmBridge.Runtime.LaunchFifoTest do
       # The watcher's order: the names go, then the readers are killed.
       File.rm!(out)
       File.rm!(err)
-      for reader <- readers, do: Launcher.kill(Launcher.os_pid(reader))
+      for reader <- readers, do: OsProcess.kill(Launcher.os_pid(reader))
 
       for reader <- readers do
         assert_receive {^reader, {:exit_status, _}}, 30_000

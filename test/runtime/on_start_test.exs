@@ -12,7 +12,7 @@ defmodule VllmBridge.Runtime.OnStartTest do
   import VllmBridge.RuntimeHelpers
 
   alias VllmBridge.{Error, Pool}
-  alias VllmBridge.Worker.Launcher
+  alias VllmBridge.Worker.OsProcess
 
   @own_dir Path.expand("../support/own_modules", __DIR__)
   @own [python_path: [@own_dir], modules: ["vb_setup_mod"]]
@@ -74,7 +74,7 @@ defmodule VllmBridge.Runtime.OnStartTest do
     start_pool!(:os_restart, @own ++ [size: 2, on_start: {"vb_setup_mod", "setup", ["r"]}])
     [w0, w1] = workers!(:os_restart)
 
-    Launcher.kill(w0.os_pid)
+    OsProcess.kill(w0.os_pid)
 
     # Serving again with a new process at index 0 (the old one's entry may linger until
     # its exit status is read).
@@ -115,7 +115,7 @@ defmodule VllmBridge.Runtime.OnStartTest do
     # The next setup (the restart's) waits at the gate.
     File.rm!(gate)
     File.rm!(started)
-    Launcher.kill(w0.os_pid)
+    OsProcess.kill(w0.os_pid)
 
     # The new process has done its handshake and holds in its setup: a call now waits.
     wait_until(fn -> File.exists?(started) end, 60_000, "the restarted worker's setup")

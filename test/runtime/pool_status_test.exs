@@ -129,7 +129,7 @@ defmodule VllmBridge.Runtime.PoolStatusTest do
     [w0, _w1] = workers!(@pool)
     before = status!()
     Pool.await_ready(@pool, 60_000)
-    VllmBridge.Worker.Launcher.kill(w0.os_pid)
+    VllmBridge.Worker.OsProcess.kill(w0.os_pid)
 
     wait_until(
       fn ->

@@ -9,7 +9,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
   error as before. Where the frame stops being msgpack, what comes after cannot be
   found: what comes before still goes back.
 
-  Generated replies go through the caller's decode (`Wire.decode_reply/2`) with real
+  Generated replies go through the caller's decode (`Wire.decode_reply/3`) with real
   slot files, this process standing for the worker process (the releases come here);
   then replies a real worker sends, its held references and its lent slots counted.
   Not async: it uses the node's slot directory and this process's reply limit.
@@ -190,7 +190,8 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
         bin = frame(items)
         why = "seed #{seed}, round #{round}: #{inspect(items, limit: 40)}"
 
-        assert {:error, %Error{type: :protocol, message: msg}} = Wire.decode_reply(bin, self()),
+        assert {:error, %Error{type: :protocol, message: msg}} =
+                 Wire.decode_reply(bin, nil, self()),
                why
 
         assert msg =~ says, why
@@ -215,7 +216,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
         why = "seed #{seed}, round #{round}"
 
         assert {:error, %Error{type: :protocol, message: "unexpected reply" <> _}} =
-                 Wire.decode_reply(frame(items, extra), self()),
+                 Wire.decode_reply(frame(items, extra), nil, self()),
                why
 
         for name <- names(items ++ extra), do: assert(freed?(dir, name), why)
@@ -229,7 +230,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
 
       assert {:error,
               %Error{type: :protocol, message: "the worker answered a malformed error map" <> _}} =
-               Wire.decode_reply(bin, self())
+               Wire.decode_reply(bin, nil, self())
 
       for name <- names(items), do: assert(freed?(dir, name))
       assert Enum.sort(released(releases())) == Enum.sort(refs(items))

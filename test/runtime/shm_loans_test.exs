@@ -66,7 +66,7 @@ defmodule VllmBridge.Runtime.ShmLoansTest do
 
   defp reply_in_mailbox?(pid) do
     case Process.info(pid, :messages) do
-      {:messages, messages} -> Enum.any?(messages, &match?({_, :reply, _}, &1))
+      {:messages, messages} -> Enum.any?(messages, &match?({_, :reply, _, _}, &1))
       nil -> false
     end
   end
@@ -158,7 +158,7 @@ defmodule VllmBridge.Runtime.ShmLoansTest do
 
         bin =
           receive do
-            {^mref, :reply, bin} -> bin
+            {^mref, :reply, bin, _max} -> bin
           end
 
         send(from, {:got, self(), FrameSlots.names(bin, prefix)})

@@ -259,7 +259,7 @@ defmodule VllmBridge.Runtime.ShmRouteTest do
 
     encode = fn ->
       encoded = Wire.encode_invoke({@diag, "echo"}, [big], %{})
-      VllmBridge.Worker.Launcher.kill(w.os_pid)
+      VllmBridge.Worker.OsProcess.kill(w.os_pid)
 
       wait_until(
         fn -> match?([%{os_pid: p}] when p != w.os_pid, workers!(pool)) end,

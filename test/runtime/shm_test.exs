@@ -13,7 +13,7 @@ defmodule VllmBridge.Runtime.ShmTest do
 
   alias VllmBridge.{Error, Shm, Tensor}
   alias VllmBridge.Codec.SlotExt
-  alias VllmBridge.Worker.Launcher
+  alias VllmBridge.Worker.OsProcess
 
   @pool :rt_shm
   @diag "vllm_bridge.bridge.diag"
@@ -196,7 +196,7 @@ defmodule VllmBridge.Runtime.ShmTest do
     wait_until(fn -> File.exists?(started) end, 60_000, "the worker runs the call")
     # (The call's argument is in a slot, held by the worker that is about to die.)
     assert Enum.any?(ls(dir), &(&1 =~ ~r/\Ae-\d+\.held-#{old}\z/)), inspect(ls(dir))
-    Launcher.kill(old)
+    OsProcess.kill(old)
 
     assert {:error, %Error{type: :worker_exit}} = Task.await(caller, 60_000)
     # The killed worker's result slots are swept, its caller's argument slot is given

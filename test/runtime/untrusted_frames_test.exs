@@ -45,7 +45,7 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
 
   # A worker process's state, enough for routing frames (VllmBridge.Worker.route/2).
   defp state(calls \\ Calls.new(nil, 0)),
-    do: %{pool: nil, index: nil, os_pid: 4242, loans: nil, calls: calls}
+    do: %{pool: nil, index: nil, os_pid: 4242, loans: nil, calls: calls, max_frame: 1 <<< 20}
 
   describe "result slots are bounded as replies through the pipe are" do
     setup do
@@ -149,7 +149,7 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
 
       state = Worker.route(state(calls), frame)
       assert Calls.size(state.calls) == 0
-      assert_received {^alias, :reply, ^frame}
+      assert_received {^alias, :reply, ^frame, 1_048_576}
 
       assert File.exists?(path),
              "the worker process handed the slot back before its caller read it"

@@ -258,7 +258,7 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
       assert length(shells) == 2
       cats = cats_of(shells)
       assert length(cats) == 2
-      VllmBridge.Worker.Launcher.kill(String.to_integer(hd(cats)))
+      VllmBridge.Worker.OsProcess.kill(String.to_integer(hd(cats)))
 
       wait_until(
         # (A worker not up at this moment is nil in the list.)
@@ -347,7 +347,7 @@ defmodule VllmBridge.Runtime.WorkerOutputTest do
   describe "cutting lines" do
     defp feed(chunks) do
       stream = %{name: :stdout, buf: "", skip: false, os_pid: nil}
-      Enum.reduce(chunks, stream, &Output.feed(&2, &1, vllm_pool: :t))
+      Enum.reduce(chunks, stream, &VllmBridge.Worker.OutputLines.feed(&2, &1, vllm_pool: :t))
     end
 
     test "a very long line is cut at max_line, its rest dropped up to its newline" do

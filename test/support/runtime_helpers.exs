@@ -4,7 +4,6 @@ defmodule VllmBridge.RuntimeHelpers do
 
   alias VllmBridge.Pool
   alias VllmBridge.Pool.Slots
-  alias VllmBridge.Worker.Launcher
 
   @doc "Polls `fun` until it returns a truthy value (returned) or `ms` pass (flunks)."
   def wait_until(fun, ms \\ 30_000, what \\ "condition") do
@@ -165,7 +164,7 @@ defmodule VllmBridge.RuntimeHelpers do
   end
 
   @doc "Whether an OS process is alive (and not a zombie)."
-  def os_alive?(os_pid), do: Launcher.alive?(os_pid)
+  def os_alive?(os_pid), do: VllmBridge.Worker.OsProcess.alive?(os_pid)
 
   @doc "The absolute path of test/support (for PYTHONPATH)."
   def support_dir, do: Path.expand(".", __DIR__)

@@ -273,7 +273,7 @@ defmodule VllmBridge.Call.Request do
   # observed pays nothing for it.
   defp receive_reply({pid, id, mref}, wait, opts, sized) do
     receive do
-      Messages.reply(^mref, bin) -> decode(pid, bin, sized)
+      Messages.reply(^mref, bin, max) -> decode(pid, bin, max, sized)
       Messages.worker_exit(^mref, message) -> worker_exit(message)
       Messages.reply_error(^mref, e) -> {:error, e}
       {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
@@ -301,9 +301,12 @@ defmodule VllmBridge.Call.Request do
     end
   end
 
-  # (`pid`: the worker process the reply came from, whose frame limit bounds its slots.)
-  defp decode(pid, bin, false), do: Wire.decode_reply(bin, pid)
-  defp decode(pid, bin, true), do: {:sized, Wire.decode_reply(bin, pid), byte_size(bin)}
+  # (`max`: the frame limit of the worker the reply came from, which bounds its slots;
+  # `pid`: its worker process, to which the references of a reply refused are released.)
+  defp decode(pid, bin, max, false), do: Wire.decode_reply(bin, max, pid)
+
+  defp decode(pid, bin, max, true),
+    do: {:sized, Wire.decode_reply(bin, max, pid), byte_size(bin)}
 
   defp sized({:sized, result, bytes}), do: {result, bytes}
   defp sized(result), do: {result, 0}
@@ -324,7 +327,7 @@ defmodule VllmBridge.Call.Request do
 
     result =
       receive do
-        Messages.reply(^mref, bin) -> decode(pid, bin, sized)
+        Messages.reply(^mref, bin, max) -> decode(pid, bin, max, sized)
         Messages.cancelled(^mref) -> {:error, Error.new(:timeout, message)}
         Messages.worker_exit(^mref, worker_message) -> worker_exit(worker_message)
         Messages.reply_error(^mref, e) -> {:error, e}
@@ -357,7 +360,7 @@ defmodule VllmBridge.Call.Request do
     Process.demonitor(mref, [:flush])
 
     receive do
-      Messages.reply(^mref, bin) -> decode(pid, bin, sized)
+      Messages.reply(^mref, bin, max) -> decode(pid, bin, max, sized)
     after
       0 ->
         flush(mref)
@@ -370,6 +373,7 @@ defmodule VllmBridge.Call.Request do
   def flush(mref) do
     receive do
       Messages.any(^mref) -> flush(mref)
+      Messages.any_frame(^mref) -> flush(mref)
     after
       0 -> :ok
     end

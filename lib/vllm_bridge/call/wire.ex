@@ -283,26 +283,29 @@ defmodule VllmBridge.Call.Wire do
 
   @doc """
   Decodes an `ok` or `error` reply (the caller does this, not the worker process):
-  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `from` is the worker process the
-  reply came from (nil: unknown): its frame limit bounds the reply's result slots
-  (`VllmBridge.Codec.SlotExt.within_reply/3`), and the references of a reply refused
-  are released to it (`decode_reply_general/2`).
+  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `max` is the frame limit of the
+  worker the reply came from (it comes with the reply, VllmBridge.Worker.Messages; nil:
+  the default one): it bounds the reply's result slots
+  (`VllmBridge.Codec.SlotExt.within_reply/3`). `from` is the worker process the reply
+  came from (nil: unknown): the references of a reply refused are released to it
+  (`decode_reply_general/3`).
   """
-  @spec decode_reply(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
-  def decode_reply(bin, from \\ nil)
+  @spec decode_reply(binary(), pos_integer() | nil, pid() | nil) ::
+          {:ok, term()} | {:error, Error.t()}
+  def decode_reply(bin, max \\ nil, from \\ nil)
 
   # Fast path: an `ok` whose id is an unsigned int and whose value is a scalar spanning
   # the rest of the frame (the reply of most small calls), read by pattern; any other
-  # shape goes to `decode_reply_general/2`, which answers the same for these
+  # shape goes to `decode_reply_general/3`, which answers the same for these
   # (test/codec/reply_fast_path_test.exs).
-  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin, from) do
+  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin, max, from) do
     case scalar(after_uint(rest)) do
       {:ok, _} = ok -> ok
-      :general -> decode_reply_general(bin, from)
+      :general -> decode_reply_general(bin, max, from)
     end
   end
 
-  def decode_reply(bin, from), do: decode_reply_general(bin, from)
+  def decode_reply(bin, max, from), do: decode_reply_general(bin, max, from)
 
   defp after_uint(<<0::1, _::7, r::binary>>), do: r
   defp after_uint(<<0xCC, _::8, r::binary>>), do: r
@@ -331,13 +334,15 @@ defmodule VllmBridge.Call.Wire do
   defp scalar(_), do: :general
 
   @doc """
-  `decode_reply/2`'s general path: a full decode of any reply. A reply it refuses
-  (undecodable, of another shape, or an error without its error map) hands back the result slots it names and releases
-  the references it carries to `from` (`VllmBridge.Call.Wire.Refused`).
+  `decode_reply/3`'s general path: a full decode of any reply. A reply it refuses
+  (undecodable, of another shape, or an error without its error map) hands back the
+  result slots it names and releases the references it carries to `from`
+  (`VllmBridge.Call.Wire.Refused`).
   """
-  @spec decode_reply_general(binary(), pid() | nil) :: {:ok, term()} | {:error, Error.t()}
-  def decode_reply_general(bin, from \\ nil) do
-    case SlotExt.within_reply(from, byte_size(bin), fn -> Codec.decode(bin) end) do
+  @spec decode_reply_general(binary(), pos_integer() | nil, pid() | nil) ::
+          {:ok, term()} | {:error, Error.t()}
+  def decode_reply_general(bin, max \\ nil, from \\ nil) do
+    case SlotExt.within_reply(max, byte_size(bin), fn -> Codec.decode(bin) end) do
       {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
         {:ok, value}
 

@@ -11,15 +11,15 @@ defmodule VllmBridge.Codec.SlotExt do
   # tensor's; then copies the data out and hands the slot back (renames it `<name>.free`).
   #
   # A reply through slots is bounded as one through the pipe: its frame and the data of
-  # its slots together at most the frame limit (`max_frame_bytes`) of the worker process
-  # it came from (`within_reply/3`; VllmBridge.Shm.ReplyLimits), else the default frame
-  # limit. A slot past it is refused before its file is touched (a sparse file declaring
+  # its slots together at most the frame limit (`max_frame_bytes`) of the worker it came
+  # from, which comes with the reply (`within_reply/3`; VllmBridge.Worker.Messages), else
+  # the default frame limit. A slot past it is refused before its file is touched (a sparse file declaring
   # 1 TiB would otherwise be read into a binary of 1 TiB) and handed back unread.
 
   alias VllmBridge.Codec.{Msgpack, TensorExt}
   alias VllmBridge.Codec.Msgpack.Decoder
   alias VllmBridge.{Shm, Tensor}
-  alias VllmBridge.Shm.ReplyLimits
+  alias VllmBridge.Worker.Launcher
 
   @type_code 8
   @result_name ~r/\Ar-[0-9]{1,10}-[0-9]{1,20}\z/
@@ -31,7 +31,7 @@ defmodule VllmBridge.Codec.SlotExt do
           "and reclaimed for another result, before it was read)"
   # Set while a frame nobody will read is decoded (unread/1).
   @unread {__MODULE__, :unread}
-  # Set while a reply is decoded (within_reply/3): {worker process, bytes so far}.
+  # Set while a reply is decoded (within_reply/3): {its limit, bytes so far}.
   @reply {__MODULE__, :reply}
 
   @doc "The ext 8 value of a tensor (validated by the caller) whose data is in `slot`."
@@ -123,17 +123,16 @@ defmodule VllmBridge.Codec.SlotExt do
   end
 
   @doc """
-  Runs `fun`, the decode of a reply of `size` bytes from the worker process `from` (nil:
-  unknown), with its result slots bounded as the reply would be through the pipe: the
-  frame and the data of its slots together at most that worker's frame limit
-  (`max_frame_bytes`; the default one for nil or a worker process that has ended). A
-  slot past the limit fails the decode, naming its size and the limit, and is handed
-  back unread.
+  Runs `fun`, the decode of a reply of `size` bytes from a worker whose frame limit
+  (`max_frame_bytes`) is `max` (nil: the default one), with its result slots bounded as
+  the reply would be through the pipe: the frame and the data of its slots together at
+  most `max`. A slot past the limit fails the decode, naming its size and the limit, and
+  is handed back unread.
   """
-  @spec within_reply(pid() | nil, non_neg_integer(), (() -> result)) :: result
+  @spec within_reply(pos_integer() | nil, non_neg_integer(), (() -> result)) :: result
         when result: term()
-  def within_reply(from, size, fun) do
-    previous = Process.put(@reply, {from, size})
+  def within_reply(max, size, fun) do
+    previous = Process.put(@reply, {max || Launcher.default_max_frame_bytes(), size})
 
     try do
       fun.()
@@ -180,8 +179,7 @@ defmodule VllmBridge.Codec.SlotExt do
   # back unread and the decode fails, before its file is opened or its size looked at.
   defp bound(slot, nbytes) do
     reply = Process.get(@reply)
-    {from, used} = reply || {nil, 0}
-    limit = ReplyLimits.of(from)
+    {limit, used} = reply || {Launcher.default_max_frame_bytes(), 0}
 
     if used + nbytes > limit do
       hand_back(slot)
@@ -193,7 +191,7 @@ defmodule VllmBridge.Codec.SlotExt do
       )
     end
 
-    if reply, do: Process.put(@reply, {from, used + nbytes})
+    if reply, do: Process.put(@reply, {limit, used + nbytes})
     :ok
   end
 

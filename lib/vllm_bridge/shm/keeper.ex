@@ -49,8 +49,6 @@ defmodule VllmBridge.Shm.Keeper do
         # Which caller each lent argument slot is lent to, written by the bookkeeper
         # (VllmBridge.Shm), here so that it outlives a crash of that process.
         _ = :ets.new(VllmBridge.Shm.Lent, [:named_table, :public, :set])
-        # The frame limit of each worker process whose worker writes result slots here.
-        :ok = VllmBridge.Shm.ReplyLimits.new()
         :persistent_term.put(@key, dir)
         {:ok, %{path: path, port: port}}
 

@@ -204,10 +204,10 @@ defmodule VllmBridge.Worker.Calls do
 
   @doc false
   # The last frame of call `id` (`tag` :reply or :end): the call leaves the table, its
-  # slot comes back, and its caller gets the frame (or, when nobody waits, the
-  # references in it are released).
-  @spec finish(t(), non_neg_integer(), :reply | :end, binary() | nil) :: t()
-  def finish(t, id, tag, bin) do
+  # slot comes back, and its caller gets the frame with the frame limit `max` (or, when
+  # nobody waits, the references in it are released).
+  @spec finish(t(), non_neg_integer(), :reply | :end, binary() | nil, pos_integer()) :: t()
+  def finish(t, id, tag, bin, max) do
     case Map.pop(t.map, id) do
       {%Entry{} = e, map} ->
         # The slot first: a caller that has its reply and calls again at once must find
@@ -215,7 +215,7 @@ defmodule VllmBridge.Worker.Calls do
         if e.holds_slot, do: release(t)
 
         if e.status == :live do
-          Messages.send_finish(e.alias, tag, bin)
+          Messages.send_finish(e.alias, tag, bin, max)
           unhold(%{t | map: map}, e.caller)
         else
           Unclaimed.drop(bin)

@@ -28,7 +28,7 @@ defmodule VllmBridge.Worker.Cancel do
 
   alias VllmBridge.Call.Wire
   alias VllmBridge.Worker
-  alias VllmBridge.Worker.{Calls, Intake, Launcher, Messages}
+  alias VllmBridge.Worker.{Calls, Intake, Messages, OsProcess}
 
   @sweep_every 1_000
 
@@ -84,7 +84,7 @@ defmodule VllmBridge.Worker.Cancel do
           VllmBridge.Worker.LogMeta.of(state)
         )
 
-        Launcher.kill_worker(state.os_pid, state.python_pid)
+        OsProcess.kill_worker(state.procs)
         # Every call that loses its worker, and every session lost with it, says why.
         %{state | killed: why}
     end

@@ -21,7 +21,7 @@ defmodule VllmBridge.Worker.Down do
 
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Worker
-  alias VllmBridge.Worker.{Calls, Events, Launcher}
+  alias VllmBridge.Worker.{Calls, Events, Launcher, OsProcess}
 
   @doc false
   # The Python process exited (the port's exit status).
@@ -62,7 +62,7 @@ defmodule VllmBridge.Worker.Down do
   # down.
   @spec too_large(map(), non_neg_integer()) :: {:stop, term(), map()}
   def too_large(state, len) do
-    Launcher.kill_worker(state.os_pid, state.python_pid)
+    OsProcess.kill_worker(state.procs)
     down(state, Launcher.too_large_message(state.os_pid, len, state.max_frame))
   end
 
@@ -96,7 +96,7 @@ defmodule VllmBridge.Worker.Down do
     calls = Calls.fail_all(state.calls, message)
 
     if state.port,
-      do: Launcher.close(state.port, state.os_pid, state.shutdown_grace, state.python_pid)
+      do: Launcher.close(state.port, state.procs, state.shutdown_grace)
 
     # Down once: terminate/2 runs this again, and must not overwrite the reason recorded.
     %{state | calls: calls, port: nil, instance: nil}

@@ -9,7 +9,7 @@ defmodule VllmBridge.Worker.Hello do
 
   alias VllmBridge.Codec
   alias VllmBridge.Error
-  alias VllmBridge.Worker.{Describe, Launcher}
+  alias VllmBridge.Worker.{Describe, OsProcess}
 
   @protocol_version 1
 
@@ -45,23 +45,28 @@ defmodule VllmBridge.Worker.Hello do
   end
 
   @doc """
-  Checks the `pid` of a checked hello against `os_pid`, the OS process of the worker's
-  port: it must be that process or one of its descendants (the interpreter under a
-  `python:` wrapper that forks it). The pid is this side's to kill; one that names any
-  other process (`-1`, `0`, the BEAM's, another user's program) is refused, naming both.
+  Checks the `pid` of a checked hello against `procs`, the processes of the worker's
+  port (whose OS process is `os_pid`): it must be that process, one of its descendants
+  or a process of its group (the interpreter under a `python:` wrapper that forks it,
+  also once the wrapper has exited; `VllmBridge.Worker.OsProcess.python/2`). The pid is
+  this side's to kill; one that names any other process (`-1`, `0`, the BEAM's, another
+  user's program) is refused, naming both. `{:ok, procs}` with the pid recorded.
   """
-  @spec check_pid(t(), integer() | nil) :: :ok | {:error, Error.t()}
-  def check_pid(%{"pid" => pid}, os_pid) do
-    if Launcher.descendant?(pid, os_pid) do
-      :ok
-    else
-      {:error,
-       Error.new(
-         :protocol,
-         "the worker's hello names os pid #{inspect(pid)}, which is neither its own " <>
-           "process (os pid #{inspect(os_pid)}) nor one of that process's descendants; " <>
-           "refusing it"
-       )}
+  @spec check_pid(t(), integer() | nil, OsProcess.t()) ::
+          {:ok, OsProcess.t()} | {:error, Error.t()}
+  def check_pid(%{"pid" => pid}, os_pid, procs) do
+    case OsProcess.python(procs, pid) do
+      {:ok, procs} ->
+        {:ok, procs}
+
+      :error ->
+        {:error,
+         Error.new(
+           :protocol,
+           "the worker's hello names os pid #{inspect(pid)}, which is neither its own " <>
+             "process (os pid #{inspect(os_pid)}) nor one of that process's descendants " <>
+             "or of its process group; refusing it"
+         )}
     end
   end
 

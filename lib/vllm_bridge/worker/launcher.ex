@@ -4,13 +4,15 @@ defmodule VllmBridge.Worker.Launcher do
   # python}`, `-m vllm_bridge.bridge.worker [--allow M ...] [--also-allow M ...]
   # [--max-refs N] [--poll-us N]
   # --max-frame-bytes N`, `:stream`, `:binary`, `:nouse_stdio`, `:exit_status`; frames are
-  # cut by `VllmBridge.Worker.Framer`), and making sure the process is gone (EOF first,
-  # `kill -9` if it lingers). The handshake is the worker process's first state
+  # cut by `VllmBridge.Worker.Framer`), and making sure the processes are gone (EOF first,
+  # `kill -9` if one lingers: VllmBridge.Worker.OsProcess knows them and kills only
+  # them). The handshake is the worker process's first state
   # (VllmBridge.Worker.Starting, checked by VllmBridge.Worker.Hello).
 
   require Logger
 
   alias VllmBridge.Error
+  alias VllmBridge.Worker.OsProcess
 
   import Bitwise, only: [<<<: 2]
 
@@ -270,136 +272,31 @@ defmodule VllmBridge.Worker.Launcher do
   end
 
   @doc """
-  Closes the port (the worker sees EOF and exits) and waits up to `grace` ms for the OS
-  process to be gone; kills it with SIGKILL if it is still there (with `child`, the
-  Python process under a `python:` wrapper that forks, as `kill_worker/2` does). Returns
-  `:exited` when the process left by itself, `:killed` when it had to be killed (logged
-  as a warning).
+  Closes the port (the worker sees EOF and exits) and waits up to `grace` ms for the
+  worker's processes (`VllmBridge.Worker.OsProcess`: the port's, and the one its hello
+  named) to be gone; kills them with SIGKILL if one is still there
+  (`VllmBridge.Worker.OsProcess.kill_worker/1`, which also reaches the child of a
+  `python:` wrapper that forked it and exited). Returns `:exited` when they left by
+  themselves, `:killed` when they had to be killed (logged as a warning).
   """
-  @spec close(port(), integer() | nil, non_neg_integer(), integer() | nil) :: :exited | :killed
-  def close(port, os_pid, grace, child \\ nil) do
+  @spec close(port(), OsProcess.t(), non_neg_integer()) :: :exited | :killed
+  def close(port, %OsProcess{} = procs, grace) do
     try do
       Port.close(port)
     rescue
       ArgumentError -> :ok
     end
 
-    if os_pid && not await_exit(os_pid, grace) do
+    if OsProcess.await_gone(procs, grace) do
+      :exited
+    else
       Logger.warning(
-        "vllm_bridge: the Python worker (os pid #{os_pid}) did not exit within #{grace} ms " <>
-          "of its port closing; killing it"
+        "vllm_bridge: the Python worker (os pid #{OsProcess.label(procs)}) did not exit " <>
+          "within #{grace} ms of its port closing; killing it"
       )
 
-      kill_worker(os_pid, child)
+      OsProcess.kill_worker(procs)
       :killed
-    else
-      :exited
-    end
-  end
-
-  @doc """
-  Kills a worker's processes with SIGKILL: `os_pid`, the port's own OS process, and
-  before it `child` (the pid its hello announced), only when that is another process and
-  still one of `os_pid`'s descendants (a `python:` wrapper that forks the interpreter;
-  once the wrapper is gone, its child's parent changes and could not be told from any
-  other process). A pid the worker merely announced is never killed.
-  """
-  @spec kill_worker(integer() | nil, integer() | nil) :: :ok
-  def kill_worker(os_pid, child) do
-    if is_integer(os_pid) and is_integer(child) and child != os_pid and
-         descendant?(child, os_pid),
-       do: kill(child)
-
-    if os_pid, do: kill(os_pid)
-    :ok
-  end
-
-  @doc """
-  Sends SIGKILL to an OS process. Refuses (an error naming the pid, logged) anything but
-  a pid above 1, and the BEAM's own: `kill -KILL -1` would kill every process of the
-  user, 0 the BEAM's process group.
-  """
-  @spec kill(term()) :: :ok | {:error, Error.t()}
-  def kill(os_pid) do
-    if is_integer(os_pid) and os_pid > 1 and os_pid != beam_os_pid() do
-      System.cmd("kill", ["-KILL", Integer.to_string(os_pid)], stderr_to_stdout: true)
-      :ok
-    else
-      e =
-        Error.new(
-          :bad_argument,
-          "refusing to kill os pid #{inspect(os_pid)}: only a worker's own process " <>
-            "(a pid above 1, not the BEAM's #{beam_os_pid()}) is killed"
-        )
-
-      Logger.error("vllm_bridge: #{e.message}")
-      {:error, e}
-    end
-  end
-
-  defp beam_os_pid, do: String.to_integer(System.pid())
-
-  # Parents followed at most (a chain longer than this is not a wrapper's).
-  @max_depth 64
-
-  @doc """
-  Whether OS process `pid` is `ancestor` or one of its descendants, by the chain of
-  parents in Linux `/proc/<pid>/stat` (false when a process on the way is gone, or
-  either pid is not above 1).
-  """
-  @spec descendant?(term(), term()) :: boolean()
-  def descendant?(pid, ancestor)
-      when is_integer(pid) and is_integer(ancestor) and pid > 1 and ancestor > 1,
-      do: descends(pid, ancestor, @max_depth)
-
-  def descendant?(_pid, _ancestor), do: false
-
-  defp descends(pid, pid, _depth), do: true
-  defp descends(pid, _ancestor, depth) when pid <= 1 or depth == 0, do: false
-
-  defp descends(pid, ancestor, depth) do
-    case parent(pid) do
-      {:ok, ppid} -> descends(ppid, ancestor, depth - 1)
-      :error -> false
-    end
-  end
-
-  # The parent of `pid`: the field after the state in /proc/<pid>/stat, which follows
-  # the command's name in parentheses (a name that may itself hold ") ").
-  defp parent(pid) do
-    with {:ok, stat} <- File.read("/proc/#{pid}/stat"),
-         [_ | _] = parens <- :binary.matches(stat, ")"),
-         {at, 1} = List.last(parens),
-         [_state, ppid | _] <- String.split(binary_part(stat, at + 1, byte_size(stat) - at - 1)),
-         {ppid, ""} <- Integer.parse(ppid) do
-      {:ok, ppid}
-    else
-      _ -> :error
-    end
-  end
-
-  @doc "Whether an OS process exists and is not a zombie (Linux `/proc`)."
-  @spec alive?(non_neg_integer()) :: boolean()
-  def alive?(os_pid) do
-    case File.read("/proc/#{os_pid}/stat") do
-      {:ok, stat} -> not (stat |> String.split(") ") |> List.last() |> String.starts_with?("Z"))
-      {:error, _} -> false
-    end
-  end
-
-  @doc "Waits up to `ms` for an OS process to be gone; true when it is."
-  @spec await_exit(non_neg_integer(), non_neg_integer()) :: boolean()
-  def await_exit(os_pid, ms) do
-    cond do
-      not alive?(os_pid) ->
-        true
-
-      ms <= 0 ->
-        false
-
-      true ->
-        Process.sleep(min(ms, 10))
-        await_exit(os_pid, ms - 10)
     end
   end
 end

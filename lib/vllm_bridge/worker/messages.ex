@@ -17,10 +17,14 @@ defmodule VllmBridge.Worker.Messages do
   #                the handshake, or `:on_start`, the setup call) began.
   #
   # From a worker process, to a caller's alias (a monitor of the worker with `{:alias,
-  # mode}`): `{alias, tag, payload}` with tag :reply (a frame), :window (the chunks a
-  # stream may run ahead of its reader, sent before its first chunk), :chunk (a frame), :end,
-  # :worker_exit (a message), :reply_error (a VllmBridge.Error, the request refused before
-  # it was written) or :cancelled (the answer to a settle).
+  # mode}`): `{alias, tag, payload}` with tag :window (the chunks a stream may run ahead
+  # of its reader, sent before its first chunk), :end, :worker_exit (a message),
+  # :reply_error (a VllmBridge.Error, the request refused before it was written) or
+  # :cancelled (the answer to a settle); and `{alias, tag, frame, max}` with tag :reply or
+  # :chunk, `max` the worker's frame limit (`max_frame_bytes`), which bounds the frame's
+  # result slots when the caller decodes it (VllmBridge.Codec.SlotExt.within_reply/3):
+  # it travels with the frame, so a frame read after its worker process has ended is
+  # bounded by that worker's limit all the same.
 
   defmodule Submit do
     @moduledoc false
@@ -95,20 +99,28 @@ defmodule VllmBridge.Worker.Messages do
 
   # -- from a worker process, to a caller's alias ----------------------------------------------
 
-  @spec send_reply(reference(), binary()) :: :ok
-  def send_reply(alias, bin), do: to_alias(alias, :reply, bin)
+  @spec send_reply(reference(), binary(), pos_integer()) :: :ok
+  def send_reply(alias, bin, max) do
+    send(alias, {alias, :reply, bin, max})
+    :ok
+  end
 
-  defmacro reply(alias, bin), do: quote(do: {unquote(alias), :reply, unquote(bin)})
+  defmacro reply(alias, bin, max),
+    do: quote(do: {unquote(alias), :reply, unquote(bin), unquote(max)})
 
   @spec send_window(reference(), pos_integer()) :: :ok
   def send_window(alias, n), do: to_alias(alias, :window, n)
 
   defmacro window(alias, n), do: quote(do: {unquote(alias), :window, unquote(n)})
 
-  @spec send_chunk(reference(), binary()) :: :ok
-  def send_chunk(alias, bin), do: to_alias(alias, :chunk, bin)
+  @spec send_chunk(reference(), binary(), pos_integer()) :: :ok
+  def send_chunk(alias, bin, max) do
+    send(alias, {alias, :chunk, bin, max})
+    :ok
+  end
 
-  defmacro chunk(alias, bin), do: quote(do: {unquote(alias), :chunk, unquote(bin)})
+  defmacro chunk(alias, bin, max),
+    do: quote(do: {unquote(alias), :chunk, unquote(bin), unquote(max)})
 
   @spec send_stream_end(reference()) :: :ok
   def send_stream_end(alias), do: to_alias(alias, :end, nil)
@@ -132,13 +144,15 @@ defmodule VllmBridge.Worker.Messages do
 
   defmacro cancelled(alias), do: quote(do: {unquote(alias), :cancelled, nil})
 
-  # Any message on `alias` (to drop what is left once the alias is deactivated).
+  # Any message on `alias` (to drop what is left once the alias is deactivated): one
+  # without a frame, and one with a frame (:reply, :chunk).
   defmacro any(alias), do: quote(do: {unquote(alias), _, _})
+  defmacro any_frame(alias), do: quote(do: {unquote(alias), _, _, _})
 
-  # The last frame of a call: :reply, or :end for a stream.
-  @spec send_finish(reference(), :reply | :end, binary() | nil) :: :ok
-  def send_finish(alias, :reply, bin), do: send_reply(alias, bin)
-  def send_finish(alias, :end, nil), do: send_stream_end(alias)
+  # The last frame of a call: :reply, or :end for a stream (`max` as in send_reply/3).
+  @spec send_finish(reference(), :reply | :end, binary() | nil, pos_integer()) :: :ok
+  def send_finish(alias, :reply, bin, max), do: send_reply(alias, bin, max)
+  def send_finish(alias, :end, nil, _max), do: send_stream_end(alias)
 
   defp to_alias(alias, tag, payload) do
     send(alias, {alias, tag, payload})

@@ -14,20 +14,22 @@ defmodule VllmBridge.Worker.Output do
   # process's mailbox, where replies pass.
   #
   # Each line goes to Logger (stdout at :info, stderr at :warning) with the metadata
-  # `vllm_pool`, `vllm_worker` (the index), `os_pid` and `python_stream`. A line is cut at
-  # @max_line bytes (the rest of it up to its newline is dropped, and the line says so);
-  # "\r" ends a line as "\n" does (progress bars), and empty lines are dropped. When
-  # Logger cannot keep up and more than @max_backlog chunks wait here, chunks are dropped,
-  # counted, and the count is logged once the backlog is gone: memory stays bounded. The
+  # `vllm_pool`, `vllm_worker` (the index), `os_pid` and `python_stream`, cut as
+  # VllmBridge.Worker.OutputLines says. When Logger cannot keep up and more than
+  # @max_backlog chunks wait here, chunks are dropped, counted, and the count is logged
+  # once the backlog is gone: memory stays bounded. The
   # partial last line is logged when its stream ends. When the worker process goes, this
   # one waits up to @drain_ms for both streams to end (the Python process and its children
-  # gone), then kills the readers and stops.
+  # gone), then kills the readers and stops; and kills what is left of the worker's
+  # processes (VllmBridge.Worker.OsProcess, told by `procs/2`): a worker process killed
+  # (no terminate/2, so no close) or stopped before its close was done leaves a Python
+  # process that ignores the EOF of its port (stuck in C code) running, else.
 
   use GenServer
 
   require Logger
 
-  @max_line 16_384
+  alias VllmBridge.Worker.{OsProcess, OutputLines}
 
   # One reader: a shell that makes its FIFO ($1) (so that no name exists before
   # something that removes it), starts a reader that opens it (which waits for a writer:
@@ -87,6 +89,10 @@ defmodule VllmBridge.Worker.Output do
   @spec os_pid(pid(), non_neg_integer() | nil) :: :ok
   def os_pid(pid, os_pid), do: GenServer.cast(pid, {:os_pid, os_pid})
 
+  @doc "Tells the reader the worker's OS processes, those killed if left when it goes."
+  @spec procs(pid(), OsProcess.t()) :: :ok
+  def procs(pid, procs), do: GenServer.cast(pid, {:procs, procs})
+
   @doc """
   The Python process has opened its FIFOs (its hello came): their names go (nothing is
   left in the temporary folder), and so do this process's own holds on them, once both
@@ -97,7 +103,7 @@ defmodule VllmBridge.Worker.Output do
 
   @doc "The longest line logged as it is (bytes); a longer one is cut."
   @spec max_line() :: pos_integer()
-  def max_line, do: @max_line
+  defdelegate max_line, to: OutputLines
 
   defp fifo_base do
     name = "vllm_bridge-out-#{System.pid()}-#{Base.url_encode64(:rand.bytes(12), padding: false)}"
@@ -138,7 +144,8 @@ defmodule VllmBridge.Worker.Output do
          streams: streams,
          meta: VllmBridge.Worker.LogMeta.new(meta[:pool], meta[:index], nil),
          dropped: 0,
-         draining: false
+         draining: false,
+         procs: %OsProcess{}
        }}
     else
       {:error, reason} ->
@@ -202,6 +209,8 @@ defmodule VllmBridge.Worker.Output do
   def handle_cast({:os_pid, os_pid}, state),
     do: {:noreply, %{state | meta: Keyword.put(state.meta, :os_pid, os_pid)}}
 
+  def handle_cast({:procs, procs}, state), do: {:noreply, %{state | procs: procs}}
+
   def handle_cast(:unlink, state), do: {:noreply, maybe_unlink(%{state | hello: true})}
 
   @impl true
@@ -221,7 +230,7 @@ defmodule VllmBridge.Worker.Output do
       {:noreply, %{state | dropped: state.dropped + byte_size(data)}}
     else
       state = report_dropped(state)
-      stream = feed(streams[port], data, state.meta)
+      stream = OutputLines.feed(streams[port], data, state.meta)
       {:noreply, %{state | streams: Map.put(streams, port, stream)}}
     end
   end
@@ -229,7 +238,7 @@ defmodule VllmBridge.Worker.Output do
   def handle_info({port, {:exit_status, status}}, %{streams: streams} = state)
       when is_map_key(streams, port) do
     stream = streams[port]
-    flush(stream, state.meta)
+    OutputLines.flush(stream, state.meta)
     state = %{state | streams: Map.delete(streams, port)}
 
     cond do
@@ -272,11 +281,23 @@ defmodule VllmBridge.Worker.Output do
     state = state |> release() |> report_dropped()
 
     for {port, stream} <- state.streams do
-      flush(stream, state.meta)
+      OutputLines.flush(stream, state.meta)
 
       # Closing the port ends the reader's lifeline: one still blocked opening its FIFO,
       # or whose FIFO a child process that outlives the worker keeps open, is killed.
       close(port)
+    end
+
+    # The worker process is gone (the port closed with it): a process of it still there
+    # has had @drain_ms to go, or closed its output and stayed.
+    if state.draining and not OsProcess.gone?(state.procs) do
+      Logger.warning(
+        "vllm_bridge: the Python worker (os pid #{OsProcess.label(state.procs)}) is still " <>
+          "there after its worker process ended; killing it",
+        state.meta
+      )
+
+      OsProcess.kill_worker(state.procs)
     end
 
     :ok
@@ -324,79 +345,5 @@ defmodule VllmBridge.Worker.Output do
     )
 
     %{state | dropped: 0}
-  end
-
-  # -- lines -------------------------------------------------------------------------------
-
-  @doc false
-  # Cuts `data` into lines after what `stream` held: every whole line is logged, the rest
-  # is kept (at most @max_line bytes). Public for the tests of the cutting.
-  @spec feed(map(), binary(), keyword()) :: map()
-  def feed(stream, data, meta) do
-    {lines, rest} = split(stream.buf <> data)
-    skip = Enum.reduce(lines, stream.skip, fn line, skip -> line(stream, line, skip, meta) end)
-
-    cond do
-      skip ->
-        # Still inside a line already cut: its rest is dropped up to its newline.
-        %{stream | buf: "", skip: true}
-
-      byte_size(rest) > @max_line ->
-        emit(stream, cut(rest), meta)
-        %{stream | buf: "", skip: true}
-
-      true ->
-        %{stream | buf: rest, skip: false}
-    end
-  end
-
-  # A whole line: logged (unless it ends a line already cut); afterwards, no line is cut.
-  defp line(_stream, _line, true, _meta), do: false
-
-  defp line(stream, line, false, meta) do
-    if byte_size(line) > @max_line,
-      do: emit(stream, cut(line), meta),
-      else: emit(stream, line, meta)
-
-    false
-  end
-
-  defp cut(line) do
-    binary_part(line, 0, @max_line) <> " [line cut at #{@max_line} bytes]"
-  end
-
-  defp split(bin) do
-    case :binary.split(bin, ["\r\n", "\n", "\r"], [:global]) do
-      [rest] -> {[], rest}
-      parts -> {Enum.drop(parts, -1), List.last(parts)}
-    end
-  end
-
-  defp flush(%{buf: ""}, _meta), do: :ok
-  defp flush(stream, meta), do: emit(stream, stream.buf, meta)
-
-  defp emit(_stream, "", _meta), do: :ok
-
-  defp emit(stream, line, meta) do
-    level = if stream.name == :stdout, do: :info, else: :warning
-    text = scrub(line)
-
-    Logger.log(level, fn -> "[python #{stream.name}] #{text}" end, [
-      {:python_stream, stream.name} | meta
-    ])
-  end
-
-  # Logger wants UTF-8: an invalid byte becomes U+FFFD.
-  defp scrub(bin) do
-    case :unicode.characters_to_binary(bin) do
-      good when is_binary(good) ->
-        good
-
-      {_, good, <<_bad, rest::binary>>} ->
-        good <> "\uFFFD" <> scrub(rest)
-
-      {_, good, _} ->
-        good
-    end
   end
 end

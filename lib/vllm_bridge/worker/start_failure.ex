@@ -12,7 +12,7 @@ defmodule VllmBridge.Worker.StartFailure do
 
   alias VllmBridge.Error
   alias VllmBridge.Worker
-  alias VllmBridge.Worker.{Calls, Events, Launcher, Messages, Progress}
+  alias VllmBridge.Worker.{Calls, Events, Launcher, Messages, OsProcess, Progress}
 
   defp who(%{pool: nil, os_pid: os_pid}), do: "the worker (os pid #{os_pid})"
   defp who(%{index: index, os_pid: os_pid}), do: "worker #{index} (os pid #{os_pid})"
@@ -30,8 +30,7 @@ defmodule VllmBridge.Worker.StartFailure do
       ArgumentError -> :ok
     end
 
-    if state.os_pid && Launcher.alive?(state.os_pid),
-      do: Launcher.kill_worker(state.os_pid, state.python_pid)
+    OsProcess.kill_worker(state.procs)
 
     %{state | port: nil}
   end

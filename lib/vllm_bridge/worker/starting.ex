@@ -9,7 +9,7 @@ defmodule VllmBridge.Worker.Starting do
   # the worker :ready (in a pool: registered, its slots opened), and what waited is served.
   #
   # `on_start` is an ordinary `call` request (VllmBridge.Worker.OnStart) whose reply comes
-  # back here as `{alias, :reply, frame}`. Its result is dropped (references in it released).
+  # back here as `{alias, :reply, frame, max}`. Its result is dropped (references in it released).
   #
   # A start that fails (no hello, a bad one, an on_start that raises or overstays) is
   # handled by VllmBridge.Worker.StartFailure: logged once, with the last lines of the Python process's stderr when it ended before
@@ -29,7 +29,7 @@ defmodule VllmBridge.Worker.Starting do
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Worker
   alias VllmBridge.Call.Wire
-  alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, OnStart}
+  alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, OnStart, OsProcess}
   alias VllmBridge.Worker.{Cancel, Down, Output, Progress, StartFailure, Unclaimed}
 
   # The worker module whose start-up stderr is captured: ours takes its stderr FIFO back
@@ -74,7 +74,9 @@ defmodule VllmBridge.Worker.Starting do
     with {:ok, output, fifos} <- start_output(pool, index, stderr),
          {:ok, port} <- Launcher.open(opts ++ [stderr_file: stderr, output: fifos]) do
       os_pid = Launcher.os_pid(port)
+      procs = OsProcess.spawned(os_pid)
       Output.os_pid(output, os_pid)
+      Output.procs(output, procs)
       put_stage("handshake")
       start_timeout = Keyword.fetch!(opts, :start_timeout)
       Process.send_after(self(), Messages.start_timeout(:hello), start_timeout)
@@ -84,11 +86,13 @@ defmodule VllmBridge.Worker.Starting do
         port: port,
         framer: Framer.new(),
         max_frame: min(Launcher.max_frame_bytes(opts), Wire.max_body_size()),
-        # The port's own OS process: the one process this side ever kills.
+        # The port's own OS process.
         os_pid: os_pid,
-        # The pid the hello announced once checked (VllmBridge.Worker.Hello.check_pid/2):
+        # The pid the hello announced once checked (VllmBridge.Worker.Hello.check_pid/3):
         # os_pid, or the Python process under a python: wrapper that forks it.
         python_pid: nil,
+        # Those processes by pid and start time: the only ones this side ever kills.
+        procs: procs,
         # The process that logs the Python process's stdout and stderr.
         output: output,
         # When this start began (native units), and who hears of its progress.
@@ -177,8 +181,8 @@ defmodule VllmBridge.Worker.Starting do
 
       {:ok, [hello | frames], framer} ->
         with {:ok, hello} <- Hello.check(hello, state.max_frame),
-             :ok <- Hello.check_pid(hello, state.os_pid) do
-          hello(%{state | framer: framer}, hello, frames)
+             {:ok, procs} <- Hello.check_pid(hello, state.os_pid, state.procs) do
+          hello(%{state | framer: framer, procs: procs}, hello, frames)
         else
           {:error, e} -> start_failed(state, e)
         end
@@ -206,8 +210,8 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
-  def handle_info(Messages.reply(alias, bin), %{setup: alias} = state) do
-    case Wire.decode_reply(bin, self()) do
+  def handle_info(Messages.reply(alias, bin, max), %{setup: alias} = state) do
+    case Wire.decode_reply(bin, max, self()) do
       {:ok, _value} ->
         # Nobody reads the result: references in it are released (queued until ready).
         Unclaimed.drop(bin)
@@ -274,6 +278,8 @@ defmodule VllmBridge.Worker.Starting do
   defp hello(state, hello, frames) do
     Launcher.delete_stderr(state.stderr)
     Output.unlink(state.output)
+    # The pid it named is the worker's, to be killed if left when this process is gone.
+    Output.procs(state.output, state.procs)
 
     state = %{
       state
@@ -287,9 +293,6 @@ defmodule VllmBridge.Worker.Starting do
     }
 
     if state.meta, do: VllmBridge.Shm.mark(state.meta, state.index, VllmBridge.Shm.reads?(hello))
-    # Its replies' result slots are bounded by its frame limit, as its frames are (also
-    # when it writes none: a frame may still name one).
-    VllmBridge.Shm.ReplyLimits.put(self(), state.max_frame)
 
     # The frames that came with the hello (a log record, say) as if they came after it.
     state = Enum.reduce(frames, state, &Worker.route(&2, &1))

@@ -33,7 +33,7 @@ defmodule VllmBridge.Worker.Unclaimed do
   end
 
   defp release_refs(bin, worker) do
-    with {:ok, value} <- SlotExt.unread(fn -> Wire.decode_reply(bin, worker) end),
+    with {:ok, value} <- SlotExt.unread(fn -> Wire.decode_reply(bin, nil, worker) end),
          [_ | _] = refs <- Ref.collect(value) do
       Request.cast_release(worker, refs)
     else

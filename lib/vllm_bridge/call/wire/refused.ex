@@ -1,7 +1,7 @@
 defmodule VllmBridge.Call.Wire.Refused do
   @moduledoc false
   # What a refused reply holds goes back (docs/PROTOCOL.md, "Bounds"). A reply its
-  # caller's decode refuses (`VllmBridge.Call.Wire.decode_reply/2`: a result slot over
+  # caller's decode refuses (`VllmBridge.Call.Wire.decode_reply/3`: a result slot over
   # the reply limit, a big integer over its cap, an unknown extension, any malformed
   # value, a reply of the wrong shape) gives its caller an error and nothing else, so
   # nobody would hand back the result slots it names nor release the references it

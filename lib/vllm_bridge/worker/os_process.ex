@@ -1,0 +1,253 @@
+defmodule VllmBridge.Worker.OsProcess do
+  @moduledoc false
+  # The OS processes of one worker, as this side knows them, and their end (Linux
+  # `/proc`). A process is known by its pid and its start time (`/proc/<pid>/stat`
+  # field 22, clock ticks since boot), read when it is first seen: a pid alone could name
+  # a stranger once the process has exited and the kernel handed its pid to another.
+  # Nothing is ever signalled but a process still of the start time recorded.
+  #
+  #   * `port`: the port's own process (the interpreter, exec'd by the launch script, or
+  #     a `python:` wrapper), read as the port opens;
+  #   * `group`: its process group: the BEAM's erl_child_setup makes each port's process
+  #     a session and group leader (group number: its pid), and a child the wrapper
+  #     forks stays in that group after the wrapper has exited;
+  #   * `python`: the pid the worker's hello announced (`python/2`), once taken: the
+  #     port's process, one of its descendants, or a process of its group.
+  #
+  # The kill (`kill_worker/1`) signals the group while one of the known processes is
+  # still in it (a group's number is not handed out again while the group has a member,
+  # so while one of ours is in it the group is ours), then each known process outside
+  # it. Left out: a process of the group once neither known process lives (one the
+  # interpreter started and that outlived it), and one that left the group: neither could
+  # be told from a stranger's. What remains is the moment between the check of a process
+  # and its signal (milliseconds: the pid would have to be handed out again meanwhile).
+
+  require Logger
+
+  alias VllmBridge.Error
+
+  defstruct port: nil, python: nil, group: nil
+
+  @typedoc "A process: its pid and its start time (clock ticks since boot)."
+  @type ident :: {pos_integer(), non_neg_integer()}
+
+  @typedoc "A worker's processes (see the moduledoc)."
+  @type t :: %__MODULE__{port: ident() | nil, python: ident() | nil, group: pos_integer() | nil}
+
+  @doc """
+  The processes of a port just opened, whose OS process is `os_pid` (nil: none known).
+  Its group is taken to be `os_pid` (it may not have made it yet): a group of that
+  number can only be one that process made, and the group is only ever signalled while
+  one of the worker's known processes is in it.
+  """
+  @spec spawned(integer() | nil) :: t()
+  def spawned(os_pid) do
+    case stat(os_pid) do
+      {:ok, %{start: start}} -> %__MODULE__{port: {os_pid, start}, group: os_pid}
+      :error -> %__MODULE__{}
+    end
+  end
+
+  @doc """
+  Takes `pid`, the pid a worker's hello announced, when it is the port's process, one of
+  its descendants (while the port's process is still the one spawned), or a process of
+  its group started no earlier than it: `{:ok, t}` with `python` set, else `:error`.
+  """
+  @spec python(t(), term()) :: {:ok, t()} | :error
+  def python(%__MODULE__{port: {port_pid, port_start} = port} = t, pid) do
+    with {:ok, %{start: start, pgrp: pgrp}} <- stat(pid),
+         true <-
+           (descendant?(pid, port_pid) and same?(port)) or
+             (t.group != nil and pgrp == t.group and start >= port_start) do
+      {:ok, %{t | python: {pid, start}}}
+    else
+      _ -> :error
+    end
+  end
+
+  def python(%__MODULE__{}, _pid), do: :error
+
+  @doc "The identity of the process `pid` now (`{pid, start time}`), nil when there is none."
+  @spec ident(term()) :: ident() | nil
+  def ident(pid) do
+    case stat(pid) do
+      {:ok, %{start: start}} -> {pid, start}
+      :error -> nil
+    end
+  end
+
+  @doc "The pid to name the worker's Python process by in words: the hello's, else the port's."
+  @spec label(t()) :: integer() | nil
+  def label(%__MODULE__{python: {pid, _}}), do: pid
+  def label(%__MODULE__{port: {pid, _}}), do: pid
+  def label(%__MODULE__{}), do: nil
+
+  @doc "Whether none of the worker's known processes is left (zombies count as gone)."
+  @spec gone?(t()) :: boolean()
+  def gone?(%__MODULE__{port: port, python: python}),
+    do: not (same?(port) or same?(python))
+
+  @doc "Waits up to `ms` for `gone?/1`; true when it holds."
+  @spec await_gone(t(), non_neg_integer()) :: boolean()
+  def await_gone(t, ms), do: await(fn -> gone?(t) end, ms)
+
+  @doc """
+  Kills a worker's processes with SIGKILL: its group while one of its known processes is
+  in it, and each known process outside it (see the moduledoc). A process that is not
+  the one recorded (another start time, or none) is never signalled.
+  """
+  @spec kill_worker(t()) :: :ok
+  def kill_worker(%__MODULE__{group: group} = t) do
+    live =
+      for {pid, start} <- Enum.uniq(Enum.reject([t.python, t.port], &is_nil/1)),
+          {:ok, %{start: ^start, zombie: false, pgrp: pgrp}} <- [stat(pid)],
+          do: {pid, pgrp}
+
+    in_group = group != nil and Enum.any?(live, fn {_pid, pgrp} -> pgrp == group end)
+    if in_group, do: kill_group(group)
+    for {pid, pgrp} <- live, not (in_group and pgrp == group), do: kill(pid)
+    :ok
+  end
+
+  @doc "Kills process group `group` with SIGKILL (refused as `kill/1` refuses a pid)."
+  @spec kill_group(term()) :: :ok | {:error, Error.t()}
+  def kill_group(group) do
+    with :ok <- check_pid(group) do
+      System.cmd("kill", ["-KILL", "--", "-#{group}"], stderr_to_stdout: true)
+      :ok
+    end
+  end
+
+  @doc """
+  Sends SIGKILL to the process `pid` if it is still the one that started at `start`
+  (clock ticks since boot); else refuses, naming both start times, and signals nothing.
+  """
+  @spec kill(term(), non_neg_integer()) :: :ok | {:error, Error.t()}
+  def kill(pid, start) do
+    case stat(pid) do
+      {:ok, %{start: ^start}} ->
+        kill(pid)
+
+      found ->
+        now = with {:ok, %{start: s}} <- found, do: "started at #{s}"
+
+        {:error,
+         Error.new(
+           :bad_argument,
+           "refusing to kill os pid #{inspect(pid)}: the process recorded started at " <>
+             "#{start} (clock ticks since boot), the one there now " <>
+             if(now == :error, do: "is none", else: now)
+         )}
+    end
+  end
+
+  @doc """
+  Sends SIGKILL to an OS process. Refuses (an error naming the pid, logged) anything but
+  a pid above 1, and the BEAM's own: `kill -KILL -1` would kill every process of the
+  user, 0 the BEAM's process group.
+  """
+  @spec kill(term()) :: :ok | {:error, Error.t()}
+  def kill(os_pid) do
+    with :ok <- check_pid(os_pid) do
+      System.cmd("kill", ["-KILL", Integer.to_string(os_pid)], stderr_to_stdout: true)
+      :ok
+    end
+  end
+
+  defp check_pid(os_pid) do
+    beam = beam_os_pid()
+
+    if is_integer(os_pid) and os_pid > 1 and os_pid != beam and os_pid != beam_group(beam) do
+      :ok
+    else
+      e =
+        Error.new(
+          :bad_argument,
+          "refusing to kill os pid #{inspect(os_pid)}: only a worker's own process " <>
+            "(a pid above 1, not the BEAM's #{beam} nor its group) is killed"
+        )
+
+      Logger.error("vllm_bridge: #{e.message}")
+      {:error, e}
+    end
+  end
+
+  defp beam_os_pid, do: String.to_integer(System.pid())
+
+  defp beam_group(beam) do
+    case stat(beam) do
+      {:ok, %{pgrp: pgrp}} -> pgrp
+      :error -> nil
+    end
+  end
+
+  # Parents followed at most (a chain longer than this is not a wrapper's).
+  @max_depth 64
+
+  @doc """
+  Whether OS process `pid` is `ancestor` or one of its descendants, by the chain of
+  parents in Linux `/proc/<pid>/stat` (false when a process on the way is gone, or
+  either pid is not above 1).
+  """
+  @spec descendant?(term(), term()) :: boolean()
+  def descendant?(pid, ancestor)
+      when is_integer(pid) and is_integer(ancestor) and pid > 1 and ancestor > 1,
+      do: descends(pid, ancestor, @max_depth)
+
+  def descendant?(_pid, _ancestor), do: false
+
+  defp descends(pid, pid, _depth), do: true
+  defp descends(pid, _ancestor, depth) when pid <= 1 or depth == 0, do: false
+
+  defp descends(pid, ancestor, depth) do
+    case stat(pid) do
+      {:ok, %{ppid: ppid}} -> descends(ppid, ancestor, depth - 1)
+      :error -> false
+    end
+  end
+
+  @doc "Whether an OS process exists and is not a zombie (Linux `/proc`)."
+  @spec alive?(term()) :: boolean()
+  def alive?(os_pid), do: match?({:ok, %{zombie: false}}, stat(os_pid))
+
+  @doc "Waits up to `ms` for an OS process to be gone; true when it is."
+  @spec await_exit(non_neg_integer(), non_neg_integer()) :: boolean()
+  def await_exit(os_pid, ms), do: await(fn -> not alive?(os_pid) end, ms)
+
+  defp await(done?, ms) do
+    cond do
+      done?.() ->
+        true
+
+      ms <= 0 ->
+        false
+
+      true ->
+        Process.sleep(min(ms, 10))
+        await(done?, ms - 10)
+    end
+  end
+
+  # Whether the process `{pid, start}` is still there, that very one, and not a zombie.
+  defp same?({pid, start}), do: match?({:ok, %{start: ^start, zombie: false}}, stat(pid))
+  defp same?(nil), do: false
+
+  # What /proc/<pid>/stat says of `pid`: its parent, group and start time, and whether it
+  # is a zombie. The fields follow the command's name in parentheses (a name that may
+  # itself hold ") "), from the state (field 3) on; the start time is field 22.
+  defp stat(pid) when is_integer(pid) and pid > 0 do
+    with {:ok, stat} <- File.read("/proc/#{pid}/stat"),
+         [_ | _] = parens <- :binary.matches(stat, ")"),
+         {at, 1} = List.last(parens),
+         fields = String.split(binary_part(stat, at + 1, byte_size(stat) - at - 1)),
+         [state, ppid, pgrp | _] <- fields,
+         [start | _] <- Enum.drop(fields, 19),
+         [{ppid, ""}, {pgrp, ""}, {start, ""}] <- Enum.map([ppid, pgrp, start], &Integer.parse/1) do
+      {:ok, %{ppid: ppid, pgrp: pgrp, start: start, zombie: state == "Z"}}
+    else
+      _ -> :error
+    end
+  end
+
+  defp stat(_pid), do: :error
+end
