@@ -22,12 +22,11 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
   alias VllmBridge.{Codec, Error, Ref, Session, Shm, Worker}
   alias VllmBridge.Call.Wire
   alias VllmBridge.Codec.{Msgpack, SlotExt}
-  alias VllmBridge.Shm.ReplyLimits
   alias VllmBridge.Worker.Unclaimed
   alias VllmBridge.Worker.Messages.Submit
 
-  # This process's reply limit, as a worker process's (ReplyLimits): a slot of
-  # @over bytes is refused, the generated ones (16 bytes) are not.
+  # The reply limit the decodes below are given, as a worker's comes with its replies: a
+  # slot of @over bytes is refused, the generated ones (16 bytes) are not.
   @limit 1_048_576
   @over 2_097_152
   @instance "0123456789abcdef"
@@ -36,8 +35,6 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
     seed = :rand.uniform(1_000_000_000)
     :rand.seed(:exsss, {seed, 23, 11})
     %{path: dir} = Shm.dir()
-    ReplyLimits.put(self(), @limit)
-    on_exit(fn -> ReplyLimits.delete(self()) end)
     %{seed: seed, dir: dir}
   end
 
@@ -191,7 +188,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
         why = "seed #{seed}, round #{round}: #{inspect(items, limit: 40)}"
 
         assert {:error, %Error{type: :protocol, message: msg}} =
-                 Wire.decode_reply(bin, nil, self()),
+                 Wire.decode_reply(bin, @limit, self()),
                why
 
         assert msg =~ says, why
@@ -216,7 +213,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
         why = "seed #{seed}, round #{round}"
 
         assert {:error, %Error{type: :protocol, message: "unexpected reply" <> _}} =
-                 Wire.decode_reply(frame(items, extra), nil, self()),
+                 Wire.decode_reply(frame(items, extra), @limit, self()),
                why
 
         for name <- names(items ++ extra), do: assert(freed?(dir, name), why)
@@ -230,7 +227,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
 
       assert {:error,
               %Error{type: :protocol, message: "the worker answered a malformed error map" <> _}} =
-               Wire.decode_reply(bin, nil, self())
+               Wire.decode_reply(bin, @limit, self())
 
       for name <- names(items), do: assert(freed?(dir, name))
       assert Enum.sort(released(releases())) == Enum.sort(refs(items))
