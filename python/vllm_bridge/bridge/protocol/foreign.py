@@ -34,9 +34,10 @@ How they are found, and why so (measured: bench/codec_checks/encode_ext.py):
   reads ext -1 of 4, 8 or 12 bytes as a Timestamp without the hook: those are looked for
   in what it read when the bytes hold a timestamp's header; ext -1 of another length it
   refuses to read.
-* A level of at least :data:`WALK_MIN_BYTES` bytes is first walked, up to
-  :data:`WALK_BUDGET` items of its lists and dicts: a few values of many bytes (a large
-  binary, string or inline tensor) are decided so without reading their bytes again.
+* A level of at least :data:`WALK_MIN_BYTES` bytes, or one where the encoder made an ext,
+  is first walked, up to :data:`WALK_BUDGET` items of its lists and dicts: a few values
+  of many bytes (a large binary, string or inline tensor), or a reply of a tuple or a
+  tensor, are decided so without reading their bytes again.
 
 Only a refusal walks the whole value, to name where the first such object sits.
 """
@@ -85,8 +86,8 @@ _ExtType, _Timestamp = msgpack.ExtType, msgpack.Timestamp
 def holds_foreign(data: bytes, made: int, value: Any) -> bool:
     """Whether ``data``, ``value`` packed as one level, holds an extension value the encoder
     did not make, given that it made ``made`` of them there (see the module's docstring)."""
-    if len(data) < WALK_MIN_BYTES:
-        if not made and 0xFF not in data.translate(_EXT_START):
+    if not made and len(data) < WALK_MIN_BYTES:
+        if 0xFF not in data.translate(_EXT_START):
             return False
     else:
         found = _walked(value)
