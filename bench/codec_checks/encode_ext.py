@@ -1,7 +1,9 @@
 """What the encoder's refusal of extension values it did not make costs
-(python/vllm_bridge/bridge/protocol/foreign.py): Encoder.encode of replies, and the
-timestamp walk of the decoder and the encoder (types.find_raw_ext), in microseconds per
-call (the best of 7 rounds, thread CPU time). Run it from two trees in turn to compare
+(python/vllm_bridge/bridge/protocol/foreign.py): Encoder.encode of replies; and what the
+refusal of msgpack's timestamp costs: the search for its header's bytes
+(types.timestamp_header_in), in Decoder.decode of requests, and the walk that follows a
+header found (types.find_raw_ext), in microseconds per call (the best of 7 rounds,
+thread CPU time). Run it from two trees in turn to compare
 them, each tree's ``python/`` first on the path::
 
     PYTHONPATH=<tree>/python .venv/bin/python bench/codec_checks/encode_ext.py
@@ -15,7 +17,7 @@ import time
 import msgpack
 import torch
 
-from vllm_bridge.bridge.protocol import Atom, Encoder, registry_for
+from vllm_bridge.bridge.protocol import Atom, Decoder, Encoder, packb, registry_for
 from vllm_bridge.bridge.protocol import types as wire_types
 
 rng = random.Random(1)
@@ -58,6 +60,15 @@ def main() -> None:
         number = max(20, min(20_000, 2_000_000 // max(size, 100)))
         us = best(lambda: encoder.encode(msg), number)
         print(f"encode {name:32s} {size:>8d} B  {us:10.2f} us")
+    decoder = Decoder()
+    for name, args in {
+        "add(1, -1)": [1, -1],
+        "echo(1000 floats)": [[rng.random() for _ in range(1000)]],
+        "echo(1000 x -1)": [[-1] * 1000],
+    }.items():
+        body = packb(["call", 7, None, None, ["m", "vllm_bridge.bridge.diag", "echo"], args, {}])
+        us = best(lambda: decoder.decode(body), 2000)
+        print(f"decode {name:32s} {len(body):>8d} B  {us:10.2f} us")
     # The timestamp walk (the decoder's, on a body whose bytes hold a timestamp's header).
     find = getattr(wire_types, "find_raw_ext", None) or wire_types.find_timestamp
     for name, value in {
