@@ -18,7 +18,6 @@ from typing import Any
 
 from msgpack import packb as _packb
 
-from vllm_bridge.bridge.protocol.decoder import materialize_field
 from vllm_bridge.bridge.protocol.encoder import Segment
 from vllm_bridge.bridge.protocol.errors import (
     BadArgument,
@@ -29,6 +28,7 @@ from vllm_bridge.bridge.protocol.errors import (
 )
 from vllm_bridge.bridge.protocol.flow import Flow
 from vllm_bridge.bridge.protocol.foreign import ForeignValue
+from vllm_bridge.bridge.protocol.materialize import materialize_field
 from vllm_bridge.bridge.protocol.messages import Abandon, Close, Exit, Invoke, Release, Request
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.types import Ref, qualified_name
