@@ -65,7 +65,8 @@ def plan(monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, dict[int, Any]]:
             rid += 1
             frames.append(frame(["enter", rid, None, None, ["m", F, "Holder"], [2 * n], {}]))
             expect[rid] = ("refused", f"the reply to enter {rid} (at [1]{path}){what}")
-    frames.append(frame(["call", 1, None, None, ["m", "vllm_bridge.bridge.diag", "add"], [1, 2], {}]))
+    add = ["m", "vllm_bridge.bridge.diag", "add"]
+    frames.append(frame(["call", 1, None, None, add, [1, 2], {}]))
     expect[1] = ("ok", msgpack.packb(["ok", 1, 3]))
     return b"".join(frames), expect
 
@@ -116,7 +117,8 @@ def test_a_result_holding_an_ext_type_is_refused_naming_where_and_the_worker_ser
         err = msg[2]
         assert (err["type"], err["python_type"]) == ("python_exception", "TypeError"), err
         assert err["message"].startswith(want), (err["message"], want)
-        assert "only the encoder makes those" in err["message"] or "not in the protocol's table" in err["message"]
+        said = err["message"]
+        assert "only the encoder makes those" in said or "not in the protocol's table" in said
     # No reference or entered context was left behind by a refused reply.
     session = worker.sessions.get(None)
     assert not session.refs and not session.contexts

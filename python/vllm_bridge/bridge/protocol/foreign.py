@@ -35,9 +35,11 @@ How they are found, and why so (measured: bench/codec_checks/encode_ext.py):
   in what it read when the bytes hold a timestamp's header; ext -1 of another length it
   refuses to read.
 * A level of at least :data:`WALK_MIN_BYTES` bytes, or one where the encoder made an ext,
-  is first walked, up to :data:`WALK_BUDGET` items of its lists and dicts: a few values
-  of many bytes (a large binary, string or inline tensor), or a reply of a tuple or a
-  tensor, are decided so without reading their bytes again.
+  is first walked, up to :data:`WALK_BUDGET` items of its lists and dicts (what the packer
+  walks itself; a subclass of either, whose copy ``default`` hands the packer, sends the
+  level to its bytes): a few values of many bytes (a large binary, string or inline
+  tensor), or a reply of a tuple or a tensor, are decided so without reading their
+  bytes again.
 
 Only a refusal walks the whole value, to name where the first such object sits.
 """
@@ -73,9 +75,12 @@ class ForeignValue(TypeError):
 
 
 #: The bytes that can start an ext (fixext 1-16, ext 8/16/32) -> 0xFF, any other -> 0.
-_EXT_START = bytes(0xFF if b in (0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8) else 0 for b in range(256))
-#: Bytes of a level at least this long are first looked at through its value (a walk of
-#: at most :data:`WALK_BUDGET` items); shorter ones are looked at byte by byte at once.
+_EXT_START = bytes(
+    0xFF if b in (0xC7, 0xC8, 0xC9, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8) else 0 for b in range(256)
+)
+#: A level of at least this many bytes, or one where the encoder made an ext, is first
+#: looked at through its value (a walk of at most :data:`WALK_BUDGET` items); a shorter
+#: one without such an ext is looked at byte by byte at once.
 WALK_MIN_BYTES = 256
 WALK_BUDGET = 16
 #: Values that hold nothing (exactly these types: a subclass may be a list).
