@@ -4,6 +4,11 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
   worker's own encoder never writes, sent by user code (test/support/rt_forge.py) or
   handed to the worker process's routing as they would come from the port.
 
+    * a result holding a raw `msgpack.ExtType` (which msgpack would pack as one of the
+      protocol's own values: a reference, a result slot, ...) is refused by the worker's
+      encoder: the caller gets the error naming it and where it sits, and the worker
+      serves on;
+
     * a result slot (ext 8) is bounded like a reply through the pipe: its data and the
       frame together at most the worker's `max_frame_bytes`, refused (`:protocol`,
       naming the size and the limit) before the file is opened, and handed back; a
@@ -100,6 +105,24 @@ defmodule VllmBridge.Runtime.UntrustedFramesTest do
       assert :erlang.memory(:total) - total < 64 <<< 20
 
       assert {:ok, 3} = call(@pool, @diag, "add", [1, 2])
+      assert [%{os_pid: os_pid}] = workers!(@pool)
+      assert os_pid == w.os_pid
+    end
+  end
+
+  describe "a result holding a raw msgpack.ExtType" do
+    test "is refused by the worker's encoder, never read as a reference; the worker serves on" do
+      [w] = workers!(@pool)
+
+      for {where, at} <- [{"", "is a"}, {"nested", "(at ['refs'][1]) is a"}] do
+        assert {:error, %Error{type: :python_exception, python_type: "TypeError", message: msg}} =
+                 call(@pool, @forge, "forged_ext", [6, where])
+
+        assert msg =~ ~r/^the reply to call \d+ #{Regex.escape(at)} msgpack.ExtType \(code 6, /
+        assert msg =~ "which the peer would read as an object reference"
+        assert {:ok, 3} = call(@pool, @diag, "add", [1, 2])
+      end
+
       assert [%{os_pid: os_pid}] = workers!(@pool)
       assert os_pid == w.os_pid
     end

@@ -4,16 +4,22 @@ it writes are not to be trusted by the Elixir side.
 
 * :func:`write_frame` writes a whole frame straight to the worker's output pipe (fd 4),
   beside the worker's own frames (call it while nothing else is in flight);
-* :func:`forged_slot` returns an ext 8 (a tensor in a result slot) naming a sparse file
-  of any declared size, made in the node's slot directory;
+* :func:`forged_slot` answers its own call with an ext 8 (a tensor in a result slot)
+  naming a sparse file of any declared size, made in the node's slot directory: it
+  writes that reply itself (the worker's encoder refuses to send an ext it did not make),
+  and the worker's own reply to the call comes after it, to no call;
+* :func:`forged_ext` returns a ``msgpack.ExtType`` of any code, which the worker's
+  encoder refuses (python/vllm_bridge/bridge/protocol/foreign.py);
 * :func:`refused_mix` returns a value holding real references and real result slots
-  around a value the BEAM refuses (test/runtime/refused_reply_test.exs).
+  around a value the BEAM refuses (test/runtime/refused_reply_test.exs), with the
+  worker's check for exts it did not make turned off, as hostile user code could.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import sys
 
 import msgpack
 
@@ -40,9 +46,10 @@ def write_frame(body: bytes) -> int:
     return len(body)
 
 
-def forged_slot(nbytes: int, n: int) -> msgpack.ExtType:
-    """A uint8 tensor of shape ``[nbytes]`` in the result slot ``r-<this pid>-<n>``: a
-    sparse file of ``nbytes`` bytes (no pages written) in ``VLLM_BRIDGE_SHM_DIR``."""
+def forged_slot(nbytes: int, n: int) -> None:
+    """Answer this call with a uint8 tensor of shape ``[nbytes]`` in the result slot
+    ``r-<this pid>-<n>``: a sparse file of ``nbytes`` bytes (no pages written) in
+    ``VLLM_BRIDGE_SHM_DIR``."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes must be an int of at least 0, got {nbytes!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -53,15 +60,45 @@ def forged_slot(nbytes: int, n: int) -> msgpack.ExtType:
         f.truncate(nbytes)
     # ext 3's header (dtype code 1 = uint8, ndim 1, no device, the shape), then the name.
     header = bytes([1, 1, 0]) + struct.pack(">Q", nbytes)
-    return msgpack.ExtType(8, header + bytes([len(name)]) + name.encode())
+    slot = msgpack.ExtType(8, header + bytes([len(name)]) + name.encode())
+    write_frame(msgpack.packb(["ok", _request_id(), slot]))
+
+
+def forged_ext(code: int, where: str = "") -> object:
+    """A ``msgpack.ExtType`` of ``code`` whose payload is a reference's
+    (``[instance, ref_id, session, type_name]``), alone or (``where="nested"``) at
+    ``["refs"][1]`` of a dict."""
+    ext = msgpack.ExtType(code, msgpack.packb(["0123456789abcdef", 1, None, "builtins.dict"]))
+    return {"refs": [0, ext]} if where == "nested" else ext
+
+
+def _request_id() -> int:
+    """The id of the request running this code, read from the worker's own frames (as any
+    user code could)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        req = frame.f_locals.get("req")
+        if type(req).__name__ == "Invoke":
+            return req.id
+        frame = frame.f_back
+    raise RuntimeError("not called by a worker's request")
 
 
 def refused_mix(spec: object) -> object:
     """``spec`` with its leaves made real: ``"ref"`` a new :class:`Held` (a reference),
     ``"slot"`` a float32 tensor of :data:`MIX_NUMEL` elements (a result slot), and
     ``"refuse"`` an ext 7 of :data:`MIX_BIGINT_BYTES` magnitude bytes; lists, tuples and
-    dicts are rebuilt around them, any other leaf is kept."""
+    dicts are rebuilt around them, any other leaf is kept.
+
+    The ext 7 is user code's own, which the worker's encoder refuses
+    (vllm_bridge.bridge.protocol.foreign): this turns that check off for good in this
+    worker process (the test's own pool), as hostile user code could, so that the BEAM's
+    refusal of what a worker sends is what the test meets."""
     import torch
+
+    from vllm_bridge.bridge.protocol import encoder
+
+    encoder.holds_foreign = lambda data, made, value: False
 
     def build(x: object) -> object:
         if x == "ref":

@@ -2,7 +2,7 @@
 objects' own ``__hash__`` and ``__eq__``: whatever those do (raise, answer with something
 that is not a bool, make two keys one), the request is refused with ``bad_argument``
 naming the key and its place, never failed with an error of the worker, and the worker
-serves on (decoder.materialize)."""
+serves on (materialize.materialize)."""
 
 from __future__ import annotations
 

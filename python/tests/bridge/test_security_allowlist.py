@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from conftest import WorkerProc, next_id
+from conftest import WorkerCallError, WorkerProc, next_id
 from security_support import (  # noqa: F401 - w is the fixture
     ALLOW,
     D,
@@ -42,6 +42,17 @@ def ext(code: int, payload: list[Any]) -> msgpack.ExtType:
     return msgpack.ExtType(code, packb(payload))
 
 
+def echo_forged(w: WorkerProc, arg: msgpack.ExtType) -> Any:
+    """``w.call(D, "echo", arg)`` in a frame msgpack packs itself: the package's own
+    encoder refuses to write an ext it did not make (protocol/foreign.py)."""
+    rid = next_id()
+    w.send_raw(msgpack.packb(["call", rid, None, 30_000, ["m", D, "echo"], [arg], {}]))
+    reply = w.reply(rid)
+    if reply[0] == "error":
+        raise WorkerCallError(reply[2])
+    return reply[2]
+
+
 @pytest.fixture
 def marked(tmp_path: Path) -> Iterator[tuple[WorkerProc, Path]]:
     """A worker whose environment names a marker file that importing
@@ -61,10 +72,10 @@ def test_a_module_outside_the_allow_list_is_never_imported(
     attempts = [
         lambda: w.call(SIDE_EFFECT, "anything"),
         lambda: w.get(["m", SIDE_EFFECT, "anything"]),
-        lambda: w.call(D, "echo", ext(4, [f"{SIDE_EFFECT}.Thing", {}])),
-        lambda: w.call(D, "echo", ext(5, [f"{SIDE_EFFECT}.Kind", "A"])),
-        lambda: w.call(D, "echo", ext(4, [f"{P}.{SIDE_EFFECT}.Thing", {}])),
-        lambda: w.call(D, "echo", ext(4, [f"vllm_bridge.bridge.diag.os.{SIDE_EFFECT}.X", {}])),
+        lambda: echo_forged(w, ext(4, [f"{SIDE_EFFECT}.Thing", {}])),
+        lambda: echo_forged(w, ext(5, [f"{SIDE_EFFECT}.Kind", "A"])),
+        lambda: echo_forged(w, ext(4, [f"{P}.{SIDE_EFFECT}.Thing", {}])),
+        lambda: echo_forged(w, ext(4, [f"vllm_bridge.bridge.diag.os.{SIDE_EFFECT}.X", {}])),
     ]
     for attempt in attempts:
         refused(attempt)
@@ -79,8 +90,8 @@ def test_a_class_name_never_walks_through_a_module(w: WorkerProc) -> None:
     assert [m for m in lazy if w.call(P, "imported", m)] == []
     for name in lazy:
         tail = name.split(".", 1)[1]
-        refused(lambda: w.call(D, "echo", ext(4, [f"{P}.torch.{tail}.Thing", {}])))
-        refused(lambda: w.call(D, "echo", ext(5, [f"{P}.torch.{tail}.Kind", "A"])))
+        refused(lambda: echo_forged(w, ext(4, [f"{P}.torch.{tail}.Thing", {}])))
+        refused(lambda: echo_forged(w, ext(5, [f"{P}.torch.{tail}.Kind", "A"])))
     assert [m for m in lazy if w.call(P, "imported", m)] == []
 
 
@@ -126,8 +137,9 @@ def in_process() -> Iterator[Worker]:
         os.close(worker.channel.fd)
 
 
-def handle(worker: Worker, msg: list[Any]) -> Any:
-    req = worker.on_frame(packb(msg))
+def handle(worker: Worker, msg: list[Any], forged: bool = False) -> Any:
+    """``msg``'s reply (``forged``: packed by msgpack itself, as :func:`echo_forged`)."""
+    req = worker.on_frame(msgpack.packb(msg) if forged else packb(msg))
     assert req is not None
     return unpackb(b"".join(worker.dispatcher.handle(req)))
 
@@ -152,7 +164,7 @@ def test_a_refused_reference_is_refused_as_an_argument(in_process: Worker) -> No
     assert reply[2]["type"] == "bad_argument"
     rid = next_id()
     sample = ext(4, ["vllm_bridge.bridge.diag.Sample", {"name": "s", "payload": ref}])
-    reply = handle(in_process, ["call", rid, None, 30_000, ["m", D, "echo"], [sample], {}])
+    reply = handle(in_process, ["call", rid, None, 30_000, ["m", D, "echo"], [sample], {}], True)
     assert reply[2]["type"] == "bad_argument"
     assert "is the module 'os'" in reply[2]["message"]
 

@@ -6,7 +6,8 @@ Public names: :class:`Atom`, :class:`Ref`, :class:`ExtCode`, :func:`packb`,
 """
 
 from vllm_bridge.bridge.protocol.codec import packb, registry_for, unpackb
-from vllm_bridge.bridge.protocol.decoder import Decoder, PendingEnum, PendingStruct, materialize
+from vllm_bridge.bridge.protocol.decoder import Decoder
+from vllm_bridge.bridge.protocol.materialize import PendingEnum, PendingStruct, materialize
 from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.errors import (
     BadArgument,

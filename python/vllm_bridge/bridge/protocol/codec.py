@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm_bridge import PUBLIC_MODULES
-from vllm_bridge.bridge.protocol.decoder import Decoder, materialize
+from vllm_bridge.bridge.protocol.decoder import Decoder
+from vllm_bridge.bridge.protocol.materialize import materialize
 from vllm_bridge.bridge.protocol.encoder import Encoder
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 

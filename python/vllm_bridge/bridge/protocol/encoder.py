@@ -2,6 +2,9 @@
 
 The C msgpack packer does the work; ``strict_types=True`` routes everything that is not
 exactly a plain type (tuples, atoms, big integers, subclasses) through :meth:`_Pass.default`.
+What it packs as an ext by itself (a ``msgpack.ExtType`` or ``msgpack.Timestamp`` in the
+value) is refused: :mod:`~vllm_bridge.bridge.protocol.foreign` looks at the bytes of each
+level packed.
 
 Large tensors are never copied into the body. The packer is given a 16-byte token in their
 place; the packed bytes are then split at each token into *segments*, and the tensor's own
@@ -23,7 +26,7 @@ import msgpack
 import numpy as np
 import torch
 
-from vllm_bridge.bridge.protocol.errors import short_repr
+from vllm_bridge.bridge.protocol.foreign import holds_foreign, refusal
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.slots import SlotDir, slot_payload
 from vllm_bridge.bridge.protocol.tensors import can_encode, tensor_parts
@@ -32,9 +35,7 @@ from vllm_bridge.bridge.protocol.types import (
     Atom,
     ExtCode,
     Ref,
-    find_timestamp,
     qualified_name,
-    timestamp_header_in,
 )
 
 Segment = Union[bytes, memoryview]
@@ -111,7 +112,7 @@ class Encoder:
                 slots past it); what it raises (a reply over the frame limit) refuses
                 the frame as a failed encode does.
         """
-        p = _Pass(self, make_ref)
+        p = _Pass(self, make_ref, value)
         try:
             segments = p.pack(value)
             if check is not None:
@@ -135,8 +136,12 @@ class Encoder:
 class _Pass:
     """State of one encode call: the large payloads replaced by tokens."""
 
-    def __init__(self, encoder: Encoder, make_ref: MakeRef | None) -> None:
+    def __init__(self, encoder: Encoder, make_ref: MakeRef | None, root: Any) -> None:
         self.encoder = encoder
+        #: The value encoded (a refusal names where in it the refused object sits).
+        self.root = root
+        #: The exts made so far at the level being packed (see :meth:`pack`).
+        self.made = 0
         self.registry = encoder.registry
         self.make_ref = make_ref
         self.nonce = b""
@@ -146,9 +151,15 @@ class _Pass:
         self.slot_bytes = 0
 
     def pack(self, value: Any) -> list[Segment]:
+        """One level: ``value`` packed, each ext in it made by :meth:`default` (an ext's
+        payload is packed by a call of its own, one level down)."""
+        outer = self.made  # (a failure ends the whole pass: nothing to restore then)
+        self.made = 0
         data = msgpack.packb(value, default=self.default, strict_types=True, use_bin_type=True)
-        if 0xFF in data and timestamp_header_in(data):
-            _refuse_timestamp(value)
+        made = self.made
+        self.made = outer
+        if holds_foreign(data, made, value):  # an ext msgpack wrote by itself (foreign.py)
+            raise refusal(self.root)
         if not self.spliced:
             return [data]
         return self._splice(data)
@@ -156,6 +167,7 @@ class _Pass:
     def ext(self, code: int, value: Any) -> msgpack.ExtType:
         """An ext whose payload is ``value`` packed (spliced when it holds large tensors)."""
         segments = self.pack(value)
+        self.made += 1
         if len(segments) == 1 and isinstance(segments[0], bytes):
             return msgpack.ExtType(code, segments[0])
         return self._token(code, segments)
@@ -192,6 +204,7 @@ class _Pass:
     def default(self, obj: Any) -> Any:  # noqa: C901 - one dispatch table, read top-down
         """Called by msgpack for every value that is not exactly a plain type."""
         if isinstance(obj, Atom):
+            self.made += 1
             return msgpack.ExtType(ExtCode.ATOM, obj.encode())
         if isinstance(obj, Ref):
             return self.ext(
@@ -210,6 +223,8 @@ class _Pass:
             return self.reference(obj)
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj) if can_encode(obj) else self.reference(obj)
+        if isinstance(obj, msgpack.ExtType):  # a subclass (the class itself never gets here)
+            raise refusal(self.root, obj)
         if isinstance(obj, tuple):
             return self.ext(ExtCode.TUPLE, list(obj))
         if (
@@ -222,7 +237,9 @@ class _Pass:
             # pair arrives in Python as a tuple; UBatchSlice turns pairs into slices).
             return self.ext(ExtCode.TUPLE, [obj.start, obj.stop])
         if type(obj) is int:  # only big integers reach here
-            return msgpack.ExtType(ExtCode.BIGINT, bigint_payload(obj))
+            payload = bigint_payload(obj)
+            self.made += 1
+            return msgpack.ExtType(ExtCode.BIGINT, payload)
         if isinstance(obj, int):
             return int(obj)
         if isinstance(obj, float):
@@ -243,6 +260,7 @@ class _Pass:
 
     def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
         header, data = tensor_parts(t)
+        self.made += 1
         slots = self.encoder.slots
         if slots is not None and data.nbytes >= slots.min_bytes:
             name = slots.write(data)
@@ -268,15 +286,3 @@ class _Pass:
                 "is there to hold a reference to it"
             )
         return self.default(self.make_ref(obj))
-
-
-def _refuse_timestamp(value: Any) -> None:
-    """Raise ``TypeError`` for a ``msgpack.Timestamp`` that msgpack packed as part of
-    ``value`` (as ext -1, without asking :meth:`_Pass.default`: not a type of the protocol,
-    and the Elixir codec refuses it)."""
-    found = find_timestamp(value)
-    if found is not None:
-        raise TypeError(
-            f"a msgpack Timestamp ({short_repr(found, 80)}) has no encoding in this protocol "
-            "(ext -1 is not in its table); convert it first (to_unix_nano(), say)"
-        )

@@ -18,7 +18,6 @@ from typing import Any
 
 from msgpack import packb as _packb
 
-from vllm_bridge.bridge.protocol.decoder import materialize_field
 from vllm_bridge.bridge.protocol.encoder import Segment
 from vllm_bridge.bridge.protocol.errors import (
     BadArgument,
@@ -28,6 +27,8 @@ from vllm_bridge.bridge.protocol.errors import (
     simple_error,
 )
 from vllm_bridge.bridge.protocol.flow import Flow
+from vllm_bridge.bridge.protocol.foreign import ForeignValue
+from vllm_bridge.bridge.protocol.materialize import materialize_field
 from vllm_bridge.bridge.protocol.messages import Abandon, Close, Exit, Invoke, Release, Request
 from vllm_bridge.bridge.protocol.registry import TypeRegistry
 from vllm_bridge.bridge.protocol.types import Ref, qualified_name
@@ -350,9 +351,7 @@ class Dispatcher:
         def make_ref(obj: Any) -> Ref:
             reason = guard.reason(obj)
             if reason is not None:  # the whole reply fails; its references are dropped
-                reply = "a chunk of" if kind == "chunk" else "the reply to"
-                reply = f"{reply} {req.kind} {req.id}"
-                raise guard.refusal(obj, spot(value, obj, reply), reason)
+                raise guard.refusal(obj, _where(req, kind, value, obj), reason)
             ref = self.sessions.new_ref(session, obj)
             created.append(ref.ref_id)
             return ref
@@ -363,9 +362,11 @@ class Dispatcher:
             segments = self.channel.encoder.encode(
                 [kind, req.id, value], make_ref, self._check_size
             )
-        except BaseException:
+        except BaseException as exc:
             for ref_id in created:
                 self.sessions.drop(session, ref_id)
+            if isinstance(exc, ForeignValue):  # named as the guard names a value: in the reply
+                raise TypeError(f"{_where(req, kind, value, exc.value)} is {exc.what}") from None
             raise
         return segments
 
@@ -383,3 +384,10 @@ class Dispatcher:
         else:
             err = error_map(exc, self.sessions.record(session, exc))
         return self.channel.encode_error(req.id, err)
+
+
+def _where(req: Request, kind: str, value: Any, obj: Any) -> str:
+    """Where ``obj`` sits in the reply of ``kind`` to ``req`` whose value is ``value``, for
+    a refusal's message (``obj`` ``None``: it was not found again)."""
+    reply = f"{'a chunk of' if kind == 'chunk' else 'the reply to'} {req.kind} {req.id}"
+    return f"a value inside {reply}" if obj is None else spot(value, obj, reply)

@@ -3,10 +3,10 @@ refused value is, named without calling its ``repr``, and where it sits in a rep
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from typing import Any
 
+from vllm_bridge.bridge.protocol import paths
 from vllm_bridge.bridge.worker.guard_tables import METHOD_KINDS
 
 
@@ -54,26 +54,5 @@ def locate(root: Any, target: Any, limit: int = 10_000) -> str | None:
     """Where ``target`` sits inside ``root`` as the encoder walks it (list and tuple items,
     dict keys and values, dataclass fields): ``"[2]['model'].weight"``, ``""`` for
     ``root`` itself, or ``None`` when it is not found within ``limit`` values."""
-    stack: list[tuple[Any, str]] = [(root, "")]
-    seen: set[int] = set()
-    while stack and limit > 0:
-        value, path = stack.pop()
-        limit -= 1
-        if value is target:
-            return path
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, (list, tuple)):
-            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))
-        elif isinstance(value, dict):
-            for k, v in reversed(list(value.items())):
-                label = repr(k) if isinstance(k, (str, int, float, bool)) else "<key>"
-                stack.append((v, f"{path}[{label}]"))
-                stack.append((k, f"{path}<key {label}>"))
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            stack.extend(
-                (getattr(value, f.name, None), f"{path}.{f.name}")
-                for f in reversed(dataclasses.fields(value))
-            )
-    return None
+    found = paths.find(root, lambda value: value is target, limit)
+    return None if found is None else found[1]
