@@ -106,7 +106,7 @@ defmodule VllmBridge.Runtime.WrapperCloseTest do
     defp victim! do
       port = Port.open({:spawn_executable, System.find_executable("sleep")}, args: ["300"])
       {:os_pid, pid} = Port.info(port, :os_pid)
-      # (Quietly: a test that passed has seen it die already.)
+      # (Quietly: it may be gone already.)
       on_exit(fn ->
         System.cmd("kill", ["-KILL", Integer.to_string(pid)], stderr_to_stdout: true)
       end)
