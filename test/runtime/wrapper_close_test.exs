@@ -29,12 +29,12 @@ defmodule VllmBridge.Runtime.WrapperCloseTest do
     path
   end
 
-  defp deaf(name, python) do
+  defp deaf(name, python, env \\ []) do
     opts = [
       size: 1,
       shutdown_grace: 300,
       worker_module: "runtime_fake_worker",
-      worker_env: [{"PYTHONPATH", support_dir()}, {"FAKE_WORKER_MODE", "deaf"}]
+      worker_env: [{"PYTHONPATH", support_dir()}, {"FAKE_WORKER_MODE", "deaf"} | env]
     ]
 
     {:ok, _} = VllmBridge.start_pool(name, if(python, do: [python: python], else: []) ++ opts)
@@ -97,6 +97,18 @@ defmodule VllmBridge.Runtime.WrapperCloseTest do
   test "killing the worker process kills a Python process deaf to EOF (no wrapper)" do
     {w, port_pid, python_pid} = deaf(:wrapper_close_plain_kill, nil)
     assert port_pid == python_pid
+    Process.exit(w.pid, :kill)
+    assert_gone(python_pid, "the Python process")
+  end
+
+  test "killing the worker process kills a Python process deaf to EOF that closed its output" do
+    {w, _port_pid, python_pid} =
+      deaf(:wrapper_close_quiet_kill, nil, [{"FAKE_WORKER_QUIET", "1"}])
+
+    # Its output readers have seen the end of their FIFOs: nothing is left to drain.
+    output = :sys.get_state(w.pid).output
+    wait_until(fn -> :sys.get_state(output).streams == %{} end, 15_000, "both streams ended")
+
     Process.exit(w.pid, :kill)
     assert_gone(python_pid, "the Python process")
   end

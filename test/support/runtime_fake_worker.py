@@ -19,7 +19,8 @@ handshake or to send a frame header over the limit, so this one does, on purpose
   two bytes of a second record's header; a moment later the rest of that record
   ("second"); then answer every request with ``["ok", id, "served"]`` until EOF.
 * ``deaf``    - a valid hello, then close fd 3 (a write to the port then fails with
-  ``EPIPE``) and wait to be killed.
+  ``EPIPE``) and wait to be killed; with ``FAKE_WORKER_QUIET=1`` it first points its
+  stdout and stderr at ``/dev/null`` (its output FIFOs end while it stays).
 * ``window``  - a hello announcing ``stream_window`` ``FAKE_WORKER_WINDOW`` (default 4);
   then answer each ``stream`` request with ``FAKE_WORKER_CHUNKS`` chunks (default 20,
   the integers from 0), never more than the window ahead of the credits it has read,
@@ -197,6 +198,11 @@ def main() -> int:
             return 0
     if mode == "deaf":
         _write(msgpack.packb(["hello", _hello()]))
+        if os.environ.get("FAKE_WORKER_QUIET") == "1":
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):
+                os.dup2(devnull, fd)
+            os.close(devnull)
         os.close(3)
         time.sleep(120)  # killed long before (Launcher.close, after shutdown_grace)
         return 0

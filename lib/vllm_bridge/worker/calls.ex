@@ -2,7 +2,7 @@ defmodule VllmBridge.Worker.Calls do
   @moduledoc false
   # The table of calls in flight of one worker process (VllmBridge.Worker), and what
   # happens to a request from its arrival: admitted or refused (`admit/6`), its reply
-  # reaching its caller (`finish/4`), its caller giving up or dying (`cancel/3`,
+  # reaching its caller (`finish/5`), its caller giving up or dying (`cancel/3`,
   # `abandoned/3`), overdue or still running after its cancel (`sweep/3`,
   # `overstayed/3`), or the worker going down (`fail_all/2`). The worker process owns the
   # port and writes to it; this module keeps the table, answers the callers, gives pool

@@ -259,15 +259,17 @@ defmodule VllmBridge.Worker.Output do
   # The worker process is gone: what its Python process (and its children) wrote last
   # still comes; then this process goes.
   # Its holds go: a Python process that never opened its FIFOs (it died before its
-  # hello) leaves no writer, and its readers see their ends at once.
+  # hello) leaves no writer, and its readers see their ends at once. Streams that ended
+  # already (a process that closed its output) are no sign that its processes are gone:
+  # they too get @drain_ms, then terminate/2 kills what is left of them.
   def handle_info({:EXIT, worker, _reason}, %{worker: worker, draining: false} = state) do
-    state = release(state)
+    state = %{release(state) | draining: true}
 
-    if state.streams == %{} do
+    if state.streams == %{} and OsProcess.gone?(state.procs) do
       {:stop, :normal, state}
     else
       Process.send_after(self(), :drained, @drain_ms)
-      {:noreply, %{state | draining: true}}
+      {:noreply, state}
     end
   end
 

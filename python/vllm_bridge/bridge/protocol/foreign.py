@@ -53,6 +53,7 @@ import msgpack
 from vllm_bridge.bridge.protocol import paths
 from vllm_bridge.bridge.protocol.errors import short_repr
 from vllm_bridge.bridge.protocol.types import (
+    LEAVES,
     ExtCode,
     find_raw_ext,
     qualified_name,
@@ -83,8 +84,6 @@ _EXT_START = bytes(
 #: one without such an ext is looked at byte by byte at once.
 WALK_MIN_BYTES = 256
 WALK_BUDGET = 16
-#: Values that hold nothing (exactly these types: a subclass may be a list).
-_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
 _ExtType, _Timestamp = msgpack.ExtType, msgpack.Timestamp
 
 
@@ -149,7 +148,7 @@ def _walked(value: Any) -> bool | None:
             stack.extend(v.values())
         elif t is _ExtType or t is _Timestamp:
             return True
-        elif t not in _LEAVES and isinstance(v, (list, dict)):
+        elif t not in LEAVES and isinstance(v, (list, dict)):
             return None
     return False
 

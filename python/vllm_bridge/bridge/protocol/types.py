@@ -132,8 +132,9 @@ def _header_in_array(data: bytes | bytearray | memoryview, start: int) -> bool:
     return False
 
 
-#: Types of values that hold nothing (exactly these: a subclass may be anything).
-_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+#: Types of values that hold nothing (exactly these: a subclass may be anything; also
+#: protocol/foreign.py's).
+LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
 #: A container of at least this many items is first looked at by its items' types.
 _SCAN_MIN = 16
 
@@ -150,7 +151,7 @@ def find_raw_ext(value: Any, struct: type | None = None) -> Any:
     items are all plain scalars (the set of their types, one pass in C) is not walked
     item by item (a list of a million floats: 49 ms walked, 23 ms so, the same machine)."""
     stack = [value]
-    leaves = _LEAVES
+    leaves = LEAVES
     while stack:
         v = stack.pop()
         t = type(v)
