@@ -228,8 +228,8 @@ defmodule VllmBridge.Stream do
 
   defp next(%{handle: {pid, id, mref}} = st) do
     receive do
-      Messages.chunk(^mref, bin, max) ->
-        case Wire.decode_reply(bin, max, pid) do
+      Messages.chunk(^mref, bin, origin) ->
+        case Wire.decode_reply(bin, origin, pid) do
           {:ok, value} ->
             # Outside a session, what the chunk references belongs to this process.
             if st.loose, do: LooseRefs.track(self(), Ref.collect(value, session: :none))
@@ -245,10 +245,10 @@ defmodule VllmBridge.Stream do
       Messages.stream_end(^mref) ->
         {:halt, %{st | done: true}}
 
-      Messages.reply(^mref, bin, max) ->
+      Messages.reply(^mref, bin, origin) ->
         finished(st)
 
-        case Wire.decode_reply(bin, max, pid) do
+        case Wire.decode_reply(bin, origin, pid) do
           {:error, e} ->
             raise e
 
@@ -329,8 +329,8 @@ defmodule VllmBridge.Stream do
       Messages.cancelled(^ack) ->
         refs
 
-      Messages.chunk(^mref, bin, max) ->
-        case Wire.decode_reply(bin, max, pid) do
+      Messages.chunk(^mref, bin, origin) ->
+        case Wire.decode_reply(bin, origin, pid) do
           {:ok, value} -> drain(pid, mref, ack, Ref.collect(value) ++ refs)
           {:error, _} -> drain(pid, mref, ack, refs)
         end

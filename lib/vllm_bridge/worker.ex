@@ -292,22 +292,22 @@ defmodule VllmBridge.Worker do
     case Wire.peek(bin) do
       {kind, id} when kind in [:ok, :error, :pong] and id != nil ->
         state = lend(state, id, bin)
-        %{state | calls: Calls.finish(state.calls, id, :reply, bin, state.max_frame)}
+        %{state | calls: Calls.finish(state.calls, id, :reply, bin, state.origin)}
 
       {:chunk, id} when id != nil ->
         case Calls.live(state.calls, id) do
           nil ->
-            Unclaimed.drop(bin)
+            Unclaimed.drop(bin, state.origin)
             state
 
           alias ->
             state = lend(state, id, bin)
-            Messages.send_chunk(alias, bin, state.max_frame)
+            Messages.send_chunk(alias, bin, state.origin)
             state
         end
 
       {:end, id} when id != nil ->
-        %{state | calls: Calls.finish(state.calls, id, :end, nil, state.max_frame)}
+        %{state | calls: Calls.finish(state.calls, id, :end, nil, state.origin)}
 
       {:log, _} ->
         PythonLog.emit(bin, state)

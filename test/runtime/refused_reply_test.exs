@@ -40,6 +40,10 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
 
   # -- generated frames ----------------------------------------------------------------
 
+  # Where the replies come from: this BEAM's os pid stands as the worker's Python
+  # process (the slots of this test are named for it).
+  defp origin, do: {@limit, String.to_integer(System.pid())}
+
   # A slot of this test: a 16-byte file in the directory, named as a worker's result.
   defp new_slot(dir) do
     name = "r-#{System.pid()}-#{System.unique_integer([:positive])}"
@@ -188,7 +192,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
         why = "seed #{seed}, round #{round}: #{inspect(items, limit: 40)}"
 
         assert {:error, %Error{type: :protocol, message: msg}} =
-                 Wire.decode_reply(bin, @limit, self()),
+                 Wire.decode_reply(bin, origin(), self()),
                why
 
         assert msg =~ says, why
@@ -213,7 +217,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
         why = "seed #{seed}, round #{round}"
 
         assert {:error, %Error{type: :protocol, message: "unexpected reply" <> _}} =
-                 Wire.decode_reply(frame(items, extra), @limit, self()),
+                 Wire.decode_reply(frame(items, extra), origin(), self()),
                why
 
         for name <- names(items ++ extra), do: assert(freed?(dir, name), why)
@@ -227,7 +231,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
 
       assert {:error,
               %Error{type: :protocol, message: "the worker answered a malformed error map" <> _}} =
-               Wire.decode_reply(bin, @limit, self())
+               Wire.decode_reply(bin, origin(), self())
 
       for name <- names(items), do: assert(freed?(dir, name))
       assert Enum.sort(released(releases())) == Enum.sort(refs(items))
@@ -236,14 +240,15 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
     test "a refused reply nobody reads releases its references (the worker process drops it)",
          %{dir: dir} do
       items = [{:ref, new_ref()}, {:raw, <<0xD4, 99, 0>>}, new_slot(dir), {:ref, new_ref()}]
-      assert :ok = Unclaimed.drop(frame(items))
+      assert :ok = Unclaimed.drop(frame(items), origin())
       assert Enum.sort(released(releases())) == Enum.sort(refs(items))
       for name <- names(items), do: assert(freed?(dir, name))
     end
 
-    test "a reply decoded without its worker process still hands back its slots", %{dir: dir} do
+    test "a reply decoded without its worker process (no pid to release to) still hands back its slots",
+         %{dir: dir} do
       items = [{:raw, <<0xD4, 99, 0>>}, new_slot(dir), {:ref, new_ref()}]
-      assert {:error, %Error{type: :protocol}} = Wire.decode_reply(frame(items))
+      assert {:error, %Error{type: :protocol}} = Wire.decode_reply(frame(items), origin(), nil)
       for name <- names(items), do: assert(freed?(dir, name))
       # Nobody to release them to.
       assert releases() == []

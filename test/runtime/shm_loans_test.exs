@@ -156,16 +156,16 @@ defmodule VllmBridge.Runtime.ShmLoansTest do
       {:request, value, from} ->
         {_pid, _id, mref} = send_filled(worker_pid, value)
 
-        bin =
+        {bin, origin} =
           receive do
-            {^mref, :reply, bin, _max} -> bin
+            {^mref, :reply, bin, origin} -> {bin, origin}
           end
 
         send(from, {:got, self(), FrameSlots.names(bin, prefix)})
 
         receive do
           {:decode, from} ->
-            send(from, {:decoded, self(), Wire.decode_reply(bin)})
+            send(from, {:decoded, self(), Wire.decode_reply(bin, origin)})
             caller(worker_pid, prefix)
         end
     end

@@ -373,13 +373,15 @@ defmodule VllmBridge.Runtime.ShmTest do
 
       try do
         Process.put(:vllm_bridge_slot_swap, fn p -> send(me, {:opened, p}) end)
-        assert :ok = VllmBridge.Worker.Unclaimed.drop(reply)
+        # (This BEAM's os pid stands as the worker's: the slot is named for it.)
+        origin = {1_048_576, String.to_integer(System.pid())}
+        assert :ok = VllmBridge.Worker.Unclaimed.drop(reply, origin)
         refute_received {:opened, _}
         assert File.exists?(path <> ".free") and not File.exists?(path)
 
         # (The hook does see an ordinary decode open the slot.)
         File.rename!(path <> ".free", path)
-        assert {:ok, %Tensor{}} = VllmBridge.Call.Wire.decode_reply(reply)
+        assert {:ok, %Tensor{}} = VllmBridge.Call.Wire.decode_reply(reply, origin)
         assert_received {:opened, ^path}
       after
         Process.delete(:vllm_bridge_slot_swap)

@@ -98,7 +98,7 @@ defmodule VllmBridge.Runtime.SlotCountTest do
 
       # Its request arrives and is answered: the count is right, never negative.
       calls = arrived(calls, 7)
-      calls = Calls.finish(calls, 7, :end, nil, 1_048_576)
+      calls = Calls.finish(calls, 7, :end, nil, {1_048_576, 4242})
       assert Slots.load(meta, 0) == 0
       _ = sweep(calls)
       assert Slots.load(meta, 0) == 0
@@ -123,7 +123,7 @@ defmodule VllmBridge.Runtime.SlotCountTest do
       assert Slots.load(meta, 0) == 2
 
       # A request arrived (and was answered) since: not reset either.
-      calls = calls |> arrived(8) |> Calls.finish(8, :end, nil, 1_048_576)
+      calls = calls |> arrived(8) |> Calls.finish(8, :end, nil, {1_048_576, 4242})
       assert Slots.load(meta, 0) == 1
       calls = sweep(calls)
       assert Slots.load(meta, 0) == 1

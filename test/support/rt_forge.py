@@ -8,6 +8,8 @@ it writes are not to be trusted by the Elixir side.
   naming a sparse file of any declared size, made in the node's slot directory: it
   writes that reply itself (the worker's encoder refuses to send an ext it did not make),
   and the worker's own reply to the call comes after it, to no call;
+* :func:`named_slot` answers its own call the same way, naming any slot (one of
+  another worker, for test/runtime/slot_owner_test.exs) and making no file;
 * :func:`forged_ext` returns a ``msgpack.ExtType`` of any code, which the worker's
   encoder refuses (python/vllm_bridge/bridge/protocol/foreign.py);
 * :func:`refused_mix` returns a value holding real references and real result slots
@@ -58,6 +60,16 @@ def forged_slot(nbytes: int, n: int) -> None:
     path = os.path.join(os.environ["VLLM_BRIDGE_SHM_DIR"], name)
     with open(path, "wb") as f:
         f.truncate(nbytes)
+    named_slot(nbytes, name)
+
+
+def named_slot(nbytes: int, name: str) -> None:
+    """Answer this call with a uint8 tensor of shape ``[nbytes]`` in the slot ``name``,
+    whatever that name is (another worker's ``r-<its pid>-<n>``, say): no file is made."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int of at least 0, got {nbytes!r}")
+    if not isinstance(name, str) or not 0 < len(name.encode()) < 256:
+        raise ValueError(f"name must be a str of 1 to 255 bytes, got {name!r}")
     # ext 3's header (dtype code 1 = uint8, ndim 1, no device, the shape), then the name.
     header = bytes([1, 1, 0]) + struct.pack(">Q", nbytes)
     slot = msgpack.ExtType(8, header + bytes([len(name)]) + name.encode())

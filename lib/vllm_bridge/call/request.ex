@@ -273,7 +273,7 @@ defmodule VllmBridge.Call.Request do
   # observed pays nothing for it.
   defp receive_reply({pid, id, mref}, wait, opts, sized) do
     receive do
-      Messages.reply(^mref, bin, max) -> decode(pid, bin, max, sized)
+      Messages.reply(^mref, bin, origin) -> decode(pid, bin, origin, sized)
       Messages.worker_exit(^mref, message) -> worker_exit(message)
       Messages.reply_error(^mref, e) -> {:error, e}
       {:DOWN, ^mref, :process, _, reason} -> worker_down(reason)
@@ -301,12 +301,13 @@ defmodule VllmBridge.Call.Request do
     end
   end
 
-  # (`max`: the frame limit of the worker the reply came from, which bounds its slots;
+  # (`origin`: the frame limit of the worker the reply came from, which bounds its slots,
+  # and its Python process's os pid, whose result slots alone it may name;
   # `pid`: its worker process, to which the references of a reply refused are released.)
-  defp decode(pid, bin, max, false), do: Wire.decode_reply(bin, max, pid)
+  defp decode(pid, bin, origin, false), do: Wire.decode_reply(bin, origin, pid)
 
-  defp decode(pid, bin, max, true),
-    do: {:sized, Wire.decode_reply(bin, max, pid), byte_size(bin)}
+  defp decode(pid, bin, origin, true),
+    do: {:sized, Wire.decode_reply(bin, origin, pid), byte_size(bin)}
 
   defp sized({:sized, result, bytes}), do: {result, bytes}
   defp sized(result), do: {result, 0}
@@ -327,7 +328,7 @@ defmodule VllmBridge.Call.Request do
 
     result =
       receive do
-        Messages.reply(^mref, bin, max) -> decode(pid, bin, max, sized)
+        Messages.reply(^mref, bin, origin) -> decode(pid, bin, origin, sized)
         Messages.cancelled(^mref) -> {:error, Error.new(:timeout, message)}
         Messages.worker_exit(^mref, worker_message) -> worker_exit(worker_message)
         Messages.reply_error(^mref, e) -> {:error, e}
@@ -360,7 +361,7 @@ defmodule VllmBridge.Call.Request do
     Process.demonitor(mref, [:flush])
 
     receive do
-      Messages.reply(^mref, bin, max) -> decode(pid, bin, max, sized)
+      Messages.reply(^mref, bin, origin) -> decode(pid, bin, origin, sized)
     after
       0 ->
         flush(mref)

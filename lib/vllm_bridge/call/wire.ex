@@ -283,29 +283,30 @@ defmodule VllmBridge.Call.Wire do
 
   @doc """
   Decodes an `ok` or `error` reply (the caller does this, not the worker process):
-  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `max` is the frame limit of the
-  worker the reply came from (it comes with the reply, VllmBridge.Worker.Messages; nil:
-  the default one): it bounds the reply's result slots
-  (`VllmBridge.Codec.SlotExt.within_reply/3`). `from` is the worker process the reply
+  `{:ok, value}` or `{:error, %VllmBridge.Error{}}`. `origin` is the frame limit of the
+  worker the reply came from and its Python process's OS pid (they come with the reply,
+  VllmBridge.Worker.Messages; nil: unknown, the default limit): the limit bounds the
+  reply's result slots, and only that process's result slots are accepted, any other
+  refused unread (`VllmBridge.Codec.SlotExt.within_reply/3`; nil: none). `from` is the worker process the reply
   came from (nil: unknown): the references of a reply refused are released to it
   (`decode_reply_general/3`).
   """
-  @spec decode_reply(binary(), pos_integer() | nil, pid() | nil) ::
+  @spec decode_reply(binary(), SlotExt.origin() | nil, pid() | nil) ::
           {:ok, term()} | {:error, Error.t()}
-  def decode_reply(bin, max \\ nil, from \\ nil)
+  def decode_reply(bin, origin \\ nil, from \\ nil)
 
   # Fast path: an `ok` whose id is an unsigned int and whose value is a scalar spanning
   # the rest of the frame (the reply of most small calls), read by pattern; any other
   # shape goes to `decode_reply_general/3`, which answers the same for these
   # (test/codec/reply_fast_path_test.exs).
-  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin, max, from) do
+  def decode_reply(<<0x93, 0xA2, "ok", rest::binary>> = bin, origin, from) do
     case scalar(after_uint(rest)) do
       {:ok, _} = ok -> ok
-      :general -> decode_reply_general(bin, max, from)
+      :general -> decode_reply_general(bin, origin, from)
     end
   end
 
-  def decode_reply(bin, max, from), do: decode_reply_general(bin, max, from)
+  def decode_reply(bin, origin, from), do: decode_reply_general(bin, origin, from)
 
   defp after_uint(<<0::1, _::7, r::binary>>), do: r
   defp after_uint(<<0xCC, _::8, r::binary>>), do: r
@@ -336,13 +337,13 @@ defmodule VllmBridge.Call.Wire do
   @doc """
   `decode_reply/3`'s general path: a full decode of any reply. A reply it refuses
   (undecodable, of another shape, or an error without its error map) hands back the
-  result slots it names and releases the references it carries to `from`
+  result slots of its worker it names and releases the references it carries to `from`
   (`VllmBridge.Call.Wire.Refused`).
   """
-  @spec decode_reply_general(binary(), pos_integer() | nil, pid() | nil) ::
+  @spec decode_reply_general(binary(), SlotExt.origin() | nil, pid() | nil) ::
           {:ok, term()} | {:error, Error.t()}
-  def decode_reply_general(bin, max \\ nil, from \\ nil) do
-    case SlotExt.within_reply(max, byte_size(bin), fn -> Codec.decode(bin) end) do
+  def decode_reply_general(bin, origin \\ nil, from \\ nil) do
+    case SlotExt.within_reply(origin, byte_size(bin), fn -> Codec.decode(bin) end) do
       {:ok, [kind, _id, value]} when kind in ["ok", "chunk", "pong"] ->
         {:ok, value}
 
@@ -351,11 +352,11 @@ defmodule VllmBridge.Call.Wire do
 
       # (An error map without its type is refused too: `Error.from_wire/1` names it.)
       {:ok, ["error", _id, malformed]} ->
-        Refused.settle(bin, from)
+        Refused.settle(bin, origin, from)
         {:error, Error.from_wire(malformed)}
 
       {:ok, other} ->
-        Refused.settle(bin, from)
+        Refused.settle(bin, origin, from)
 
         {:error,
          Error.new(
@@ -364,7 +365,7 @@ defmodule VllmBridge.Call.Wire do
          )}
 
       {:error, reason} ->
-        Refused.settle(bin, from)
+        Refused.settle(bin, origin, from)
         {:error, Error.new(:protocol, "undecodable reply: #{reason}")}
     end
   end

@@ -6,7 +6,13 @@ defmodule VllmBridge.Codec.SlotExt do
   #
   # A frame names a slot, never a path: a name must be of its writer's fixed pattern
   # (`e-<n>` for arguments, which only the worker reads; `r-<os pid>-<n>` for results,
-  # which only this side reads). The reader takes the name relative to the directory,
+  # which only this side reads). A result slot is read, handed back or renamed only as
+  # part of a reply from its own worker: its name's pid must be the OS pid of the Python
+  # process the reply came from (which comes with the reply, `within_reply/3`), else the
+  # decode fails naming it and its file is not touched: a worker runs user code, which
+  # could otherwise read another worker's result and rename it `.free` under that
+  # worker's caller. Without a known worker (nil), no result slot is accepted.
+  # The reader takes the name relative to the directory,
   # refuses a symbolic link, and checks a regular file of its own uid whose size is the
   # tensor's; then copies the data out and hands the slot back (renames it `<name>.free`).
   #
@@ -31,7 +37,8 @@ defmodule VllmBridge.Codec.SlotExt do
           "and reclaimed for another result, before it was read)"
   # Set while a frame nobody will read is decoded (unread/1).
   @unread {__MODULE__, :unread}
-  # Set while a reply is decoded (within_reply/3): {its limit, bytes so far}.
+  # Set while a reply is decoded (within_reply/3): {its limit, bytes so far, the os pid
+  # of its worker's Python process or nil}.
   @reply {__MODULE__, :reply}
 
   @doc "The ext 8 value of a tensor (validated by the caller) whose data is in `slot`."
@@ -97,13 +104,22 @@ defmodule VllmBridge.Codec.SlotExt do
 
   def name(_payload), do: :error
 
+  @typedoc """
+  Where a reply comes from, as its worker process sends it with the reply
+  (VllmBridge.Worker.Messages): that worker's frame limit (`max_frame_bytes`) and the
+  OS pid of its Python process, whose result slots (`r-<os pid>-<n>`) alone the reply
+  may name. Built once per worker, at its hello.
+  """
+  @type origin :: {pos_integer(), non_neg_integer()}
+
   @doc "Decodes an ext 8 payload: reads the slot, hands it back, returns the tensor."
   @spec decode(binary()) :: Tensor.t()
   def decode(payload) do
     {dtype, shape, device, slot} = parse(payload)
+    os_pid = owned!(slot)
 
     if Process.get(@unread),
-      do: unread(dtype, shape, device, slot),
+      do: unread(dtype, shape, device, slot, os_pid),
       else: read_tensor(dtype, shape, device, slot)
   end
 
@@ -123,16 +139,24 @@ defmodule VllmBridge.Codec.SlotExt do
   end
 
   @doc """
-  Runs `fun`, the decode of a reply of `size` bytes from a worker whose frame limit
-  (`max_frame_bytes`) is `max` (nil: the default one), with its result slots bounded as
-  the reply would be through the pipe: the frame and the data of its slots together at
-  most `max`. A slot past the limit fails the decode, naming its size and the limit, and
-  is handed back unread.
+  Runs `fun`, the decode of a reply of `size` bytes from the worker of `origin` (its
+  frame limit and its Python process's OS pid; nil: unknown), with its result slots
+  bounded as the reply would be through the pipe: the frame and the data of its slots
+  together at most that limit (nil: the default one). A slot past the limit fails the
+  decode, naming its size and the limit, and is handed back unread. A slot that is not
+  that worker's (another pid's; any, when `origin` is nil) fails the decode, naming it,
+  and is neither read nor handed back.
   """
-  @spec within_reply(pos_integer() | nil, non_neg_integer(), (() -> result)) :: result
+  @spec within_reply(origin() | nil, non_neg_integer(), (() -> result)) :: result
         when result: term()
-  def within_reply(max, size, fun) do
-    previous = Process.put(@reply, {max || Launcher.default_max_frame_bytes(), size})
+  def within_reply(origin, size, fun) do
+    entry =
+      case origin do
+        {max, os_pid} -> {max, size, os_pid}
+        nil -> {Launcher.default_max_frame_bytes(), size, nil}
+      end
+
+    previous = Process.put(@reply, entry)
 
     try do
       fun.()
@@ -141,23 +165,75 @@ defmodule VllmBridge.Codec.SlotExt do
     end
   end
 
-  defp unread(dtype, shape, device, slot) do
-    hand_back(slot)
+  defp unread(dtype, shape, device, slot, os_pid) do
+    hand_back(slot, os_pid)
     %Tensor{dtype: dtype, shape: shape, data: <<>>, device: device}
   end
 
   @doc false
-  # Hands the result slot `slot` back unread (renamed `.free`), when it is a name of the
-  # result pattern and still lent; a name handed back already is gone, and nothing changes.
-  @spec hand_back(binary()) :: :ok
-  def hand_back(slot) do
-    with %{path: dir} <- Shm.dir(),
-         true <- Regex.match?(@result_name, slot) do
+  # Hands the result slot `slot` back unread (renamed `.free`), when it is a result slot
+  # of the worker whose Python process is `os_pid` (own?/2) and still lent; a name handed
+  # back already is gone, and nothing changes. Another worker's name is left alone.
+  @spec hand_back(binary(), non_neg_integer() | nil) :: :ok
+  def hand_back(slot, os_pid) do
+    with true <- own?(slot, os_pid),
+         %{path: dir} <- Shm.dir() do
       path = Path.join(dir, slot)
       _ = :file.rename(path, path <> ".free")
     end
 
     :ok
+  end
+
+  @doc false
+  # Whether `name` is a result slot of the worker whose Python process is `os_pid`:
+  # `r-<os_pid>-<n>`, the pid written exactly (no leading zero, not a prefix of another),
+  # `n` of 1 to 20 digits. Nobody's (nil) owns none.
+  @spec own?(binary(), non_neg_integer() | nil) :: boolean()
+  def own?(name, os_pid) when is_integer(os_pid) and is_binary(name) do
+    p = Integer.to_string(os_pid)
+    size = byte_size(p)
+
+    case name do
+      <<"r-", ^p::binary-size(size), "-", n::binary>> when byte_size(n) in 1..20 ->
+        digits?(n)
+
+      _ ->
+        false
+    end
+  end
+
+  def own?(_name, _os_pid), do: false
+
+  defp digits?(<<c, rest::binary>>) when c in ?0..?9, do: digits?(rest)
+  defp digits?(<<>>), do: true
+  defp digits?(_), do: false
+
+  # The decode's slot must be its reply's worker's (within_reply/3), checked before its
+  # file is touched in any way: that worker's os pid, else the decode fails.
+  defp owned!(slot) do
+    os_pid =
+      case Process.get(@reply) do
+        {_limit, _used, os_pid} -> os_pid
+        nil -> nil
+      end
+
+    cond do
+      own?(slot, os_pid) ->
+        os_pid
+
+      os_pid == nil ->
+        Decoder.fail!(
+          "the tensor slot #{inspect(slot)} (ext 8): no worker is known for this reply, " <>
+            "so no result slot is accepted; it was not read"
+        )
+
+      true ->
+        Decoder.fail!(
+          "the tensor slot #{inspect(slot)} (ext 8) is not this worker's " <>
+            "(os pid #{os_pid}: its result slots are r-#{os_pid}-<n>); it was not read"
+        )
+    end
   end
 
   defp read_tensor(dtype, shape, device, slot) do
@@ -178,11 +254,11 @@ defmodule VllmBridge.Codec.SlotExt do
   # Within the reply's limit (`within_reply/3`), counted; past it, the slot is handed
   # back unread and the decode fails, before its file is opened or its size looked at.
   defp bound(slot, nbytes) do
-    reply = Process.get(@reply)
-    {limit, used} = reply || {Launcher.default_max_frame_bytes(), 0}
+    # (Only inside within_reply/3: elsewhere owned!/1 accepts no slot.)
+    {limit, used, os_pid} = Process.get(@reply)
 
     if used + nbytes > limit do
-      hand_back(slot)
+      hand_back(slot, os_pid)
 
       Decoder.fail!(
         "the tensor slot #{inspect(slot)} (ext 8): its #{nbytes} bytes of data, with the " <>
@@ -191,7 +267,7 @@ defmodule VllmBridge.Codec.SlotExt do
       )
     end
 
-    if reply, do: Process.put(@reply, {limit, used + nbytes})
+    Process.put(@reply, {limit, used + nbytes, os_pid})
     :ok
   end
 

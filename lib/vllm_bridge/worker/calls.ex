@@ -204,10 +204,12 @@ defmodule VllmBridge.Worker.Calls do
 
   @doc false
   # The last frame of call `id` (`tag` :reply or :end): the call leaves the table, its
-  # slot comes back, and its caller gets the frame with the frame limit `max` (or, when
-  # nobody waits, the references in it are released).
-  @spec finish(t(), non_neg_integer(), :reply | :end, binary() | nil, pos_integer()) :: t()
-  def finish(t, id, tag, bin, max) do
+  # slot comes back, and its caller gets the frame with the worker's `origin` (its frame
+  # limit and os pid, VllmBridge.Worker.Messages; or, when nobody waits, the references
+  # in it are released and its slots of that worker handed back).
+  @spec finish(t(), non_neg_integer(), :reply | :end, binary() | nil, SlotExt.origin()) ::
+          t()
+  def finish(t, id, tag, bin, origin) do
     case Map.pop(t.map, id) do
       {%Entry{} = e, map} ->
         # The slot first: a caller that has its reply and calls again at once must find
@@ -215,10 +217,10 @@ defmodule VllmBridge.Worker.Calls do
         if e.holds_slot, do: release(t)
 
         if e.status == :live do
-          Messages.send_finish(e.alias, tag, bin, max)
+          Messages.send_finish(e.alias, tag, bin, origin)
           unhold(%{t | map: map}, e.caller)
         else
-          Unclaimed.drop(bin)
+          Unclaimed.drop(bin, origin)
           %{t | map: map}
         end
 

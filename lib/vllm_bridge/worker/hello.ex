@@ -34,7 +34,9 @@ defmodule VllmBridge.Worker.Hello do
   """
   @spec check(binary(), pos_integer()) :: {:ok, t()} | {:error, Error.t()}
   def check(frame, max) do
-    # (Slots a hello names are handed back unread, as a log frame's: see PythonLog.)
+    # (Slots a hello names are neither read nor handed back: no worker's pid is known
+    # before its hello is checked, so the decode accepts none, VllmBridge.Codec.SlotExt,
+    # and the start fails.)
     with {:ok, hello} <-
            check_hello(VllmBridge.Codec.SlotExt.unread(fn -> Codec.decode(frame) end)),
          :ok <- check_limit(hello, max),

@@ -20,11 +20,15 @@ defmodule VllmBridge.Worker.Messages do
   # mode}`): `{alias, tag, payload}` with tag :window (the chunks a stream may run ahead
   # of its reader, sent before its first chunk), :end, :worker_exit (a message),
   # :reply_error (a VllmBridge.Error, the request refused before it was written) or
-  # :cancelled (the answer to a settle); and `{alias, tag, frame, max}` with tag :reply or
-  # :chunk, `max` the worker's frame limit (`max_frame_bytes`), which bounds the frame's
-  # result slots when the caller decodes it (VllmBridge.Codec.SlotExt.within_reply/3):
-  # it travels with the frame, so a frame read after its worker process has ended is
-  # bounded by that worker's limit all the same.
+  # :cancelled (the answer to a settle); and `{alias, tag, frame, origin}` with tag :reply
+  # or :chunk, `origin` `{max, os_pid}` (VllmBridge.Codec.SlotExt.origin/0, one term the
+  # worker process builds at its hello and keeps): the worker's frame limit
+  # (`max_frame_bytes`), which bounds the frame's result slots when the caller decodes it
+  # (VllmBridge.Codec.SlotExt.within_reply/3), and its Python process's OS pid, whose
+  # result slots alone the frame may name. It travels with the frame, so a frame read
+  # after its worker process has ended is checked against that worker all the same.
+
+  alias VllmBridge.Codec.SlotExt
 
   defmodule Submit do
     @moduledoc false
@@ -99,28 +103,28 @@ defmodule VllmBridge.Worker.Messages do
 
   # -- from a worker process, to a caller's alias ----------------------------------------------
 
-  @spec send_reply(reference(), binary(), pos_integer()) :: :ok
-  def send_reply(alias, bin, max) do
-    send(alias, {alias, :reply, bin, max})
+  @spec send_reply(reference(), binary(), SlotExt.origin()) :: :ok
+  def send_reply(alias, bin, origin) do
+    send(alias, {alias, :reply, bin, origin})
     :ok
   end
 
-  defmacro reply(alias, bin, max),
-    do: quote(do: {unquote(alias), :reply, unquote(bin), unquote(max)})
+  defmacro reply(alias, bin, origin),
+    do: quote(do: {unquote(alias), :reply, unquote(bin), unquote(origin)})
 
   @spec send_window(reference(), pos_integer()) :: :ok
   def send_window(alias, n), do: to_alias(alias, :window, n)
 
   defmacro window(alias, n), do: quote(do: {unquote(alias), :window, unquote(n)})
 
-  @spec send_chunk(reference(), binary(), pos_integer()) :: :ok
-  def send_chunk(alias, bin, max) do
-    send(alias, {alias, :chunk, bin, max})
+  @spec send_chunk(reference(), binary(), SlotExt.origin()) :: :ok
+  def send_chunk(alias, bin, origin) do
+    send(alias, {alias, :chunk, bin, origin})
     :ok
   end
 
-  defmacro chunk(alias, bin, max),
-    do: quote(do: {unquote(alias), :chunk, unquote(bin), unquote(max)})
+  defmacro chunk(alias, bin, origin),
+    do: quote(do: {unquote(alias), :chunk, unquote(bin), unquote(origin)})
 
   @spec send_stream_end(reference()) :: :ok
   def send_stream_end(alias), do: to_alias(alias, :end, nil)
@@ -149,10 +153,10 @@ defmodule VllmBridge.Worker.Messages do
   defmacro any(alias), do: quote(do: {unquote(alias), _, _})
   defmacro any_frame(alias), do: quote(do: {unquote(alias), _, _, _})
 
-  # The last frame of a call: :reply, or :end for a stream (`max` as in send_reply/3).
-  @spec send_finish(reference(), :reply | :end, binary() | nil, pos_integer()) :: :ok
-  def send_finish(alias, :reply, bin, max), do: send_reply(alias, bin, max)
-  def send_finish(alias, :end, nil, _max), do: send_stream_end(alias)
+  # The last frame of a call: :reply, or :end for a stream (`origin` as in send_reply/3).
+  @spec send_finish(reference(), :reply | :end, binary() | nil, SlotExt.origin()) :: :ok
+  def send_finish(alias, :reply, bin, origin), do: send_reply(alias, bin, origin)
+  def send_finish(alias, :end, nil, _origin), do: send_stream_end(alias)
 
   defp to_alias(alias, tag, payload) do
     send(alias, {alias, tag, payload})

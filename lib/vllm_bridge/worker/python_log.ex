@@ -7,6 +7,8 @@ defmodule VllmBridge.Worker.PythonLog do
 
   require Logger
 
+  alias VllmBridge.Codec
+  alias VllmBridge.Codec.SlotExt
   alias VllmBridge.Worker.Describe
 
   @doc """
@@ -16,10 +18,14 @@ defmodule VllmBridge.Worker.PythonLog do
   """
   @spec emit(binary(), map()) :: :ok
   def emit(bin, state) do
-    # A log frame has no business naming result slots: any it names are handed back
-    # unread, so a forged one cannot make this process read slot data (whose bound is a
-    # reply's, not a log record's).
-    decoded = VllmBridge.Codec.SlotExt.unread(fn -> VllmBridge.Codec.decode(bin) end)
+    # A log frame has no business naming result slots: any of this worker's it names are
+    # handed back unread, so a forged one cannot make this process read slot data (whose
+    # bound is a reply's, not a log record's); another worker's are left alone (the
+    # decode fails, VllmBridge.Codec.SlotExt).
+    decoded =
+      SlotExt.unread(fn ->
+        SlotExt.within_reply(state.origin, byte_size(bin), fn -> Codec.decode(bin) end)
+      end)
 
     with {:ok, ["log", level, name, message]} <- decoded,
          level when is_binary(level) <- Describe.text(level),

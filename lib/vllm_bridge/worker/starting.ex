@@ -9,7 +9,7 @@ defmodule VllmBridge.Worker.Starting do
   # the worker :ready (in a pool: registered, its slots opened), and what waited is served.
   #
   # `on_start` is an ordinary `call` request (VllmBridge.Worker.OnStart) whose reply comes
-  # back here as `{alias, :reply, frame, max}`. Its result is dropped (references in it released).
+  # back here as `{alias, :reply, frame, origin}`. Its result is dropped (references in it released).
   #
   # A start that fails (no hello, a bad one, an on_start that raises or overstays) is
   # handled by VllmBridge.Worker.StartFailure: logged once, with the last lines of the Python process's stderr when it ended before
@@ -91,6 +91,9 @@ defmodule VllmBridge.Worker.Starting do
         # The pid the hello announced once checked (VllmBridge.Worker.Hello.check_pid/3):
         # os_pid, or the Python process under a python: wrapper that forks it.
         python_pid: nil,
+        # {max_frame, python_pid} once the hello came: sent with every reply and chunk
+        # (VllmBridge.Worker.Messages; built once, so a reply allocates nothing for it).
+        origin: nil,
         # Those processes by pid and start time: the only ones this side ever kills.
         procs: procs,
         # The process that logs the Python process's stdout and stderr.
@@ -210,11 +213,11 @@ defmodule VllmBridge.Worker.Starting do
     end
   end
 
-  def handle_info(Messages.reply(alias, bin, max), %{setup: alias} = state) do
-    case Wire.decode_reply(bin, max, self()) do
+  def handle_info(Messages.reply(alias, bin, origin), %{setup: alias} = state) do
+    case Wire.decode_reply(bin, origin, self()) do
       {:ok, _value} ->
         # Nobody reads the result: references in it are released (queued until ready).
-        Unclaimed.drop(bin)
+        Unclaimed.drop(bin, origin)
         ready(%{state | setup: nil})
 
       {:error, e} ->
@@ -286,6 +289,7 @@ defmodule VllmBridge.Worker.Starting do
       | hello: hello,
         instance: hello["instance"],
         python_pid: hello["pid"],
+        origin: {state.max_frame, hello["pid"]},
         stream_window: Hello.stream_window(hello),
         handshake_time: System.monotonic_time() - state.started_at,
         stderr: nil,

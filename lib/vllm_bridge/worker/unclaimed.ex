@@ -21,19 +21,21 @@ defmodule VllmBridge.Worker.Unclaimed do
   @inline_max 4096
 
   @doc false
-  # Drops `bin` (nil: no frame), releasing its references to this worker process.
-  @spec drop(binary() | nil) :: :ok
-  def drop(nil), do: :ok
-  def drop(bin) when byte_size(bin) <= @inline_max, do: release_refs(bin, self())
+  # Drops `bin` (nil: no frame) of this worker process, whose `origin` (its frame limit
+  # and os pid, VllmBridge.Worker.Messages) says which result slots are its to hand
+  # back, releasing its references to this worker process.
+  @spec drop(binary() | nil, SlotExt.origin()) :: :ok
+  def drop(nil, _origin), do: :ok
+  def drop(bin, origin) when byte_size(bin) <= @inline_max, do: release_refs(bin, origin, self())
 
-  def drop(bin) do
+  def drop(bin, origin) do
     worker = self()
-    _ = spawn(fn -> release_refs(bin, worker) end)
+    _ = spawn(fn -> release_refs(bin, origin, worker) end)
     :ok
   end
 
-  defp release_refs(bin, worker) do
-    with {:ok, value} <- SlotExt.unread(fn -> Wire.decode_reply(bin, nil, worker) end),
+  defp release_refs(bin, origin, worker) do
+    with {:ok, value} <- SlotExt.unread(fn -> Wire.decode_reply(bin, origin, worker) end),
          [_ | _] = refs <- Ref.collect(value) do
       Request.cast_release(worker, refs)
     else

@@ -60,7 +60,7 @@ defmodule VllmBridge.Bench.Fused do
     })
 
     receive do
-      Messages.reply(^mref, bin, max) -> Wire.decode_reply(bin, max, pid)
+      Messages.reply(^mref, bin, origin) -> Wire.decode_reply(bin, origin, pid)
       Messages.worker_exit(^mref, message) -> {:error, message}
       Messages.reply_error(^mref, e) -> {:error, e}
       {:DOWN, ^mref, _, _, reason} -> {:error, reason}

@@ -17,7 +17,9 @@ defmodule VllmBridge.Call.Wire.Refused do
   # 4, 5 and 6), leniently: one that is not msgpack is given up alone, as its extension
   # header says where it ends.
   #
-  #   * Slots: every name is handed back (renamed `.free`) once. The names the decode
+  #   * Slots: every name of the reply's worker is handed back (renamed `.free`) once;
+  #     another's (another pid's, or any when the worker is not known) is left alone
+  #     (VllmBridge.Codec.SlotExt.hand_back/2). The names the decode
   #     met before it failed were renamed then (read, or refused unread): a second
   #     rename finds no file and changes nothing, since a worker lends each result slot
   #     name once (docs/PROTOCOL.md, "Hand-back"); so the walk need not know where the
@@ -44,12 +46,14 @@ defmodule VllmBridge.Call.Wire.Refused do
   @nested [2, 4, 5, 6]
 
   @doc false
-  # Hands back the result slots of the refused reply `frame` and releases its references
-  # to the worker process `from` (nil: unknown, none released).
-  @spec settle(binary(), pid() | nil) :: :ok
-  def settle(frame, from) do
+  # Hands back the result slots of the refused reply `frame` that are its worker's (of
+  # `origin`: nil, unknown, none) and releases its references to the worker process
+  # `from` (nil: unknown, none released).
+  @spec settle(binary(), SlotExt.origin() | nil, pid() | nil) :: :ok
+  def settle(frame, origin, from) do
     {names, refs} = contents(frame)
-    names |> Enum.uniq() |> Enum.each(&SlotExt.hand_back/1)
+    os_pid = with {_max, os_pid} <- origin, do: os_pid
+    names |> Enum.uniq() |> Enum.each(&SlotExt.hand_back(&1, os_pid))
     release(refs, from)
   end
 
