@@ -37,7 +37,10 @@ def fail(message: str) -> None:
 def gated_setup(started: str, gate: str, tag: str) -> dict:
     """Writes ``started`` (the worker has done its handshake and runs its setup), then waits
     until the file ``gate`` exists, then sets up."""
-    Path(started).write_text(str(os.getpid()))
+    # Written whole under another name, then renamed: the test reads the pid as soon as
+    # the file exists, and a plain write let it read an empty file under load.
+    Path(started + ".tmp").write_text(str(os.getpid()))
+    os.rename(started + ".tmp", started)
     while not os.path.exists(gate):
         time.sleep(0.01)
     return setup(tag)
