@@ -99,13 +99,7 @@ defmodule VllmBridge.Runtime.HelloPidTest do
 
   describe "a python: wrapper that forks the interpreter" do
     # A wrapper that runs the interpreter as its child (it waits for it), not by exec.
-    defp forking_wrapper(tmp) do
-      path = Path.join(tmp, "python-fork.sh")
-      python = Application.fetch_env!(:vllm_bridge, :python)
-      File.write!(path, "#!/bin/sh\n#{python} \"$@\"\nstatus=$?\nexit $status\n")
-      File.chmod!(path, 0o755)
-      path
-    end
+    defp forking_wrapper(tmp), do: wrapper_script(tmp, &"#{&1}\nstatus=$?\nexit $status")
 
     # The worker's two processes: the port's (the wrapper) and the Python one (its hello's).
     defp processes(pool) do

@@ -21,12 +21,8 @@ defmodule VllmBridge.Runtime.WrapperCloseTest do
   # A wrapper that starts the interpreter in the background and exits without waiting
   # for it: at once (the interpreter's parent goes before its hello), or after `seconds`.
   defp fork_and_exit(tmp, seconds \\ nil) do
-    path = Path.join(tmp, "python-fork-exit-#{System.unique_integer([:positive])}.sh")
-    python = Application.fetch_env!(:vllm_bridge, :python)
     wait = if seconds, do: "sleep #{seconds}\n", else: ""
-    File.write!(path, "#!/bin/sh\n#{python} \"$@\" &\n#{wait}exit 0\n")
-    File.chmod!(path, 0o755)
-    path
+    wrapper_script(tmp, &"#{&1} &\n#{wait}exit 0")
   end
 
   defp deaf(name, python, env \\ []) do

@@ -226,10 +226,16 @@ defmodule VllmBridge.RuntimeHelpers do
   A `python:` wrapper, a shell script in the folder `tmp`, that runs `line` (a shell
   line: `unset VLLM_BRIDGE_SHM_DIR`, say) and then the interpreter; its path.
   """
-  def python_wrapper(tmp, line) do
+  def python_wrapper(tmp, line), do: wrapper_script(tmp, &"#{line}\nexec #{&1}")
+
+  @doc """
+  A `python:` wrapper, a shell script in the folder `tmp` whose body is `body.(run)`,
+  `run` the shell words that run the interpreter with the wrapper's arguments; its path.
+  """
+  def wrapper_script(tmp, body) do
     path = Path.join(tmp, "python-#{System.unique_integer([:positive])}.sh")
     python = Application.fetch_env!(:vllm_bridge, :python)
-    File.write!(path, "#!/bin/sh\n#{line}\nexec #{python} \"$@\"\n")
+    File.write!(path, "#!/bin/sh\n#{body.(~s(#{python} "$@"))}\n")
     File.chmod!(path, 0o755)
     path
   end
