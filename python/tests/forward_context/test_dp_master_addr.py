@@ -12,21 +12,13 @@ ones that record being reached.
 import ipaddress
 import random
 import socket
-from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 
+from dp_env import clean_env, free_port  # noqa: F401 (clean_env: a fixture)
 from vllm_bridge import dp
 
-DP_ENV = (
-    "VLLM_DP_RANK",
-    "VLLM_DP_SIZE",
-    "VLLM_DP_MASTER_IP",
-    "VLLM_DP_MASTER_PORT",
-    "VLLM_DP_BACKEND",
-    "VLLM_DP_TIMEOUT_S",
-)
 
 # Spellings of a loopback address that resolvers (inet_aton, getaddrinfo) accept but that
 # are not the canonical text of a loopback IP, and loopback with a port, a scope, spaces.
@@ -111,14 +103,6 @@ NOT_STR = [2130706433, 0x7F000001 + 0.0, b"127.0.0.1", bytearray(b"::1"), ["127.
            ("127.0.0.1", 29500), True, ipaddress.IPv4Address("127.0.0.1"), object()]
 
 
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    for name in DP_ENV:
-        monkeypatch.delenv(name, raising=False)
-    try:
-        yield monkeypatch
-    finally:
-        dp.destroy_dp_group()
 
 
 @pytest.fixture
@@ -203,18 +187,13 @@ def test_the_configured_address_and_port_are_taken(
     assert network == ["TCPStore('dp-master.internal', 29555, 1, True)"] * 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("addr", ["127.0.0.1", "localhost"])
 def test_loopback_joins_a_real_group_on_any_port(clean_env: pytest.MonkeyPatch, addr: str) -> None:
     # A remote rendezvous configured does not stop a loopback one at another port.
     clean_env.setenv("VLLM_DP_MASTER_IP", "10.0.0.1")
     clean_env.setenv("VLLM_DP_MASTER_PORT", "29555")
-    port = _free_port()
+    port = free_port()
     info = dp.init_dp_group(0, 1, addr, port, "gloo", 5.0)
     assert (info.master_addr, info.master_port) == (addr, port)
     assert dp.destroy_dp_group() is True

@@ -4,12 +4,11 @@ coordination, and the decision rules on gathered matrices of more than two ranks
 Two-rank runs over real processes are in test_fc_dp_two_ranks.py.
 """
 
-import socket
-from collections.abc import Iterator
 
 import pytest
 import torch
 
+from dp_env import clean_env, free_port  # noqa: F401 (clean_env: a fixture)
 from vllm_bridge import dp
 from vllm_bridge.dp._decide import NUM_ROWS, decide
 from vllm_bridge.dp._devices import group_device, sync_device
@@ -17,34 +16,13 @@ from vllm_bridge.config import ParallelConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.forward_context import coordinate_batch_across_dp
 
-DP_ENV = (
-    "VLLM_DP_RANK",
-    "VLLM_DP_SIZE",
-    "VLLM_DP_MASTER_IP",
-    "VLLM_DP_MASTER_PORT",
-    "VLLM_DP_BACKEND",
-    "VLLM_DP_TIMEOUT_S",
-)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    for name in DP_ENV:
-        monkeypatch.delenv(name, raising=False)
-    try:
-        yield monkeypatch
-    finally:
-        dp.destroy_dp_group()
 
 
 def test_one_rank_group_from_the_environment(clean_env: pytest.MonkeyPatch) -> None:
-    port = _free_port()
+    port = free_port()
     clean_env.setenv("VLLM_DP_RANK", "0")
     clean_env.setenv("VLLM_DP_SIZE", "1")
     clean_env.setenv("VLLM_DP_MASTER_PORT", str(port))
@@ -72,7 +50,7 @@ def test_one_rank_group_from_the_environment(clean_env: pytest.MonkeyPatch) -> N
 def test_arguments_win_over_the_environment(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("VLLM_DP_SIZE", "7")
     clean_env.setenv("VLLM_DP_TIMEOUT_S", "9")
-    info = dp.init_dp_group(rank=0, world_size=1, master_port=_free_port(), timeout_s=3)
+    info = dp.init_dp_group(rank=0, world_size=1, master_port=free_port(), timeout_s=3)
     assert (info.world_size, info.timeout_s) == (1, 3.0)
 
 
@@ -114,12 +92,12 @@ def test_bad_settings_are_refused_by_name(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only host")
 def test_nccl_is_refused_without_cuda(clean_env: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="needs CUDA"):
-        dp.init_dp_group(0, 1, master_port=_free_port(), backend="nccl")
+        dp.init_dp_group(0, 1, master_port=free_port(), backend="nccl")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")
 def test_nccl_one_rank_group_reduces_on_the_device(clean_env: pytest.MonkeyPatch) -> None:
-    info = dp.init_dp_group(0, 1, master_port=_free_port(), backend="cpu:gloo,cuda:nccl")
+    info = dp.init_dp_group(0, 1, master_port=free_port(), backend="cpu:gloo,cuda:nccl")
     assert "nccl" in info.backend
     # Rank 0 takes GPU 0, and that is this process's current device from now on.
     assert info.device == "cuda:0" and torch.cuda.current_device() == 0
@@ -133,7 +111,7 @@ def test_nccl_one_rank_group_reduces_on_the_device(clean_env: pytest.MonkeyPatch
 
 
 def test_a_group_without_nccl_runs_its_collectives_on_the_cpu(clean_env) -> None:
-    info = dp.init_dp_group(0, 1, master_port=_free_port(), backend="gloo")
+    info = dp.init_dp_group(0, 1, master_port=free_port(), backend="gloo")
     assert info.device == "cpu"
     assert sync_device(info, ParallelConfig(), dp.DPGroupError) == torch.device("cpu")
 
