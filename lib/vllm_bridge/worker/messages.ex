@@ -104,10 +104,7 @@ defmodule VllmBridge.Worker.Messages do
   # -- from a worker process, to a caller's alias ----------------------------------------------
 
   @spec send_reply(reference(), binary(), SlotExt.origin()) :: :ok
-  def send_reply(alias, bin, origin) do
-    send(alias, {alias, :reply, bin, origin})
-    :ok
-  end
+  def send_reply(alias, bin, origin), do: frame_to(alias, :reply, bin, origin)
 
   defmacro reply(alias, bin, origin),
     do: quote(do: {unquote(alias), :reply, unquote(bin), unquote(origin)})
@@ -118,10 +115,7 @@ defmodule VllmBridge.Worker.Messages do
   defmacro window(alias, n), do: quote(do: {unquote(alias), :window, unquote(n)})
 
   @spec send_chunk(reference(), binary(), SlotExt.origin()) :: :ok
-  def send_chunk(alias, bin, origin) do
-    send(alias, {alias, :chunk, bin, origin})
-    :ok
-  end
+  def send_chunk(alias, bin, origin), do: frame_to(alias, :chunk, bin, origin)
 
   defmacro chunk(alias, bin, origin),
     do: quote(do: {unquote(alias), :chunk, unquote(bin), unquote(origin)})
@@ -160,6 +154,11 @@ defmodule VllmBridge.Worker.Messages do
 
   defp to_alias(alias, tag, payload) do
     send(alias, {alias, tag, payload})
+    :ok
+  end
+
+  defp frame_to(alias, tag, bin, origin) do
+    send(alias, {alias, tag, bin, origin})
     :ok
   end
 end
