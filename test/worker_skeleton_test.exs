@@ -79,12 +79,13 @@ defmodule VllmBridge.WorkerSkeletonTest do
     assert wait_gone(os_pid, 5_000)
   end
 
-  defp alive?(os_pid), do: File.exists?("/proc/#{os_pid}") and not zombie?(os_pid)
-
-  defp zombie?(os_pid) do
+  # One read of /proc/<pid>/stat: alive when it is there and not a zombie. Two looks (the
+  # directory, then the file) raced with the reaping: a zombie reaped in between read as
+  # alive.
+  defp alive?(os_pid) do
     case File.read("/proc/#{os_pid}/stat") do
-      {:ok, stat} -> stat |> String.split(") ") |> List.last() |> String.starts_with?("Z")
-      _ -> false
+      {:ok, stat} -> not (stat |> String.split(") ") |> List.last() |> String.starts_with?("Z"))
+      {:error, _} -> false
     end
   end
 
