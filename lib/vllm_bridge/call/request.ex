@@ -341,13 +341,20 @@ defmodule VllmBridge.Call.Request do
   end
 
   @doc """
-  Casts to `pid` the release of `refs`, one `release` request per session they belong to
-  (`nil`: the default session). A release never brings a session into being in the
-  worker, so one closed meanwhile stays closed.
+  Casts to `pid` the release of `refs`, one `release` request per session and worker
+  instance they belong to (session `nil`: the default one), each reference once. A
+  worker refuses whole a release that names another instance's reference (a value from
+  an untrusted reply may carry one), which would keep its own. A release never brings a
+  session into being in the worker, so one closed meanwhile stays closed.
   """
   @spec cast_release(pid(), [VllmBridge.Ref.t()]) :: :ok
   def cast_release(pid, refs) do
-    for {session, refs} <- Enum.group_by(refs, & &1.session) do
+    groups =
+      refs
+      |> Enum.uniq_by(&{&1.instance, &1.id, &1.session})
+      |> Enum.group_by(&{&1.session, &1.instance})
+
+    for {{session, _instance}, refs} <- groups do
       req = new("release", pre: [Wire.value(session)], post: [Wire.value(refs)], timed: false)
       cast(pid, req, :infinity)
     end

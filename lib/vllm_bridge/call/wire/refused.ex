@@ -85,14 +85,7 @@ defmodule VllmBridge.Call.Wire.Refused do
 
   defp release(_refs, nil), do: :ok
 
-  defp release(refs, from) do
-    # By instance as well as session (Request.cast_release): a worker refuses a release
-    # naming another instance's reference whole, which would keep its own.
-    refs
-    |> Enum.uniq_by(&{&1.instance, &1.id, &1.session})
-    |> Enum.group_by(& &1.instance)
-    |> Enum.each(fn {_instance, group} -> Request.cast_release(from, group) end)
-  end
+  defp release(refs, from), do: Request.cast_release(from, refs)
 
   # `[instance, id, session, type]` as a worker writes it.
   defp ref(payload) do
