@@ -253,6 +253,8 @@ defmodule VllmBridge.Stream do
             raise e
 
           {:ok, other} ->
+            # Nobody will hold this value: what it references is released, not kept.
+            Request.cast_release(pid, Ref.collect(other))
             raise Error.new(:protocol, "stream #{id} answered ok #{inspect(other, limit: 5)}")
         end
 

@@ -29,6 +29,10 @@ handshake or to send a frame header over the limit, so this one does, on purpose
   ignored. A reader that does not take the window from the hello stalls it.
 * ``serve``   - a valid hello, then answer every request with ``["ok", id, "served"]``
   until EOF.
+* ``stream_ok`` - a valid hello, then answer each ``stream`` request with ``ok`` (a
+  reply a stream never gets) whose value holds references: two of its own instance's
+  (one of them twice) and one of another instance; keep every ``release`` it reads; answer
+  a ``call`` with those releases, each ``[session, [[instance, id, session, type], ...]]``.
 * ``bad_logs`` - as ``serve``, but before each answer write one ``log`` frame of each
   shape a careless worker might send (``FAKE_WORKER_LOG_CASES``, below).
 
@@ -106,6 +110,32 @@ def _serve_windowed() -> int:
                 _write(msgpack.packb(["chunk", stream_id, value]))
                 room -= 1
             _write(msgpack.packb(["end", stream_id]))
+    except EOFError:
+        return 0
+
+
+def _ref(instance: str, ref_id: int) -> msgpack.ExtType:
+    return msgpack.ExtType(6, msgpack.packb([instance, ref_id, None, "object"]))
+
+
+def _serve_stream_ok() -> int:
+    """The ``stream_ok`` mode: a stream answered ``ok`` with references in the value."""
+    hello = _hello()
+    own = str(hello["instance"])
+    _write(msgpack.packb(["hello", hello]))
+    releases: list[list[object]] = []
+    try:
+        while True:
+            request = _request()
+            if request[0] == "stream":
+                mine, other = _ref(own, 5), _ref("ff" * 8, 9)
+                value = {"a": mine, "b": [mine, _ref(own, 6)], "c": other}
+                _write(msgpack.packb(["ok", request[1], value]))
+            elif request[0] == "release":
+                refs = [msgpack.unpackb(r.data, raw=False) for r in request[-1]]
+                releases.append([request[-2], refs])
+            elif request[0] == "call":
+                _write(msgpack.packb(["ok", request[1], releases]))
     except EOFError:
         return 0
 
@@ -208,6 +238,8 @@ def main() -> int:
         return 0
     if mode == "window":
         return _serve_windowed()
+    if mode == "stream_ok":
+        return _serve_stream_ok()
     if mode in ("serve", "bad_logs"):
         return _serve(mode == "bad_logs")
     sys.stderr.write(f"runtime_fake_worker: unknown FAKE_WORKER_MODE {mode!r}\n")
