@@ -71,18 +71,10 @@ defmodule VllmBridge.Session.Remote do
   # (an open from another node that timed out there may still be on its way).
   @spec close_stray(String.t(), non_neg_integer()) :: :ok
   def close_stray(id, within) do
-    case Session.lookup(id) do
-      {:ok, _} ->
-        _ = Session.close(id)
-        :ok
+    if VllmBridge.Await.until(fn -> match?({:ok, _}, Session.lookup(id)) end, within, 100),
+      do: _ = Session.close(id)
 
-      {:error, _} when within > 0 ->
-        Process.sleep(100)
-        close_stray(id, within - 100)
-
-      {:error, _} ->
-        :ok
-    end
+    :ok
   end
 
   # Session.open/1 or Session.close/2 on `node`.

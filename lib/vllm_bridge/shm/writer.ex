@@ -119,25 +119,18 @@ defmodule VllmBridge.Shm.Writer do
   # waits for the successor (up to 5 s) off the caller's path.
   defp done(msg) do
     case Process.whereis(Shm) do
-      nil -> spawn(fn -> say_later(msg, 500) end)
+      nil -> spawn(fn -> say_later(msg, 5_000) end)
       pid -> GenServer.cast(pid, msg)
     end
 
     :ok
   end
 
-  defp say_later(msg, tries) do
-    case Process.whereis(Shm) do
-      nil when tries > 0 ->
-        Process.sleep(10)
-        say_later(msg, tries - 1)
+  defp say_later(msg, ms) do
+    if VllmBridge.Await.until(fn -> Process.whereis(Shm) != nil end, ms, 10),
+      do: GenServer.cast(Shm, msg)
 
-      nil ->
-        :ok
-
-      pid ->
-        GenServer.cast(pid, msg)
-    end
+    :ok
   end
 
   # The scope's gate, asked once (its answer kept for the rest of the scope).

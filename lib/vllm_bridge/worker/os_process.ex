@@ -89,7 +89,7 @@ defmodule VllmBridge.Worker.OsProcess do
 
   @doc "Waits up to `ms` for `gone?/1`; true when it holds."
   @spec await_gone(t(), non_neg_integer()) :: boolean()
-  def await_gone(t, ms), do: await(fn -> gone?(t) end, ms)
+  def await_gone(t, ms), do: VllmBridge.Await.until(fn -> gone?(t) end, ms, 10)
 
   @doc """
   Kills a worker's processes with SIGKILL: its group while one of its known processes is
@@ -212,21 +212,8 @@ defmodule VllmBridge.Worker.OsProcess do
 
   @doc "Waits up to `ms` for an OS process to be gone; true when it is."
   @spec await_exit(non_neg_integer(), non_neg_integer()) :: boolean()
-  def await_exit(os_pid, ms), do: await(fn -> not alive?(os_pid) end, ms)
+  def await_exit(os_pid, ms), do: VllmBridge.Await.until(fn -> not alive?(os_pid) end, ms, 10)
 
-  defp await(done?, ms) do
-    cond do
-      done?.() ->
-        true
-
-      ms <= 0 ->
-        false
-
-      true ->
-        Process.sleep(min(ms, 10))
-        await(done?, ms - 10)
-    end
-  end
 
   # Whether the process `{pid, start}` is still there, that very one, and not a zombie.
   defp same?({pid, start}), do: match?({:ok, %{start: ^start, zombie: false}}, stat(pid))
