@@ -12,7 +12,10 @@ defmodule VllmBridge.Worker.OsProcess do
   #     a session and group leader (group number: its pid), and a child the wrapper
   #     forks stays in that group after the wrapper has exited;
   #   * `python`: the pid the worker's hello announced (`python/2`), once taken: the
-  #     port's process, one of its descendants, or a process of its group.
+  #     port's process, one of its descendants, or a process of its group started no
+  #     earlier than the port (`since`: the port's process's start time, or, when that
+  #     process was gone before it could be read (a `python:` wrapper that forks and
+  #     exits at once), the clock read just before the port opened).
   #
   # The kill (`kill_worker/1`) signals the group while one of the known processes is
   # still in it (a group's number is not handed out again while the group has a member,
@@ -26,26 +29,55 @@ defmodule VllmBridge.Worker.OsProcess do
 
   alias VllmBridge.Error
 
-  defstruct port: nil, python: nil, group: nil
+  defstruct port: nil, python: nil, group: nil, since: nil
+
+  # USER_HZ: the unit of /proc's start times on every Linux architecture.
+  @ticks 100
 
   @typedoc "A process: its pid and its start time (clock ticks since boot)."
   @type ident :: {pos_integer(), non_neg_integer()}
 
   @typedoc "A worker's processes (see the moduledoc)."
-  @type t :: %__MODULE__{port: ident() | nil, python: ident() | nil, group: pos_integer() | nil}
+  @type t :: %__MODULE__{
+          port: ident() | nil,
+          python: ident() | nil,
+          group: pos_integer() | nil,
+          since: non_neg_integer() | nil
+        }
 
   @doc """
-  The processes of a port just opened, whose OS process is `os_pid` (nil: none known).
-  Its group is taken to be `os_pid` (it may not have made it yet): a group of that
-  number can only be one that process made, and the group is only ever signalled while
-  one of the worker's known processes is in it.
+  The processes of a port just opened, whose OS process is `os_pid` (nil: none known);
+  `opened_at` is `now/0` read before the port opened. Its group is taken to be `os_pid`
+  (it may not have made it yet): a group of that number can only be one that process
+  made, and the group is only ever signalled while one of the worker's known processes
+  is in it. When the port's process is gone already (a wrapper that forked the
+  interpreter and exited at once, on a loaded machine), its group is still known, and
+  `opened_at` stands in for its start time.
   """
-  @spec spawned(integer() | nil) :: t()
-  def spawned(os_pid) do
+  @spec spawned(integer() | nil, non_neg_integer() | nil) :: t()
+  def spawned(os_pid, opened_at \\ nil) do
     case stat(os_pid) do
-      {:ok, %{start: start}} -> %__MODULE__{port: {os_pid, start}, group: os_pid}
-      :error -> %__MODULE__{}
+      {:ok, %{start: start}} ->
+        %__MODULE__{port: {os_pid, start}, group: os_pid, since: start}
+
+      :error when is_integer(os_pid) and os_pid > 1 and is_integer(opened_at) ->
+        %__MODULE__{group: os_pid, since: opened_at}
+
+      :error ->
+        %__MODULE__{}
     end
+  end
+
+  @doc """
+  The time now in the clock of a process's start time (`/proc/<pid>/stat` field 22:
+  clock ticks since boot, 100 a second), rounded down: a process started after this
+  call has a start time no smaller. Read from `/proc/uptime` (hundredths of a second).
+  """
+  @spec now() :: non_neg_integer()
+  def now do
+    [up | _] = "/proc/uptime" |> File.read!() |> String.split()
+    [whole, frac] = String.split(up, ".")
+    String.to_integer(whole) * @ticks + div(String.to_integer(frac) * @ticks, 100)
   end
 
   @doc """
@@ -54,11 +86,10 @@ defmodule VllmBridge.Worker.OsProcess do
   its group started no earlier than it: `{:ok, t}` with `python` set, else `:error`.
   """
   @spec python(t(), term()) :: {:ok, t()} | :error
-  def python(%__MODULE__{port: {port_pid, port_start} = port} = t, pid) do
+  def python(%__MODULE__{group: group, since: since} = t, pid)
+      when is_integer(group) and is_integer(since) do
     with {:ok, %{start: start, pgrp: pgrp}} <- stat(pid),
-         true <-
-           (descendant?(pid, port_pid) and same?(port)) or
-             (t.group != nil and pgrp == t.group and start >= port_start) do
+         true <- own_descendant?(t.port, pid) or (pgrp == group and start >= since) do
       {:ok, %{t | python: {pid, start}}}
     else
       _ -> :error
@@ -66,6 +97,9 @@ defmodule VllmBridge.Worker.OsProcess do
   end
 
   def python(%__MODULE__{}, _pid), do: :error
+
+  defp own_descendant?({port_pid, _} = port, pid), do: descendant?(pid, port_pid) and same?(port)
+  defp own_descendant?(nil, _pid), do: false
 
   @doc "The identity of the process `pid` now (`{pid, start time}`), nil when there is none."
   @spec ident(term()) :: ident() | nil
@@ -213,7 +247,6 @@ defmodule VllmBridge.Worker.OsProcess do
   @doc "Waits up to `ms` for an OS process to be gone; true when it is."
   @spec await_exit(non_neg_integer(), non_neg_integer()) :: boolean()
   def await_exit(os_pid, ms), do: VllmBridge.Await.until(fn -> not alive?(os_pid) end, ms, 10)
-
 
   # Whether the process `{pid, start}` is still there, that very one, and not a zombie.
   defp same?({pid, start}), do: match?({:ok, %{start: ^start, zombie: false}}, stat(pid))

@@ -72,9 +72,10 @@ defmodule VllmBridge.Worker.Starting do
     started_at = System.monotonic_time()
 
     with {:ok, output, fifos} <- start_output(pool, index, stderr),
+         opened_at = OsProcess.now(),
          {:ok, port} <- Launcher.open(opts ++ [stderr_file: stderr, output: fifos]) do
       os_pid = Launcher.os_pid(port)
-      procs = OsProcess.spawned(os_pid)
+      procs = OsProcess.spawned(os_pid, opened_at)
       Output.os_pid(output, os_pid)
       Output.procs(output, procs)
       put_stage("handshake")
