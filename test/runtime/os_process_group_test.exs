@@ -13,27 +13,41 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
 
   alias VllmBridge.Worker.OsProcess
 
-  # A port whose process starts `sleep 300` in the background and exits: the child's pid
-  # and the port's, once the port's process is gone (reaped by erl_child_setup).
-  defp orphan! do
+  # A port whose process starts `sleep 300` in the background, says both pids, and then
+  # exits (`leader: :exits`, reaped by erl_child_setup before this returns) or becomes a
+  # `sleep 300` itself (`leader: :stays`): `{leader, child}`.
+  defp group!(leader) do
+    tail = if leader == :stays, do: "exec sleep 300", else: "exit 0"
+
     port =
       Port.open({:spawn_executable, "/bin/sh"}, [
         :binary,
         :exit_status,
-        args: ["-c", "sleep 300 </dev/null >/dev/null 2>&1 & echo $$ $!"]
+        args: ["-c", "sleep 300 </dev/null >/dev/null 2>&1 & echo $$ $!; " <> tail]
       ])
 
     # (Its pid from itself: the port may be closed before Port.info could say it.)
-    [leader, child] =
+    [leader_pid, child] =
       receive do
         {^port, {:data, line}} -> line |> String.split() |> Enum.map(&String.to_integer/1)
+      after
+        15_000 -> flunk("the shell said no pids within 15 s")
       end
 
-    assert_receive {^port, {:exit_status, 0}}, 15_000
-    on_exit(fn -> System.cmd("kill", ["-KILL", "#{child}"], stderr_to_stdout: true) end)
-    wait_until(fn -> not File.exists?("/proc/#{leader}") end, 15_000, "the port's process reaped")
-    {leader, child}
+    for pid <- [leader_pid, child], {^pid, start} <- [OsProcess.ident(pid)] do
+      # By identity: a pid of a process gone meanwhile may be another's by then.
+      on_exit(fn -> OsProcess.kill(pid, start) end)
+    end
+
+    if leader == :exits do
+      assert_receive {^port, {:exit_status, 0}}, 15_000
+      wait_until(fn -> OsProcess.ident(leader_pid) == nil end, 15_000, "the leader reaped")
+    end
+
+    {leader_pid, child}
   end
+
+  defp orphan!, do: group!(:exits)
 
   test "the interpreter of a port whose process is gone is taken by its group" do
     opened_at = OsProcess.now()
@@ -67,10 +81,29 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
   end
 
   test "now/0 is the clock of a process's start time" do
+    # (nil where /proc/uptime is not the boot clock, as under lxcfs; not this host.)
     before = OsProcess.now()
+    assert is_integer(before), "/proc/uptime reads earlier than the BEAM's start"
     {_leader, child} = orphan!()
     {^child, start} = OsProcess.ident(child)
     assert start >= before
     assert OsProcess.now() >= start
+  end
+
+  test "a group whose number is a live process's other than the port's recorded one is refused" do
+    # The leader lives on, but is not the process recorded as the port's: the group's
+    # number would have been handed out again, so its members are no worker's.
+    {leader, child} = group!(:stays)
+    {^leader, start} = OsProcess.ident(leader)
+    {^child, child_start} = OsProcess.ident(child)
+
+    for port <- [nil, {leader, start + 1}] do
+      procs = %OsProcess{port: port, group: leader, since: child_start}
+      assert :error = OsProcess.python(procs, child)
+    end
+
+    # Recorded as the port's process itself: its group's member is taken.
+    procs = %OsProcess{port: {leader, start}, group: leader, since: start}
+    assert {:ok, %OsProcess{python: {^child, ^child_start}}} = OsProcess.python(procs, child)
   end
 end

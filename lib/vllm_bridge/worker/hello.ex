@@ -49,8 +49,9 @@ defmodule VllmBridge.Worker.Hello do
   @doc """
   Checks the `pid` of a checked hello against `procs`, the processes of the worker's
   port (whose OS process is `os_pid`): it must be that process, one of its descendants
-  or a process of its group (the interpreter under a `python:` wrapper that forks it,
-  also once the wrapper has exited; `VllmBridge.Worker.OsProcess.python/2`). The pid is
+  or a process of its group started no earlier than the port, while the group is still
+  the port's (the interpreter under a `python:` wrapper that forks it, also once the
+  wrapper has exited; `VllmBridge.Worker.OsProcess.python/2`). The pid is
   this side's to kill; one that names any other process (`-1`, `0`, the BEAM's, another
   user's program) is refused, naming both. `{:ok, procs}` with the pid recorded.
   """

@@ -15,7 +15,15 @@ defmodule VllmBridge.Worker.OsProcess do
   #     port's process, one of its descendants, or a process of its group started no
   #     earlier than the port (`since`: the port's process's start time, or, when that
   #     process was gone before it could be read (a `python:` wrapper that forks and
-  #     exits at once), the clock read just before the port opened).
+  #     exits at once), the clock read just before the port opened) while the group's
+  #     number is not another process's pid. A pid is not handed out again while any
+  #     process has it as its group (Linux frees a pid once no task uses it as pid,
+  #     group or session), so while the wrapper's child is in the group, no process can
+  #     hold that number but the wrapper itself: a live process of that pid that is not
+  #     the port's recorded one means the group was emptied and its number reused, and
+  #     the hello is refused. Left out: a reused number whose new leader also exited
+  #     while its group lives on, all between the port's opening and the hello (it
+  #     takes the kernel's pid counter going round meanwhile).
   #
   # The kill (`kill_worker/1`) signals the group while one of the known processes is
   # still in it (a group's number is not handed out again while the group has a member,
@@ -31,7 +39,8 @@ defmodule VllmBridge.Worker.OsProcess do
 
   defstruct port: nil, python: nil, group: nil, since: nil
 
-  # USER_HZ: the unit of /proc's start times on every Linux architecture.
+  # USER_HZ, the unit of /proc's start times: 100 on x86 and arm (alpha's 1024 is not a
+  # platform this library runs on).
   @ticks 100
 
   @typedoc "A process: its pid and its start time (clock ticks since boot)."
@@ -71,25 +80,40 @@ defmodule VllmBridge.Worker.OsProcess do
   @doc """
   The time now in the clock of a process's start time (`/proc/<pid>/stat` field 22:
   clock ticks since boot, 100 a second), rounded down: a process started after this
-  call has a start time no smaller. Read from `/proc/uptime` (hundredths of a second).
+  call has a start time no smaller. Read from `/proc/uptime` (hundredths of a second);
+  nil where that is not the boot clock (it reads earlier than the BEAM's own start).
   """
-  @spec now() :: non_neg_integer()
+  @spec now() :: non_neg_integer() | nil
   def now do
-    [up | _] = "/proc/uptime" |> File.read!() |> String.split()
-    [whole, frac] = String.split(up, ".")
-    String.to_integer(whole) * @ticks + div(String.to_integer(frac) * @ticks, 100)
+    with {:ok, text} <- File.read("/proc/uptime"),
+         [whole, frac | _] <- String.split(text, [".", " "]),
+         {whole, ""} <- Integer.parse(whole),
+         {frac, ""} <- Integer.parse(frac),
+         now = whole * @ticks + div(frac * @ticks, 100),
+         # Where /proc/uptime is not the boot clock (lxcfs gives a container's own
+         # uptime), it reads earlier than the BEAM's own start: no clock, then.
+         {:ok, %{start: beam}} when now >= beam <- stat(String.to_integer(System.pid())) do
+      now
+    else
+      _ -> nil
+    end
   end
 
   @doc """
   Takes `pid`, the pid a worker's hello announced, when it is the port's process, one of
   its descendants (while the port's process is still the one spawned), or a process of
-  its group started no earlier than it: `{:ok, t}` with `python` set, else `:error`.
+  its group started no earlier than `since` (the port's process's start time, or the
+  clock read before the port opened), while the group's number is the pid of no process
+  but the port's recorded one (see the moduledoc): `{:ok, t}` with `python` set, else
+  `:error`.
   """
   @spec python(t(), term()) :: {:ok, t()} | :error
   def python(%__MODULE__{group: group, since: since} = t, pid)
       when is_integer(group) and is_integer(since) do
     with {:ok, %{start: start, pgrp: pgrp}} <- stat(pid),
-         true <- own_descendant?(t.port, pid) or (pgrp == group and start >= since) do
+         true <-
+           own_descendant?(t.port, pid) or
+             (pgrp == group and start >= since and group_ours?(t)) do
       {:ok, %{t | python: {pid, start}}}
     else
       _ -> :error
@@ -100,6 +124,15 @@ defmodule VllmBridge.Worker.OsProcess do
 
   defp own_descendant?({port_pid, _} = port, pid), do: descendant?(pid, port_pid) and same?(port)
   defp own_descendant?(nil, _pid), do: false
+
+  # The group's number is no process's pid (its leader, the port's process, is gone and
+  # reaped), or is still the port's recorded process (alive, or a zombie not yet reaped).
+  defp group_ours?(%__MODULE__{group: group, port: port}) do
+    case stat(group) do
+      :error -> true
+      {:ok, %{start: start}} -> port == {group, start}
+    end
+  end
 
   @doc "The identity of the process `pid` now (`{pid, start time}`), nil when there is none."
   @spec ident(term()) :: ident() | nil
