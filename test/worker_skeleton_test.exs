@@ -79,15 +79,9 @@ defmodule VllmBridge.WorkerSkeletonTest do
     assert wait_gone(os_pid, 5_000)
   end
 
-  # One read of /proc/<pid>/stat: alive when it is there and not a zombie. Two looks (the
-  # directory, then the file) raced with the reaping: a zombie reaped in between read as
-  # alive.
-  defp alive?(os_pid) do
-    case File.read("/proc/#{os_pid}/stat") do
-      {:ok, stat} -> not (stat |> String.split(") ") |> List.last() |> String.starts_with?("Z"))
-      {:error, _} -> false
-    end
-  end
+  # One read of /proc/<pid>/stat (OsProcess.alive?/1): a look at the directory, then at
+  # the file, raced with the reaping (a zombie reaped in between read as alive).
+  defp alive?(os_pid), do: VllmBridge.Worker.OsProcess.alive?(os_pid)
 
   defp wait_gone(os_pid, ms) when ms <= 0, do: not alive?(os_pid)
 

@@ -271,10 +271,16 @@ defmodule VllmBridge.Pool do
     end
   end
 
-  @doc "Waits up to `timeout` ms until every worker of pool `name` serves again."
+  @doc """
+  Waits up to `timeout` ms (`:infinity`: without a bound) until every worker of pool
+  `name` serves again. Any other timeout is a `:bad_argument` error naming it.
+  """
   @spec await_ready(name(), timeout()) :: :ok | {:error, Error.t()}
-  def await_ready(name, timeout \\ 30_000) do
-    deadline = System.monotonic_time(:millisecond) + timeout
+  def await_ready(name, timeout \\ 30_000)
+
+  def await_ready(name, timeout)
+      when timeout == :infinity or (is_integer(timeout) and timeout >= 0) do
+    deadline = if timeout == :infinity, do: :infinity, else: now_ms() + timeout
 
     Stream.repeatedly(fn ->
       case workers(name) do
@@ -291,7 +297,7 @@ defmodule VllmBridge.Pool do
         {:error, e}
 
       false ->
-        if System.monotonic_time(:millisecond) > deadline do
+        if deadline != :infinity and now_ms() > deadline do
           {:error, Error.new(:timeout, "pool #{inspect(name)} not ready within #{timeout} ms")}
         else
           Process.sleep(20)
@@ -299,6 +305,17 @@ defmodule VllmBridge.Pool do
         end
     end)
   end
+
+  def await_ready(_name, timeout),
+    do:
+      {:error,
+       Error.new(
+         :bad_argument,
+         "await_ready timeout must be a non-negative integer (ms) or :infinity, " <>
+           "got #{inspect(timeout)}"
+       )}
+
+  defp now_ms, do: System.monotonic_time(:millisecond)
 
   @doc false
   @spec meta(name()) :: {:ok, VllmBridge.Pool.Meta.t()} | {:error, Error.t()}

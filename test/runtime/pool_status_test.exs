@@ -125,6 +125,17 @@ defmodule VllmBridge.Runtime.PoolStatusTest do
     assert wait_until(fn -> worker!(0).refs == before.refs end)
   end
 
+  test "await_ready takes :infinity, and refuses a timeout of another kind by name" do
+    assert :ok = Pool.await_ready(@pool, :infinity)
+
+    for bad <- [-1, 1.5, "100", nil] do
+      assert {:error, %VllmBridge.Error{type: :bad_argument, message: msg}} =
+               Pool.await_ready(@pool, bad)
+
+      assert msg =~ "got #{inspect(bad)}"
+    end
+  end
+
   test "restarts are counted per worker after a crash" do
     [w0, _w1] = workers!(@pool)
     before = status!()
