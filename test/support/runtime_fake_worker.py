@@ -29,10 +29,13 @@ handshake or to send a frame header over the limit, so this one does, on purpose
   ignored. A reader that does not take the window from the hello stalls it.
 * ``serve``   - a valid hello, then answer every request with ``["ok", id, "served"]``
   until EOF.
-* ``stream_ok`` - a valid hello, then answer each ``stream`` request with ``ok`` (a
-  reply a stream never gets) whose value holds references: two of its own instance's
-  (one of them twice) and one of another instance; keep every ``release`` it reads; answer
-  a ``call`` with those releases, each ``[session, [[instance, id, session, type], ...]]``.
+* ``off_protocol`` - a valid hello, then answers off the protocol that hold references:
+  a ``stream`` gets ``ok`` (a reply a stream never gets) holding two of its own
+  instance's references (one of them twice) and one of another instance; an ``enter``
+  gets ``ok`` with a map, not ``[handle, value]``, holding reference 7 of the enter's
+  session; a ``release`` naming reference 100 gets a map holding reference 8, any other
+  the number it names. It keeps every ``release`` it reads and answers a ``call`` with
+  them, each ``[session, [[instance, id, session, type], ...]]``.
 * ``bad_logs`` - as ``serve``, but before each answer write one ``log`` frame of each
   shape a careless worker might send (``FAKE_WORKER_LOG_CASES``, below).
 
@@ -114,12 +117,12 @@ def _serve_windowed() -> int:
         return 0
 
 
-def _ref(instance: str, ref_id: int) -> msgpack.ExtType:
-    return msgpack.ExtType(6, msgpack.packb([instance, ref_id, None, "object"]))
+def _ref(instance: str, ref_id: int, session: object = None) -> msgpack.ExtType:
+    return msgpack.ExtType(6, msgpack.packb([instance, ref_id, session, "object"]))
 
 
-def _serve_stream_ok() -> int:
-    """The ``stream_ok`` mode: a stream answered ``ok`` with references in the value."""
+def _serve_off_protocol() -> int:
+    """The ``off_protocol`` mode: answers of the wrong shape, with references in them."""
     hello = _hello()
     own = str(hello["instance"])
     _write(msgpack.packb(["hello", hello]))
@@ -127,18 +130,25 @@ def _serve_stream_ok() -> int:
     try:
         while True:
             request = _request()
-            if request[0] == "stream":
+            kind, request_id = request[0], request[1]
+            value: object
+            if kind == "stream":
                 mine, other = _ref(own, 5), _ref("ff" * 8, 9)
                 value = {"a": mine, "b": [mine, _ref(own, 6)], "c": other}
-                _write(msgpack.packb(["ok", request[1], value]))
-            elif request[0] == "release":
+            elif kind == "enter":
+                value = {"x": _ref(own, 7, request[2])}
+            elif kind == "release":
                 refs = [msgpack.unpackb(r.data, raw=False) for r in request[-1]]
                 releases.append([request[-2], refs])
-            elif request[0] == "call":
-                _write(msgpack.packb(["ok", request[1], releases]))
+                named = {ref[1] for ref in refs}
+                value = {"z": _ref(own, 8)} if 100 in named else len(refs)
+            elif kind == "call":
+                value = releases
+            else:
+                continue
+            _write(msgpack.packb(["ok", request_id, value]))
     except EOFError:
         return 0
-
 
 def _hello(**extra: object) -> dict[str, object]:
     pid = int(os.environ.get("FAKE_WORKER_HELLO_PID", os.getpid()))
@@ -238,8 +248,8 @@ def main() -> int:
         return 0
     if mode == "window":
         return _serve_windowed()
-    if mode == "stream_ok":
-        return _serve_stream_ok()
+    if mode == "off_protocol":
+        return _serve_off_protocol()
     if mode in ("serve", "bad_logs"):
         return _serve(mode == "bad_logs")
     sys.stderr.write(f"runtime_fake_worker: unknown FAKE_WORKER_MODE {mode!r}\n")

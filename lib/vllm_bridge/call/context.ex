@@ -18,13 +18,18 @@ defmodule VllmBridge.Call.Context do
     with {:ok, rt} <- Runtime.resolve(opts),
          :ok <- in_a_session(rt, target),
          {:ok, parts} <- Wire.encode_invoke(target, args, kwargs),
-         {:ok, [handle, value]} <-
+         {:ok, answer} <-
            Run.run(rt, "enter", parts, what: target, bound: Run.bound_ref(target)) do
-      {:ok, {handle, value}}
-    else
-      {:ok, other} -> {:error, Error.new(:protocol, "enter answered #{inspect(other, limit: 5)}")}
-      {:error, e} -> {:error, e}
+      entered(rt, answer)
     end
+  end
+
+  defp entered(_rt, [handle, value]), do: {:ok, {handle, value}}
+
+  defp entered(rt, other) do
+    # Nobody will hold this value: what it references is released, not kept.
+    VllmBridge.Call.Release.drop(rt, other)
+    {:error, Error.new(:protocol, "enter answered #{inspect(other, limit: 5)}")}
   end
 
   # A context entered in no session would sit in the worker's shared default session,
