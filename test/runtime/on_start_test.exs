@@ -19,6 +19,21 @@ defmodule VllmBridge.Runtime.OnStartTest do
 
   defp use_model(pool), do: VllmBridge.call({"vb_setup_mod", "use"}, [], %{}, pool_name: pool)
 
+  test "an on_start that returns an object leaves no reference held in the worker" do
+    start_pool!(:os_ref,
+      size: 1,
+      allow: ["vllm_bridge.bridge.diag"],
+      on_start: {"vllm_bridge.bridge.diag", "opaque", [1]}
+    )
+
+    workers!(:os_ref)
+    # Its result is nobody's: the reference in it is released once the worker is ready.
+    wait_until(fn ->
+      {:ok, status} = Pool.status(:os_ref)
+      Enum.map(status.workers, & &1.refs) == [0]
+    end)
+  end
+
   test "every worker is set up before its first call: 6 calls on 2 workers all find it" do
     start_pool!(:os_two, @own ++ [size: 2, on_start: {"vb_setup_mod", "setup", ["m1"]}])
 

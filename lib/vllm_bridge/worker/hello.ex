@@ -37,8 +37,7 @@ defmodule VllmBridge.Worker.Hello do
     # (Slots a hello names are neither read nor handed back: no worker's pid is known
     # before its hello is checked, so the decode accepts none, VllmBridge.Codec.SlotExt,
     # and the start fails.)
-    with {:ok, hello} <-
-           check_hello(VllmBridge.Codec.SlotExt.unread(fn -> Codec.decode(frame) end)),
+    with {:ok, hello} <- check_hello(Codec.decode(frame)),
          :ok <- check_limit(hello, max),
          :ok <- check_window(hello),
          :ok <- check_shm(hello) do

@@ -25,12 +25,12 @@ defmodule VllmBridge.Worker.Starting do
   require Logger
   require VllmBridge.Worker.Messages
 
-  alias VllmBridge.Error
+  alias VllmBridge.{Error, Ref}
   alias VllmBridge.Pool.{Directory, Slots}
   alias VllmBridge.Worker
-  alias VllmBridge.Call.Wire
+  alias VllmBridge.Call.{Request, Wire}
   alias VllmBridge.Worker.{Calls, Events, Framer, Hello, Launcher, Messages, OnStart, OsProcess}
-  alias VllmBridge.Worker.{Cancel, Down, Output, Progress, StartFailure, Unclaimed}
+  alias VllmBridge.Worker.{Cancel, Down, Output, Progress, StartFailure}
 
   # The worker module whose start-up stderr is captured: ours takes its stderr FIFO back
   # after its hello (vllm_bridge.bridge.worker.stderr). A module of one's own has its
@@ -216,9 +216,10 @@ defmodule VllmBridge.Worker.Starting do
 
   def handle_info(Messages.reply(alias, bin, origin), %{setup: alias} = state) do
     case Wire.decode_reply(bin, origin, self()) do
-      {:ok, _value} ->
-        # Nobody reads the result: references in it are released (queued until ready).
-        Unclaimed.drop(bin, origin)
+      {:ok, value} ->
+        # Nobody reads the result: references in it are released (queued until ready),
+        # from the value decoded here (a second decode would find its slots gone).
+        Request.cast_release(self(), Ref.collect(value))
         ready(%{state | setup: nil})
 
       {:error, e} ->
