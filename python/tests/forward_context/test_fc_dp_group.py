@@ -4,7 +4,6 @@ coordination, and the decision rules on gathered matrices of more than two ranks
 Two-rank runs over real processes are in test_fc_dp_two_ranks.py.
 """
 
-
 import pytest
 import torch
 
@@ -15,10 +14,6 @@ from vllm_bridge.dp._devices import group_device, sync_device
 from vllm_bridge.config import ParallelConfig
 from vllm_bridge.cudagraph import CUDAGraphMode
 from vllm_bridge.forward_context import coordinate_batch_across_dp
-
-
-
-
 
 
 def test_one_rank_group_from_the_environment(clean_env: pytest.MonkeyPatch) -> None:

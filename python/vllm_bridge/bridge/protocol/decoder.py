@@ -27,12 +27,7 @@ import msgpack
 
 from vllm_bridge.bridge.protocol import describe, locate
 from vllm_bridge.bridge.protocol.errors import BadArgument, ProtocolError, safe_str, short_repr
-from vllm_bridge.bridge.protocol.materialize import (  # (step 2; its names stay importable here)
-    PendingEnum,
-    PendingStruct,
-    materialize,
-    materialize_field,
-)
+from vllm_bridge.bridge.protocol.materialize import PendingEnum, PendingStruct
 from vllm_bridge.bridge.protocol.splice import SPLICE_MIN_FRAME, Spliced, splice_tensors
 from vllm_bridge.bridge.protocol.slots import SlotDir, split_payload
 from vllm_bridge.bridge.protocol.tensors import decode_tensor, parse_slot_header, tensor_from_slot
@@ -53,11 +48,7 @@ __all__ = [
     "Decoded",
     "Decoder",
     "Pairs",
-    "PendingEnum",
-    "PendingStruct",
     "checked_dict",
-    "materialize",
-    "materialize_field",
     "refuse_timestamps",
     "undecodable",
 ]

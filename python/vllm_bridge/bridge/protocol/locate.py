@@ -268,7 +268,8 @@ def _holds_nothing(raw: memoryview) -> bool:
 def _first_bad_map(value: Any, path: str) -> Found | None:
     """The first map under ``value`` with a key Python cannot hash or two equal keys, or
     the first msgpack timestamp (ext -1, which msgpack decodes without the ext hook)."""
-    from vllm_bridge.bridge.protocol.decoder import Pairs, PendingStruct
+    from vllm_bridge.bridge.protocol.decoder import Pairs
+    from vllm_bridge.bridge.protocol.materialize import PendingStruct
 
     if type(value) is msgpack.Timestamp:
         return (path, TIMESTAMP_REFUSED)
