@@ -190,20 +190,23 @@ defmodule VllmBridge.Codec.SlotExt do
   # `r-<os_pid>-<n>`, the pid written exactly (no leading zero, not a prefix of another),
   # `n` of 1 to 20 digits. Nobody's (nil) owns none.
   @spec own?(binary(), non_neg_integer() | nil) :: boolean()
-  def own?(name, os_pid) when is_integer(os_pid) and is_binary(name) do
-    p = Integer.to_string(os_pid)
-    size = byte_size(p)
-
-    case name do
-      <<"r-", ^p::binary-size(size), "-", n::binary>> when byte_size(n) in 1..20 ->
-        digits?(n)
-
-      _ ->
-        false
-    end
-  end
+  def own?(name, os_pid) when is_integer(os_pid) and is_binary(name),
+    do: own_prefix?(name, "r-#{os_pid}-")
 
   def own?(_name, _os_pid), do: false
+
+  @doc false
+  # `own?/2` given the worker's name prefix `r-<os_pid>-` (VllmBridge.Shm.FrameSlots
+  # builds it once per worker): the prefix, then 1 to 20 digits.
+  @spec own_prefix?(binary(), binary()) :: boolean()
+  def own_prefix?(name, prefix) do
+    size = byte_size(prefix)
+
+    case name do
+      <<^prefix::binary-size(size), n::binary>> when byte_size(n) in 1..20 -> digits?(n)
+      _ -> false
+    end
+  end
 
   defp digits?(<<c, rest::binary>>) when c in ?0..?9, do: digits?(rest)
   defp digits?(<<>>), do: true

@@ -101,20 +101,8 @@ defmodule VllmBridge.Shm.FrameSlots do
   # any other (malformed, another worker's) is not for this worker's hand-back.
   defp slot(payload, prefix, acc, names) do
     case SlotExt.name(payload) do
-      {:ok, name} -> if own?(name, prefix), do: {prefix, [name | names]}, else: acc
+      {:ok, name} -> if SlotExt.own_prefix?(name, prefix), do: {prefix, [name | names]}, else: acc
       :error -> acc
-    end
-  end
-
-  defp own?(name, prefix) do
-    size = byte_size(prefix)
-
-    case name do
-      <<^prefix::binary-size(size), digits::binary>> when byte_size(digits) in 1..20 ->
-        for(<<c <- digits>>, c not in ?0..?9, do: c) == []
-
-      _ ->
-        false
     end
   end
 end
