@@ -46,6 +46,18 @@ defmodule VllmBridge.Ref do
       else: refs
   end
 
+  @doc false
+  # `refs` each once, grouped by what one `release` request can name: the worker instance
+  # and the session holding them (`%{{instance, session} => refs}`), for
+  # VllmBridge.Call.Request.cast_release/2 and VllmBridge.Call.Release. A worker refuses
+  # whole a release that names another instance's or another session's reference.
+  @spec release_groups([t()]) :: %{{String.t(), String.t() | nil} => [t()]}
+  def release_groups(refs) do
+    refs
+    |> Enum.uniq_by(&{&1.instance, &1.id, &1.session})
+    |> Enum.group_by(&{&1.instance, &1.session})
+  end
+
   defp walk(%__MODULE__{} = ref, acc), do: [ref | acc]
   defp walk(%VllmBridge.Tensor{}, acc), do: acc
   defp walk(%_{} = struct, acc), do: struct |> Map.from_struct() |> walk(acc)

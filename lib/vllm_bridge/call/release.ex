@@ -46,8 +46,7 @@ defmodule VllmBridge.Call.Release do
   # released in turn).
   defp release(rt, refs, depth) do
     refs
-    |> Enum.uniq_by(&{&1.instance, &1.id, &1.session})
-    |> Enum.group_by(&{&1.instance, &1.session})
+    |> Ref.release_groups()
     |> Enum.reduce_while({:ok, 0}, fn {_instance_and_session, group}, {:ok, n} ->
       # Named by how many it releases: the list itself would be copied into the
       # request's message and kept in the worker's table while it is in flight.

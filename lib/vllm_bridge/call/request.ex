@@ -349,12 +349,7 @@ defmodule VllmBridge.Call.Request do
   """
   @spec cast_release(pid(), [VllmBridge.Ref.t()]) :: :ok
   def cast_release(pid, refs) do
-    groups =
-      refs
-      |> Enum.uniq_by(&{&1.instance, &1.id, &1.session})
-      |> Enum.group_by(&{&1.session, &1.instance})
-
-    for {{session, _instance}, refs} <- groups do
+    for {{_instance, session}, refs} <- VllmBridge.Ref.release_groups(refs) do
       req = new("release", pre: [Wire.value(session)], post: [Wire.value(refs)], timed: false)
       cast(pid, req, :infinity)
     end
