@@ -70,16 +70,17 @@ defmodule VllmBridge.Codec.Msgpack.Walk do
   defp fail([{rest, left, _, true} | outer], b, v, acc), do: walk(rest, left, outer, b, v, acc)
   defp fail(_outer, _b, _v, acc), do: {:error, acc}
 
-  # Values with a length or an extension type after their first byte.
+  # Values with a length or an extension type after their first byte (bin and str
+  # alike: both are bytes of a declared length).
   defp head(h, r, left, outer, b, v, acc) do
     case {h, r} do
-      {0xC4, <<n::8, r::binary>>} ->
+      {h, <<n::8, r::binary>>} when h in [0xC4, 0xD9] ->
         skip(r, n, left, outer, b, v, acc)
 
-      {0xC5, <<n::16, r::binary>>} ->
+      {h, <<n::16, r::binary>>} when h in [0xC5, 0xDA] ->
         skip(r, n, left, outer, b, v, acc)
 
-      {0xC6, <<n::32, r::binary>>} ->
+      {h, <<n::32, r::binary>>} when h in [0xC6, 0xDB] ->
         skip(r, n, left, outer, b, v, acc)
 
       {0xC7, <<n::8, t::signed-8, r::binary>>} ->
@@ -111,15 +112,6 @@ defmodule VllmBridge.Codec.Msgpack.Walk do
 
       {h, <<t::signed-8, r::binary>>} when h in 0xD4..0xD8 ->
         fixext(h, t, r, left, outer, b, v, acc)
-
-      {0xD9, <<n::8, r::binary>>} ->
-        skip(r, n, left, outer, b, v, acc)
-
-      {0xDA, <<n::16, r::binary>>} ->
-        skip(r, n, left, outer, b, v, acc)
-
-      {0xDB, <<n::32, r::binary>>} ->
-        skip(r, n, left, outer, b, v, acc)
 
       {0xDC, <<n::16, r::binary>>} ->
         walk(r, left - 1 + n, outer, b, v, acc)
