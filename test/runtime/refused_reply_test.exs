@@ -259,19 +259,7 @@ defmodule VllmBridge.Runtime.RefusedReplyTest do
 
   describe "replies a real worker sends" do
     setup do
-      name = :"rt_refused_#{System.unique_integer([:positive])}"
-
-      start_pool!(name,
-        size: 1,
-        allow: ["rt_forge"],
-        worker_env: [
-          python_path([support_dir()]),
-          {"VLLM_BRIDGE_SHM_RECLAIM_S", "3600"},
-          {"VLLM_BRIDGE_SHM_IDLE_S", "3600"}
-        ]
-      )
-
-      [w] = workers!(name)
+      {name, w} = slot_keeping_pool!("rt_refused", ["rt_forge"])
       %{pool: name, w: w}
     end
 

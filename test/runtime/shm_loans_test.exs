@@ -29,19 +29,7 @@ defmodule VllmBridge.Runtime.ShmLoansTest do
 
   setup do
     %{path: dir} = Shm.dir()
-    name = :"rt_shm_loans_#{System.unique_integer([:positive])}"
-
-    start_pool!(name,
-      size: 1,
-      allow: ["rt_shm"],
-      worker_env: [
-        python_path([support_dir()]),
-        {"VLLM_BRIDGE_SHM_RECLAIM_S", "3600"},
-        {"VLLM_BRIDGE_SHM_IDLE_S", "3600"}
-      ]
-    )
-
-    [w] = workers!(name)
+    {name, w} = slot_keeping_pool!("rt_shm_loans", ["rt_shm"])
     %{dir: dir, pool: name, worker: w}
   end
 

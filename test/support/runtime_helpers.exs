@@ -240,6 +240,29 @@ defmodule VllmBridge.RuntimeHelpers do
     path
   end
 
+  @doc """
+  A one-worker pool named `prefix` plus a unique number, its Python modules `allow`ed
+  from test/support, whose worker keeps unread result slots and idle slot buffers for an
+  hour (`VLLM_BRIDGE_SHM_RECLAIM_S`, `VLLM_BRIDGE_SHM_IDLE_S`): a test sees each slot
+  only as the code under test hands it back. Returns `{name, worker}` once it serves.
+  """
+  def slot_keeping_pool!(prefix, allow) do
+    name = :"#{prefix}_#{System.unique_integer([:positive])}"
+
+    start_pool!(name,
+      size: 1,
+      allow: allow,
+      worker_env: [
+        python_path([support_dir()]),
+        {"VLLM_BRIDGE_SHM_RECLAIM_S", "3600"},
+        {"VLLM_BRIDGE_SHM_IDLE_S", "3600"}
+      ]
+    )
+
+    [w] = workers!(name)
+    {name, w}
+  end
+
   @doc "Starts a pool for a test module and stops it when the module is done."
   def start_pool!(name, opts) do
     {:ok, _} = VllmBridge.start_pool(name, opts)
