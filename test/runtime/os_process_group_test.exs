@@ -3,7 +3,8 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
   A port whose process is gone before this side reads it (a `python:` wrapper that forks
   the interpreter and exits at once, faster than the BEAM's first look on a loaded
   machine): its group is still known, and the interpreter in it is taken as the worker's
-  Python process when it started after the port opened, and only then. Before, the
+  Python process when it started after the port opened, and only then; with no known
+  process left, such members are still the worker's to wait for and kill. Before, the
   worker refused its own interpreter's hello ("neither its own process ... nor of its
   process group"), a failure seen under load in the suite.
   """
@@ -105,5 +106,45 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
     # Recorded as the port's process itself: its group's member is taken.
     procs = %OsProcess{port: {leader, start}, group: leader, since: start}
     assert {:ok, %OsProcess{python: {^child, ^child_start}}} = OsProcess.python(procs, child)
+  end
+
+  describe "with no known process left, the group's members" do
+    test "started since the port opened are the worker's: remaining, and killed" do
+      opened_at = OsProcess.now()
+      {leader, child} = orphan!()
+      procs = OsProcess.spawned(leader, opened_at)
+
+      assert OsProcess.remaining(procs) == [child]
+      refute OsProcess.gone?(procs)
+      assert :ok = OsProcess.kill_worker(procs)
+      wait_until(fn -> not os_alive?(child) end, 15_000, "the child killed")
+      assert OsProcess.gone?(procs)
+    end
+
+    test "started before it are not: never signalled" do
+      {leader, child} = orphan!()
+      {^child, start} = OsProcess.ident(child)
+      procs = OsProcess.spawned(leader, start + 1)
+
+      assert OsProcess.remaining(procs) == []
+      assert :ok = OsProcess.kill_worker(procs)
+      Process.sleep(100)
+      assert os_alive?(child)
+    end
+
+    test "of a group whose number is another live process's are not: never signalled" do
+      {leader, child} = group!(:stays)
+      {^leader, start} = OsProcess.ident(leader)
+      {^child, child_start} = OsProcess.ident(child)
+      # The leader lives, but is not the port's recorded process (nor is any).
+      for port <- [nil, {leader, start + 1}] do
+        procs = %OsProcess{port: port, group: leader, since: child_start}
+        assert OsProcess.remaining(procs) == []
+        assert :ok = OsProcess.kill_worker(procs)
+      end
+
+      Process.sleep(100)
+      assert os_alive?(child) and os_alive?(leader)
+    end
   end
 end

@@ -294,8 +294,9 @@ defmodule VllmBridge.Worker.Output do
     # has had @drain_ms to go, or closed its output and stayed.
     if state.draining and not OsProcess.gone?(state.procs) do
       Logger.warning(
-        "vllm_bridge: the Python worker (os pid #{OsProcess.label(state.procs)}) is still " <>
-          "there after its worker process ended; killing it",
+        "vllm_bridge: processes of the Python worker (os pid " <>
+          "#{OsProcess.label(state.procs)}) are still there after its worker process " <>
+          "ended (os pids #{Enum.join(OsProcess.remaining(state.procs), ", ")}); killing them",
         state.meta
       )
 

@@ -1,0 +1,64 @@
+defmodule VllmBridge.Runtime.WorkerLeftoversTest do
+  @moduledoc """
+  A process the worker's Python code started in its process group, and that outlives
+  the interpreter, ends with the worker: when the pool stops (the interpreter exits on
+  EOF by itself, the child does not) it is killed after `shutdown_grace`. One started in
+  a session of its own (`start_new_session=True`) has left the worker and is not
+  touched. Real workers (test/support/rt_spawn.py).
+  """
+  use ExUnit.Case, async: false
+  @moduletag :capture_log
+
+  import ExUnit.CaptureLog
+  import VllmBridge.RuntimeHelpers
+
+  alias VllmBridge.Worker.OsProcess
+
+  defp pool!(name) do
+    start_pool!(name,
+      size: 1,
+      shutdown_grace: 500,
+      allow: ["rt_spawn"],
+      worker_env: [python_path([support_dir()])]
+    )
+  end
+
+  defp sleeper!(pool, own_session) do
+    {:ok, pid} =
+      VllmBridge.call({"rt_spawn", "sleeper"}, [300, own_session], %{}, pool_name: pool)
+
+    {^pid, start} = OsProcess.ident(pid)
+    # (By its start time: only this very process is killed after the test.)
+    on_exit(fn -> OsProcess.kill(pid, start) end)
+    pid
+  end
+
+  test "a child in the worker's group that outlives the interpreter is killed at the stop" do
+    pool!(:leftovers_group)
+    [w] = workers!(:leftovers_group)
+    child = sleeper!(:leftovers_group, false)
+
+    log =
+      capture_log(fn ->
+        :ok = VllmBridge.stop_pool(:leftovers_group)
+        wait_until(fn -> not os_alive?(child) end, 15_000, "the child (os pid #{child}) gone")
+      end)
+
+    assert not os_alive?(w.os_pid)
+    # Named, with the interpreter that started it, in the warning of the kill.
+    assert log =~ "os pid #{w.os_pid}"
+    assert log =~ "#{child}"
+  end
+
+  test "a child in a session of its own is left alone" do
+    pool!(:leftovers_session)
+    [w] = workers!(:leftovers_session)
+    child = sleeper!(:leftovers_session, true)
+
+    :ok = VllmBridge.stop_pool(:leftovers_session)
+    wait_until(fn -> not os_alive?(w.os_pid) end, 15_000, "the interpreter gone")
+    # Past the stop's grace (500 ms) and its kill: still there.
+    Process.sleep(1_000)
+    assert os_alive?(child)
+  end
+end
