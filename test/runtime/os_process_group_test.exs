@@ -56,7 +56,9 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
 
     procs = OsProcess.spawned(leader, opened_at)
     assert %OsProcess{port: nil, group: ^leader, since: ^opened_at} = procs
-    assert {:ok, %OsProcess{python: {^child, _}} = procs} = OsProcess.python(procs, child)
+    # (Of the session the port's process leads: it keeps the group's number taken.)
+    assert {:ok, %OsProcess{python: {^child, _}, held: true} = procs} =
+             OsProcess.python(procs, child)
 
     # And it is the worker's to kill: the group is signalled while it is in it.
     assert :ok = OsProcess.kill_worker(procs)
@@ -116,9 +118,10 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
 
       assert OsProcess.remaining(procs) == [child]
       refute OsProcess.gone?(procs)
+      refute OsProcess.await_gone(procs, 50)
       assert :ok = OsProcess.kill_worker(procs)
-      wait_until(fn -> not os_alive?(child) end, 15_000, "the child killed")
-      assert OsProcess.gone?(procs)
+      assert OsProcess.await_gone(procs, 15_000)
+      refute os_alive?(child)
     end
 
     test "started before it are not: never signalled" do
@@ -130,6 +133,23 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
       assert :ok = OsProcess.kill_worker(procs)
       Process.sleep(100)
       assert os_alive?(child)
+    end
+
+    test "after a hello whose process left the session are not: never signalled" do
+      # Its session's number is not the group's: once it and the group's other members
+      # are gone, nothing keeps that number taken, and a stranger's group may have it.
+      opened_at = OsProcess.now()
+      {leader, child} = orphan!()
+      procs = %{OsProcess.spawned(leader, opened_at) | python: {leader, 1}, held: false}
+
+      assert OsProcess.remaining(procs) == []
+      assert OsProcess.gone?(procs)
+      assert :ok = OsProcess.kill_worker(procs)
+      Process.sleep(100)
+      assert os_alive?(child)
+
+      # The same with the session kept: the child is the worker's.
+      assert OsProcess.remaining(%{procs | held: true}) == [child]
     end
 
     test "of a group whose number is another live process's are not: never signalled" do

@@ -42,7 +42,7 @@ defmodule VllmBridge.Runtime.WrapperStartTimeoutTest do
   test "a start that times out kills the silent child of a wrapper that exited",
        %{tmp_dir: tmp} do
     pid_file = Path.join(tmp, "child.pid")
-    opts = [size: 1, python: silent_child(tmp, pid_file), start_timeout: 1_500]
+    opts = [size: 1, python: silent_child(tmp, pid_file), start_timeout: 5_000]
 
     starter = Task.async(fn -> VllmBridge.start_pool(:wrapper_start_timeout, opts) end)
     on_exit(fn -> VllmBridge.stop_pool(:wrapper_start_timeout) end)
@@ -50,7 +50,7 @@ defmodule VllmBridge.Runtime.WrapperStartTimeoutTest do
     assert os_alive?(child)
 
     assert {:error, %Error{type: :worker_exit, message: msg}} = Task.await(starter, 30_000)
-    assert msg =~ "sent no handshake within 1500 ms"
+    assert msg =~ "sent no handshake within 5000 ms"
     wait_until(fn -> not os_alive?(child) end, 15_000, "the child (os pid #{child}) killed")
   end
 end

@@ -276,8 +276,9 @@ defmodule VllmBridge.Worker.Launcher do
   worker's processes (`VllmBridge.Worker.OsProcess`: the port's, the one its hello
   named, and the members of its process group started since) to be gone; kills them
   with SIGKILL if one is still there (`VllmBridge.Worker.OsProcess.kill_worker/1`,
-  which also reaches the child of a `python:` wrapper that forked it and exited). Returns `:exited` when they left by
-  themselves, `:killed` when they had to be killed (logged as a warning).
+  which also reaches the child of a `python:` wrapper that forked it and exited).
+  Returns `:exited` when they left by themselves, `:killed` when they had to be killed
+  (logged as a warning).
   """
   @spec close(port(), OsProcess.t(), non_neg_integer()) :: :exited | :killed
   def close(port, %OsProcess{} = procs, grace) do
@@ -292,8 +293,8 @@ defmodule VllmBridge.Worker.Launcher do
     else
       Logger.warning(
         "vllm_bridge: the Python worker (os pid #{OsProcess.label(procs)}) did not exit " <>
-          "within #{grace} ms of its port closing (its processes still there: os pids " <>
-          "#{Enum.join(OsProcess.remaining(procs), ", ")}); killing them"
+          "within #{grace} ms of its port closing (its processes still there: " <>
+          "#{OsProcess.remaining_text(procs)}); killing them"
       )
 
       OsProcess.kill_worker(procs)

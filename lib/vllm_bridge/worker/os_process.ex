@@ -29,11 +29,15 @@ defmodule VllmBridge.Worker.OsProcess do
   # still in it (a group's number is not handed out again while the group has a member,
   # so while one of ours is in it the group is ours), or, when none is, while the group
   # has members by the rule `python/2` takes a hello's pid by (started no earlier than
-  # `since`, the group's number no other process's pid): the child of a wrapper that
-  # never said hello, a process the interpreter started that outlived it. Then each
-  # known process outside the group. `gone?/1` waits for those members too. Left out: a
-  # process that left the group (it could not be told from a stranger's), and the
-  # reused number of `python/2`'s note. What remains is the moment between the check of
+  # `since`, the group's number no other process's pid) and, once a hello named a
+  # process, that process was of the group's session (`held`): the child of a wrapper
+  # that never said hello, a process the interpreter started that outlived it. Then
+  # each known process outside the group. `gone?/1` waits for those members too. Left
+  # out: a process that left the group (it could not be told from a stranger's), and a
+  # group number reused by a group whose new leader also exited, all between the last
+  # process of the worker's session going and the check (before a hello, within the
+  # start's timeout; after it, within the worker's end): the kernel's pid counter
+  # would have to go round meanwhile. What remains is the moment between the check of
   # a process and its signal (milliseconds: the pid would have to be handed out again
   # meanwhile).
 
@@ -41,7 +45,14 @@ defmodule VllmBridge.Worker.OsProcess do
 
   alias VllmBridge.Error
 
-  defstruct port: nil, python: nil, group: nil, since: nil
+  defstruct port: nil, python: nil, group: nil, since: nil, held: false
+
+  # `held`: whether the hello's process is of the group's session (its session's number is
+  # the group's), which keeps that number taken while it lives. Without it (an
+  # interpreter a wrapper started with `setsid`), the number is free once the wrapper
+  # and the group's other members are gone, maybe long before the worker ends, and the
+  # group's members are never signalled: a stranger's group could have that number by
+  # then (members/1).
 
   # USER_HZ, the unit of /proc's start times: 100 on x86 and arm (alpha's 1024 is not a
   # platform this library runs on).
@@ -55,15 +66,15 @@ defmodule VllmBridge.Worker.OsProcess do
           port: ident() | nil,
           python: ident() | nil,
           group: pos_integer() | nil,
-          since: non_neg_integer() | nil
+          since: non_neg_integer() | nil,
+          held: boolean()
         }
 
   @doc """
   The processes of a port just opened, whose OS process is `os_pid` (nil: none known);
   `opened_at` is `now/0` read before the port opened. Its group is taken to be `os_pid`
   (it may not have made it yet): a group of that number can only be one that process
-  made, and the group is only ever signalled while one of the worker's known processes
-  is in it. When the port's process is gone already (a wrapper that forked the
+  made, and the group is only signalled by the rules of the moduledoc. When the port's process is gone already (a wrapper that forked the
   interpreter and exited at once, on a loaded machine), its group is still known, and
   `opened_at` stands in for its start time.
   """
@@ -114,11 +125,11 @@ defmodule VllmBridge.Worker.OsProcess do
   @spec python(t(), term()) :: {:ok, t()} | :error
   def python(%__MODULE__{group: group, since: since} = t, pid)
       when is_integer(group) and is_integer(since) do
-    with {:ok, %{start: start, pgrp: pgrp}} <- stat(pid),
+    with {:ok, %{start: start, pgrp: pgrp, session: session}} <- stat(pid),
          true <-
            own_descendant?(t.port, pid) or
              (pgrp == group and start >= since and group_ours?(t)) do
-      {:ok, %{t | python: {pid, start}}}
+      {:ok, %{t | python: {pid, start}, held: session == group}}
     else
       _ -> :error
     end
@@ -162,25 +173,54 @@ defmodule VllmBridge.Worker.OsProcess do
   @spec remaining(t()) :: [pos_integer()]
   def remaining(%__MODULE__{port: port, python: python} = t) do
     known = for {pid, _} = p <- Enum.uniq([python, port]), same?(p), do: pid
-    known ++ (members(t) -- known)
+    known ++ (Enum.map(members(t), &elem(&1, 0)) -- known)
+  end
+
+  @doc "`remaining/1` in words, for a log: `\"os pids 12, 34\"`, or `\"none by now\"`."
+  @spec remaining_text(t()) :: String.t()
+  def remaining_text(t) do
+    case remaining(t) do
+      [] -> "none by now"
+      pids -> "os pids " <> Enum.map_join(pids, ", ", &Integer.to_string/1)
+    end
   end
 
   @doc "Whether none of the worker's processes is left (`remaining/1` is empty)."
   @spec gone?(t()) :: boolean()
-  def gone?(%__MODULE__{port: port, python: python} = t) do
-    # The group's members only once the known ones are gone: their scan of /proc takes
-    # milliseconds (3.8 ms for 66 processes), a known process's look microseconds.
-    not (same?(python) or same?(port)) and members(t) == []
-  end
+  def gone?(%__MODULE__{} = t), do: known_gone?(t) and members(t) == []
 
   @doc "Waits up to `ms` for `gone?/1`; true when it holds."
   @spec await_gone(t(), non_neg_integer()) :: boolean()
-  def await_gone(t, ms), do: VllmBridge.Await.until(fn -> gone?(t) end, ms, 10)
+  def await_gone(t, ms) do
+    deadline = System.monotonic_time(:millisecond) + ms
+    VllmBridge.Await.until(fn -> known_gone?(t) end, ms, 10) and members_gone?(t, deadline)
+  end
+
+  # The group's members are looked for only once the known processes are gone, and
+  # those found are then watched by themselves until they go (and the group scanned
+  # again): a scan of /proc takes milliseconds (2-4 ms for 66 processes), a look at one
+  # process microseconds.
+  defp known_gone?(%__MODULE__{port: port, python: python}),
+    do: not (same?(python) or same?(port))
+
+  defp members_gone?(t, deadline) do
+    case members(t) do
+      [] ->
+        true
+
+      found ->
+        left = deadline - System.monotonic_time(:millisecond)
+
+        left > 0 and VllmBridge.Await.until(fn -> not Enum.any?(found, &same?/1) end, left, 10) and
+          members_gone?(t, deadline)
+    end
+  end
 
   @doc """
   Kills a worker's processes with SIGKILL: its group while one of its known processes is
-  in it, and each known process outside it (see the moduledoc). A process that is not
-  the one recorded (another start time, or none) is never signalled.
+  in it or, with none, while it has members of the worker's (`remaining/1`), and each
+  known process outside it (see the moduledoc). A process that is not the one recorded
+  (another start time, or none) is never signalled.
   """
   @spec kill_worker(t()) :: :ok
   def kill_worker(%__MODULE__{group: group} = t) do
@@ -306,16 +346,19 @@ defmodule VllmBridge.Worker.OsProcess do
   def await_exit(os_pid, ms), do: VllmBridge.Await.until(fn -> not alive?(os_pid) end, ms, 10)
 
   # The group's members that are not zombies and started no earlier than `since`, while
-  # the group is ours (group_ours?/1), by a scan of /proc (some milliseconds; read only
-  # when a worker ends).
+  # the group is ours (group_ours?/1) and, once the hello named a process, that process
+  # kept the group's number taken (`held`, above): `{pid, start}` each, by a scan of
+  # /proc (milliseconds; made only when a worker ends).
+  defp members(%__MODULE__{python: {_, _}, held: false}), do: []
+
   defp members(%__MODULE__{group: group, since: since} = t)
        when is_integer(group) and is_integer(since) do
-    with true <- group_ours?(t), {:ok, names} <- File.ls("/proc") do
+    with true <- group_ours?(t), {:ok, names} <- :prim_file.list_dir(~c"/proc") do
       for name <- names,
-          {pid, ""} <- [Integer.parse(name)],
+          {pid, []} <- [:string.to_integer(name)],
           {:ok, %{pgrp: ^group, start: start, zombie: false}} <- [stat(pid)],
           start >= since,
-          do: pid
+          do: {pid, start}
     else
       _ -> []
     end
@@ -327,18 +370,21 @@ defmodule VllmBridge.Worker.OsProcess do
   defp same?({pid, start}), do: match?({:ok, %{start: ^start, zombie: false}}, stat(pid))
   defp same?(nil), do: false
 
-  # What /proc/<pid>/stat says of `pid`: its parent, group and start time, and whether it
-  # is a zombie. The fields follow the command's name in parentheses (a name that may
-  # itself hold ") "), from the state (field 3) on; the start time is field 22.
+  # What /proc/<pid>/stat says of `pid`: its parent, group, session and start time, and
+  # whether it is a zombie. The fields follow the command's name in parentheses (a name
+  # that may itself hold ") "), from the state (field 3) on; the start time is field 22.
+  # (Read by :prim_file, not File: File's reads of a path queue in the one file server
+  # process of the node, 56 us a read against 30.)
   defp stat(pid) when is_integer(pid) and pid > 0 do
-    with {:ok, stat} <- File.read("/proc/#{pid}/stat"),
+    with {:ok, stat} <- :prim_file.read_file("/proc/#{pid}/stat"),
          [_ | _] = parens <- :binary.matches(stat, ")"),
          {at, 1} = List.last(parens),
          fields = String.split(binary_part(stat, at + 1, byte_size(stat) - at - 1)),
-         [state, ppid, pgrp | _] <- fields,
+         [state, ppid, pgrp, session | _] <- fields,
          [start | _] <- Enum.drop(fields, 19),
-         [{ppid, ""}, {pgrp, ""}, {start, ""}] <- Enum.map([ppid, pgrp, start], &Integer.parse/1) do
-      {:ok, %{ppid: ppid, pgrp: pgrp, start: start, zombie: state == "Z"}}
+         [{ppid, ""}, {pgrp, ""}, {session, ""}, {start, ""}] <-
+           Enum.map([ppid, pgrp, session, start], &Integer.parse/1) do
+      {:ok, %{ppid: ppid, pgrp: pgrp, session: session, start: start, zombie: state == "Z"}}
     else
       _ -> :error
     end

@@ -296,7 +296,7 @@ defmodule VllmBridge.Worker.Output do
       Logger.warning(
         "vllm_bridge: processes of the Python worker (os pid " <>
           "#{OsProcess.label(state.procs)}) are still there after its worker process " <>
-          "ended (os pids #{Enum.join(OsProcess.remaining(state.procs), ", ")}); killing them",
+          "ended (#{OsProcess.remaining_text(state.procs)}); killing them",
         state.meta
       )
 
