@@ -294,7 +294,7 @@ defmodule VllmBridge.Worker.Launcher do
       Logger.warning(
         "vllm_bridge: the Python worker (os pid #{OsProcess.label(procs)}) did not exit " <>
           "within #{grace} ms of its port closing (its processes still there: " <>
-          "#{OsProcess.remaining_text(procs)}); killing them"
+          "#{OsProcess.pids_text(OsProcess.remaining(procs))}); killing them"
       )
 
       OsProcess.kill_worker(procs)

@@ -74,9 +74,10 @@ defmodule VllmBridge.Worker.OsProcess do
   The processes of a port just opened, whose OS process is `os_pid` (nil: none known);
   `opened_at` is `now/0` read before the port opened. Its group is taken to be `os_pid`
   (it may not have made it yet): a group of that number can only be one that process
-  made, and the group is only signalled by the rules of the moduledoc. When the port's process is gone already (a wrapper that forked the
-  interpreter and exited at once, on a loaded machine), its group is still known, and
-  `opened_at` stands in for its start time.
+  made, and the group is only signalled by the rules of the moduledoc. When the port's
+  process is gone already (a wrapper that forked the interpreter and exited at once, on
+  a loaded machine), its group is still known, and `opened_at` stands in for its start
+  time.
   """
   @spec spawned(integer() | nil, non_neg_integer() | nil) :: t()
   def spawned(os_pid, opened_at \\ nil) do
@@ -176,14 +177,10 @@ defmodule VllmBridge.Worker.OsProcess do
     known ++ (Enum.map(members(t), &elem(&1, 0)) -- known)
   end
 
-  @doc "`remaining/1` in words, for a log: `\"os pids 12, 34\"`, or `\"none by now\"`."
-  @spec remaining_text(t()) :: String.t()
-  def remaining_text(t) do
-    case remaining(t) do
-      [] -> "none by now"
-      pids -> "os pids " <> Enum.map_join(pids, ", ", &Integer.to_string/1)
-    end
-  end
+  @doc "Pids (`remaining/1`'s) in words, for a log: `\"os pids 12, 34\"`, or `\"none by now\"`."
+  @spec pids_text([pos_integer()]) :: String.t()
+  def pids_text([]), do: "none by now"
+  def pids_text(pids), do: "os pids " <> Enum.map_join(pids, ", ", &Integer.to_string/1)
 
   @doc "Whether none of the worker's processes is left (`remaining/1` is empty)."
   @spec gone?(t()) :: boolean()

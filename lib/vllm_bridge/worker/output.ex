@@ -292,11 +292,14 @@ defmodule VllmBridge.Worker.Output do
 
     # The worker process is gone (the port closed with it): a process of it still there
     # has had @drain_ms to go, or closed its output and stayed.
-    if state.draining and not OsProcess.gone?(state.procs) do
+    # (remaining/1 once: with the interpreter gone, each look scans /proc.)
+    left = if state.draining, do: OsProcess.remaining(state.procs), else: []
+
+    if left != [] do
       Logger.warning(
         "vllm_bridge: processes of the Python worker (os pid " <>
           "#{OsProcess.label(state.procs)}) are still there after its worker process " <>
-          "ended (#{OsProcess.remaining_text(state.procs)}); killing them",
+          "ended (#{OsProcess.pids_text(left)}); killing them",
         state.meta
       )
 
