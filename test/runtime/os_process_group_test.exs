@@ -35,10 +35,8 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
         15_000 -> flunk("the shell said no pids within 15 s")
       end
 
-    for pid <- [leader_pid, child], {^pid, start} <- [OsProcess.ident(pid)] do
-      # By identity: a pid of a process gone meanwhile may be another's by then.
-      on_exit(fn -> OsProcess.kill(pid, start) end)
-    end
+    # (By identity: a pid of a process gone meanwhile may be another's by then.)
+    for pid <- [leader_pid, child], do: kill_after_test(pid)
 
     if leader == :exits do
       assert_receive {^port, {:exit_status, 0}}, 15_000
@@ -103,7 +101,13 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
     for port <- [nil, {leader, start + 1}] do
       procs = %OsProcess{port: port, group: leader, since: child_start}
       assert :error = OsProcess.python(procs, child)
+      # Nor are they the worker's to wait for or kill.
+      assert OsProcess.remaining(procs) == []
+      assert :ok = OsProcess.kill_worker(procs)
     end
+
+    Process.sleep(100)
+    assert os_alive?(child) and os_alive?(leader)
 
     # Recorded as the port's process itself: its group's member is taken.
     procs = %OsProcess{port: {leader, start}, group: leader, since: start}
@@ -150,21 +154,6 @@ defmodule VllmBridge.Runtime.OsProcessGroupTest do
 
       # The same with the session kept: the child is the worker's.
       assert OsProcess.remaining(%{procs | held: true}) == [child]
-    end
-
-    test "of a group whose number is another live process's are not: never signalled" do
-      {leader, child} = group!(:stays)
-      {^leader, start} = OsProcess.ident(leader)
-      {^child, child_start} = OsProcess.ident(child)
-      # The leader lives, but is not the port's recorded process (nor is any).
-      for port <- [nil, {leader, start + 1}] do
-        procs = %OsProcess{port: port, group: leader, since: child_start}
-        assert OsProcess.remaining(procs) == []
-        assert :ok = OsProcess.kill_worker(procs)
-      end
-
-      Process.sleep(100)
-      assert os_alive?(child) and os_alive?(leader)
     end
   end
 end

@@ -42,9 +42,7 @@ defmodule VllmBridge.Runtime.OsProcessTreeTest do
       wait_until(fn -> own_group?(pid) end, 15_000, "os pid #{pid} in a session of its own")
     end
 
-    for {_kind, pid} <- [{:leader, leader_pid} | procs],
-        {^pid, start} <- [OsProcess.ident(pid)],
-        do: on_exit(fn -> OsProcess.kill(pid, start) end)
+    for {_kind, pid} <- [{:leader, leader_pid} | procs], do: kill_after_test(pid)
 
     if leader == :exits do
       assert_receive {^port, {:exit_status, 0}}, 15_000

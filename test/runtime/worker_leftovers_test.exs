@@ -12,8 +12,6 @@ defmodule VllmBridge.Runtime.WorkerLeftoversTest do
   import ExUnit.CaptureLog
   import VllmBridge.RuntimeHelpers
 
-  alias VllmBridge.Worker.OsProcess
-
   defp pool!(name) do
     start_pool!(name,
       size: 1,
@@ -27,9 +25,7 @@ defmodule VllmBridge.Runtime.WorkerLeftoversTest do
     {:ok, pid} =
       VllmBridge.call({"rt_spawn", "sleeper"}, [300, own_session], %{}, pool_name: pool)
 
-    {^pid, start} = OsProcess.ident(pid)
-    # (By its start time: only this very process is killed after the test.)
-    on_exit(fn -> OsProcess.kill(pid, start) end)
+    {^pid, _start} = kill_after_test(pid)
     pid
   end
 

@@ -33,9 +33,7 @@ defmodule VllmBridge.Runtime.WrapperStartTimeoutTest do
   defp child_pid!(pid_file) do
     wait_until(fn -> File.exists?(pid_file) end, 15_000, "the wrapper's child's pid")
     pid = pid_file |> File.read!() |> String.trim() |> String.to_integer()
-    # (By its start time: only this very process is killed after the test.)
-    {^pid, start} = VllmBridge.Worker.OsProcess.ident(pid)
-    on_exit(fn -> VllmBridge.Worker.OsProcess.kill(pid, start) end)
+    {^pid, _start} = kill_after_test(pid)
     pid
   end
 

@@ -166,6 +166,18 @@ defmodule VllmBridge.RuntimeHelpers do
   @doc "Whether an OS process is alive (and not a zombie)."
   def os_alive?(os_pid), do: VllmBridge.Worker.OsProcess.alive?(os_pid)
 
+  @doc """
+  Has the OS process `pid` killed after the test, if it is still that very process (by
+  its start time: its pid may be another's by then); its `{pid, start}`, nil when it is
+  gone already.
+  """
+  def kill_after_test(pid) do
+    with {^pid, start} = ident <- VllmBridge.Worker.OsProcess.ident(pid) do
+      ExUnit.Callbacks.on_exit(fn -> VllmBridge.Worker.OsProcess.kill(pid, start) end)
+      ident
+    end
+  end
+
   @doc "The absolute path of test/support (for PYTHONPATH)."
   def support_dir, do: Path.expand(".", __DIR__)
 
