@@ -108,7 +108,10 @@ defmodule VllmBridge do
   @spec start_pool(term(), keyword()) :: result(pid())
   defdelegate start_pool(name, opts \\ []), to: Pool, as: :start
 
-  @doc "Stops a pool and every Python process of it."
+  @doc """
+  Stops a pool and every Python process of it: returns once they are gone (each had
+  `shutdown_grace` to exit on EOF before it was killed).
+  """
   @spec stop_pool(term()) :: :ok | {:error, Error.t()}
   defdelegate stop_pool(name), to: Pool, as: :stop
 

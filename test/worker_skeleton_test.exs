@@ -79,6 +79,28 @@ defmodule VllmBridge.WorkerSkeletonTest do
     assert wait_gone(os_pid, 5_000)
   end
 
+  test "close returns once a killed process is gone, also one slow to tear down" do
+    # A process killed with SIGKILL is still there (running its exit) until the kernel
+    # has freed its memory: milliseconds for an interpreter with torch loaded, more on a
+    # loaded machine. This one has 256 MiB written and ignores EOF. (Its line in one
+    # write, and the port open in :line mode: a second write after the close would end
+    # it by a broken pipe.)
+    python = System.find_executable("python3")
+
+    code = "import os, time; x = b'\\1' * (256 << 20); os.write(1, b'ready\\n'); time.sleep(60)"
+
+    port = Port.open({:spawn_executable, python}, [:binary, line: 64, args: ["-c", code]])
+    {:os_pid, os_pid} = Port.info(port, :os_pid)
+    assert_receive {^port, {:data, {:eol, "ready"}}}, 30_000
+    procs = VllmBridge.Worker.OsProcess.spawned(os_pid)
+
+    ExUnit.CaptureLog.capture_log(fn ->
+      assert VllmBridge.Worker.Launcher.close(port, procs, 50) == :killed
+    end)
+
+    refute alive?(os_pid)
+  end
+
   # One read of /proc/<pid>/stat (OsProcess.alive?/1): a look at the directory, then at
   # the file, raced with the reaping (a zombie reaped in between read as alive).
   defp alive?(os_pid), do: VllmBridge.Worker.OsProcess.alive?(os_pid)

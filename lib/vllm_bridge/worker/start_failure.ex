@@ -12,13 +12,13 @@ defmodule VllmBridge.Worker.StartFailure do
 
   alias VllmBridge.Error
   alias VllmBridge.Worker
-  alias VllmBridge.Worker.{Calls, Events, Launcher, Messages, OsProcess, Progress}
+  alias VllmBridge.Worker.{Calls, Events, Launcher, Messages, Progress}
 
   defp who(%{pool: nil, os_pid: os_pid}), do: "the worker (os pid #{os_pid})"
   defp who(%{index: index, os_pid: os_pid}), do: "worker #{index} (os pid #{os_pid})"
 
-  # The Python process of a failed start goes at once (no grace, no warning: the start's
-  # error says what happened).
+  # The Python process of a failed start is killed at once (no grace, no warning: the
+  # start's error says what happened), and gone when this returns.
   @doc false
   @spec kill(map()) :: map()
   def kill(%{port: nil} = state), do: state
@@ -30,7 +30,7 @@ defmodule VllmBridge.Worker.StartFailure do
       ArgumentError -> :ok
     end
 
-    OsProcess.kill_worker(state.procs)
+    Launcher.kill(state.procs)
 
     %{state | port: nil}
   end
