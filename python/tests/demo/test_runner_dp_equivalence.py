@@ -9,7 +9,6 @@ model is built so that a token's result does not depend on its batch; see
 """
 
 import multiprocessing as mp
-import socket
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from runner_schedules import RankStep, make_schedule, merge
+from ubatch_ranks import free_port
 from vllm_bridge.demo.batch import SchedulerStep
 from vllm_bridge.config import CompilationConfig, ParallelConfig, VllmConfig
 from vllm_bridge.demo.model_runner import ModelRunner
@@ -27,12 +27,6 @@ from vllm_bridge.demo.rank import DEFAULT_CAPTURE_SIZES, save_weights
 REPLY_GUARD_S = 120.0  # a hung rank fails the test instead of hanging it
 STEPS = 7
 MODEL = {"num_layers": 2, "max_model_len": 128}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(conn: Connection, rank: int, port: int) -> None:
@@ -59,7 +53,7 @@ def _rank_main(conn: Connection, rank: int, port: int) -> None:
 class Ranks:
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.conns, self.procs = [], []
         for rank in range(2):
             parent, child = ctx.Pipe()

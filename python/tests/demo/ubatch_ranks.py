@@ -47,7 +47,8 @@ class RankReply:
     setup_error: str | None = None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback just now (also for the other DP tests of this folder)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -167,7 +168,7 @@ class Ranks:
 
     def __init__(self, threads: int = 1, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for rank in range(2):

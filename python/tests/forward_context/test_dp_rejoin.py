@@ -11,18 +11,14 @@ import multiprocessing as mp
 import socket
 from typing import Any
 
+from dp_env import free_port
+
 #: The ranks that must meet wait this long for each other (a spawned rank imports torch
 #: first, which takes seconds on a loaded machine).
 TIMEOUT_S = 60.0
 #: A rank expected not to get in gives up after this.
 LATE_TIMEOUT_S = 3.0
 GUARD_S = 180.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port_free(port: int) -> bool:
@@ -93,7 +89,7 @@ def _rank0(port: int, out: Any) -> None:
 def test_a_dead_rank_fails_the_step_and_the_group_is_joined_again() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     rank0 = ctx.Process(target=_rank0, args=(port, out))
     rank0.start()
     events = []
@@ -142,7 +138,7 @@ def _rank0_leftovers(port: int, out: Any) -> None:
 def test_a_rank_cannot_join_a_group_whose_peer_has_left() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    rank0 = ctx.Process(target=_rank0_leftovers, args=(_free_port(), out))
+    rank0 = ctx.Process(target=_rank0_leftovers, args=(free_port(), out))
     rank0.start()
     events = [out.get(timeout=GUARD_S) for _ in range(2)]
     rank0.join(GUARD_S)

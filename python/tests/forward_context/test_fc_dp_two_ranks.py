@@ -17,18 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from dp_env import free_port
 from vllm_bridge.config import ParallelConfig, VllmConfig
 
 #: Seconds a rank waits for its peers in these tests (kept short for the missing-peer cases).
 PEER_TIMEOUT_S = 2.0
 #: Guard against a hung rank: a reply must come within this (not a performance check).
 REPLY_GUARD_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- code run in the ranks
@@ -159,7 +154,7 @@ class Ranks:
         return [self.recv(rank) for rank in range(2)]
 
     def join_group(self) -> None:
-        port = _free_port()
+        port = free_port()
         replies = self.both(
             "init",
             [dict(rank=r, world_size=2, port=port, timeout_s=PEER_TIMEOUT_S) for r in range(2)],
@@ -371,7 +366,7 @@ def test_missing_peer_at_init_fails_on_both_sides(ranks: Ranks) -> None:
         # store nobody joins, rank 1 looks for a rank 0 that is not there.
         replies = ranks.both(
             "init",
-            [dict(rank=r, world_size=2, port=_free_port(), timeout_s=PEER_TIMEOUT_S)
+            [dict(rank=r, world_size=2, port=free_port(), timeout_s=PEER_TIMEOUT_S)
              for r in range(2)],
         )
         for rank, reply in enumerate(replies):

@@ -3,13 +3,13 @@ thread's comm stream, eagerly and under FULL graph capture. A 1-rank NCCL group 
 on one GPU; the 2-rank NCCL run (one GPU per rank) is in tests/demo/test_ubatch_overlap.py.
 """
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from dp_env import free_port
 from test_ubatch_wrapper import SLICES, _ubatch_threads
 from vllm_bridge import dp
 from vllm_bridge.config import ParallelConfig, VllmConfig
@@ -22,15 +22,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def nccl_group() -> Iterator[None]:
-    dp.init_dp_group(0, 1, "127.0.0.1", _free_port(), "nccl", 30.0)
+    dp.init_dp_group(0, 1, "127.0.0.1", free_port(), "nccl", 30.0)
     try:
         yield
     finally:

@@ -6,7 +6,6 @@ tests/demo/test_ubatch_overlap.py.
 """
 
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from dp_env import free_port
 import vllm_bridge.ubatch_threads as ubatch_threads
 from test_ubatch_wrapper import SLICES, Toy, _config, _context, _Done, _inputs, _ubatch_threads
 from vllm_bridge import dp
@@ -181,12 +181,6 @@ def test_the_main_threads_barrier_timeout_fails_the_run(monkeypatch: pytest.Monk
 # -- with a (1-rank) DP group: the run is ended through the group's store ---------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RaisingStore:
     """The group's store, made to fail when a run's outcome is written (an injected fault:
     the store itself, e.g. its host gone)."""
@@ -205,7 +199,7 @@ class RaisingStore:
 
 @pytest.fixture
 def one_rank_group() -> Iterator[None]:
-    dp.init_dp_group(0, 1, "127.0.0.1", _free_port(), "gloo", 5.0)
+    dp.init_dp_group(0, 1, "127.0.0.1", free_port(), "gloo", 5.0)
     try:
         yield
     finally:
