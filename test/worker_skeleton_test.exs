@@ -82,15 +82,20 @@ defmodule VllmBridge.WorkerSkeletonTest do
   test "close returns once a killed process is gone, also one slow to tear down" do
     # A process killed with SIGKILL is still there (running its exit) until the kernel
     # has freed its memory: milliseconds for an interpreter with torch loaded, more on a
-    # loaded machine. This one has 256 MiB written and ignores EOF. (Its line in one
-    # write, and the port open in :line mode: a second write after the close would end
-    # it by a broken pipe.)
+    # loaded machine; and with threads (torch's), the main one reads as a zombie while
+    # another still frees it. This one has 256 MiB written, 8 threads, and ignores EOF.
+    # (Its line in one write, the port in :line mode: a second write after the close
+    # would end it by a broken pipe.)
     python = System.find_executable("python3")
 
-    code = "import os, time; x = b'\\1' * (256 << 20); os.write(1, b'ready\\n'); time.sleep(60)"
+    code =
+      "import os, threading, time; x = b'\\1' * (256 << 20)\n" <>
+        "for _ in range(8): threading.Thread(target=time.sleep, args=(60,)).start()\n" <>
+        "os.write(1, b'ready\\n'); time.sleep(60)"
 
     port = Port.open({:spawn_executable, python}, [:binary, line: 64, args: ["-c", code]])
     {:os_pid, os_pid} = Port.info(port, :os_pid)
+    VllmBridge.RuntimeHelpers.kill_after_test(os_pid)
     assert_receive {^port, {:data, {:eol, "ready"}}}, 30_000
     procs = VllmBridge.Worker.OsProcess.spawned(os_pid)
 
@@ -98,7 +103,16 @@ defmodule VllmBridge.WorkerSkeletonTest do
       assert VllmBridge.Worker.Launcher.close(port, procs, 50) == :killed
     end)
 
+    # Not even a zombie with a thread still exiting (/proc/<pid>/status: Threads).
     refute alive?(os_pid)
+    assert threads(os_pid) in [nil, 1]
+  end
+
+  defp threads(os_pid) do
+    with {:ok, text} <- File.read("/proc/#{os_pid}/status"),
+         [_, n] <- Regex.run(~r/^Threads:\s+(\d+)$/m, text),
+         do: String.to_integer(n),
+         else: (_ -> nil)
   end
 
   # One read of /proc/<pid>/stat (OsProcess.alive?/1): a look at the directory, then at

@@ -369,7 +369,11 @@ defmodule VllmBridge.Worker.OsProcess do
 
   # What /proc/<pid>/stat says of `pid`: its parent, group, session and start time, and
   # whether it is a zombie. The fields follow the command's name in parentheses (a name
-  # that may itself hold ") "), from the state (field 3) on; the start time is field 22.
+  # that may itself hold ") "), from the state (field 3) on; the thread count is field
+  # 20, the start time field 22. A zombie is one whose every thread has exited: the
+  # state is the main thread's, `Z` as soon as it has exited while another thread may
+  # still be running the exit and freeing the memory (tens of ms for 256 MiB, and the
+  # GPU's with it).
   # (Read by :prim_file, not File: File's reads of a path queue in the one file server
   # process of the node, 56 us a read against 30.)
   defp stat(pid) when is_integer(pid) and pid > 0 do
@@ -378,10 +382,11 @@ defmodule VllmBridge.Worker.OsProcess do
          {at, 1} = List.last(parens),
          fields = String.split(binary_part(stat, at + 1, byte_size(stat) - at - 1)),
          [state, ppid, pgrp, session | _] <- fields,
-         [start | _] <- Enum.drop(fields, 19),
-         [{ppid, ""}, {pgrp, ""}, {session, ""}, {start, ""}] <-
-           Enum.map([ppid, pgrp, session, start], &Integer.parse/1) do
-      {:ok, %{ppid: ppid, pgrp: pgrp, session: session, start: start, zombie: state == "Z"}}
+         [threads, _, start | _] <- Enum.drop(fields, 17),
+         [{ppid, ""}, {pgrp, ""}, {session, ""}, {threads, ""}, {start, ""}] <-
+           Enum.map([ppid, pgrp, session, threads, start], &Integer.parse/1) do
+      zombie = state == "Z" and threads <= 1
+      {:ok, %{ppid: ppid, pgrp: pgrp, session: session, start: start, zombie: zombie}}
     else
       _ -> :error
     end
