@@ -110,7 +110,8 @@ defmodule VllmBridge do
 
   @doc """
   Stops a pool and every Python process of it: returns once they are gone (each had
-  `shutdown_grace` to exit on EOF before it was killed).
+  `shutdown_grace` to exit on EOF before it was killed), or, for one still there 1.5 s
+  after its SIGKILL (stuck in a driver call), with a warning naming it.
   """
   @spec stop_pool(term()) :: :ok | {:error, Error.t()}
   defdelegate stop_pool(name), to: Pool, as: :stop

@@ -83,7 +83,9 @@ defmodule VllmBridge.Worker do
       id: {__MODULE__, Keyword.get(opts, :index, 0)},
       start: {__MODULE__, :start_link, [opts]},
       restart: :permanent,
-      shutdown: Keyword.get(opts, :shutdown_grace, @shutdown_grace) + 2_000
+      # The grace to exit on EOF, the wait for those killed after it to be gone, and
+      # time for the rest of the worker's terminate (telemetry, logging).
+      shutdown: Keyword.get(opts, :shutdown_grace, @shutdown_grace) + Launcher.reap_ms() + 2_000
     }
   end
 

@@ -307,11 +307,15 @@ defmodule VllmBridge.Worker.Launcher do
   # returned at the signal left the interpreter behind for whoever looks next.
   @reap_ms 1_500
 
+  @doc "The longest `kill/1` waits for the processes it killed to be gone (ms)."
+  @spec reap_ms() :: pos_integer()
+  def reap_ms, do: @reap_ms
+
   @doc """
   Kills a worker's processes (`VllmBridge.Worker.OsProcess.kill_worker/1`) and returns
-  once they are gone, or after #{@reap_ms} ms with a warning naming those still there
-  (one in an uninterruptible wait, a driver call, ends only when that returns). Within
-  the worker's shutdown (its grace + 2 000 ms, `VllmBridge.Worker.child_spec/1`).
+  once they are gone, or after #{@reap_ms} ms (`reap_ms/0`, counted in the worker's
+  shutdown, `VllmBridge.Worker.child_spec/1`) with a warning naming those still there
+  (one in an uninterruptible wait, a driver call, ends only when that returns).
   """
   @spec kill(OsProcess.t()) :: :ok
   def kill(%OsProcess{} = procs) do
