@@ -83,20 +83,8 @@ defmodule VllmBridge.WorkerSkeletonTest do
     # A process killed with SIGKILL is still there (running its exit) until the kernel
     # has freed its memory: milliseconds for an interpreter with torch loaded, more on a
     # loaded machine; and with threads (torch's), the main one reads as a zombie while
-    # another still frees it. This one has 256 MiB written, 8 threads, and ignores EOF.
-    # (Its line in one write, the port in :line mode: a second write after the close
-    # would end it by a broken pipe.)
-    python = System.find_executable("python3")
-
-    code =
-      "import os, threading, time; x = b'\\1' * (256 << 20)\n" <>
-        "for _ in range(8): threading.Thread(target=time.sleep, args=(60,)).start()\n" <>
-        "os.write(1, b'ready\\n'); time.sleep(60)"
-
-    port = Port.open({:spawn_executable, python}, [:binary, line: 64, args: ["-c", code]])
-    {:os_pid, os_pid} = Port.info(port, :os_pid)
-    VllmBridge.RuntimeHelpers.kill_after_test(os_pid)
-    assert_receive {^port, {:data, {:eol, "ready"}}}, 30_000
+    # another still frees it.
+    {port, os_pid} = VllmBridge.RuntimeHelpers.threaded_python!()
     procs = VllmBridge.Worker.OsProcess.spawned(os_pid)
 
     ExUnit.CaptureLog.capture_log(fn ->
@@ -105,14 +93,7 @@ defmodule VllmBridge.WorkerSkeletonTest do
 
     # Not even a zombie with a thread still exiting (/proc/<pid>/status: Threads).
     refute alive?(os_pid)
-    assert threads(os_pid) in [nil, 1]
-  end
-
-  defp threads(os_pid) do
-    with {:ok, text} <- File.read("/proc/#{os_pid}/status"),
-         [_, n] <- Regex.run(~r/^Threads:\s+(\d+)$/m, text),
-         do: String.to_integer(n),
-         else: (_ -> nil)
+    assert VllmBridge.RuntimeHelpers.os_threads(os_pid) in [nil, 1]
   end
 
   # One read of /proc/<pid>/stat (OsProcess.alive?/1): a look at the directory, then at

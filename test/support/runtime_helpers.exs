@@ -178,6 +178,39 @@ defmodule VllmBridge.RuntimeHelpers do
     end
   end
 
+  @doc """
+  A python3 on a port (`:line` mode) with 256 MiB written and 8 threads asleep, that
+  ignores EOF and is killed after the test: `{port, os_pid}` once it is ready. What a
+  worker with torch is to a kill: its exit takes tens of ms, run by whichever thread
+  ends last. (Its line in one write: a second write after the port closed would end it
+  by a broken pipe.)
+  """
+  def threaded_python! do
+    code =
+      "import os, threading, time; x = b'\\1' * (256 << 20)\n" <>
+        "for _ in range(8): threading.Thread(target=time.sleep, args=(60,)).start()\n" <>
+        "os.write(1, b'ready\\n'); time.sleep(60)"
+
+    python = System.find_executable("python3")
+    port = Port.open({:spawn_executable, python}, [:binary, line: 64, args: ["-c", code]])
+    {:os_pid, os_pid} = Port.info(port, :os_pid)
+    kill_after_test(os_pid)
+
+    receive do
+      {^port, {:data, {:eol, "ready"}}} -> {port, os_pid}
+    after
+      30_000 -> raise "the threaded python3 (os pid #{os_pid}) not ready within 30 s"
+    end
+  end
+
+  @doc "The thread count of an OS process (/proc/<pid>/status), nil when it is gone."
+  def os_threads(os_pid) do
+    with {:ok, text} <- File.read("/proc/#{os_pid}/status"),
+         [_, n] <- Regex.run(~r/^Threads:\s+(\d+)$/m, text),
+         do: String.to_integer(n),
+         else: (_ -> nil)
+  end
+
   @doc "The absolute path of test/support (for PYTHONPATH)."
   def support_dir, do: Path.expand(".", __DIR__)
 
