@@ -234,7 +234,8 @@ defmodule VllmBridge.Runtime.PoolOptionsTest do
 
     test "the launcher's own variables are refused by name, in every form and spelling" do
       for name <-
-            ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"] ++ VllmBridge.Shm.own_env(),
+            ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD", "VLLM_BRIDGE_BEAM"] ++
+              VllmBridge.Shm.own_env(),
           key <- [name, String.to_atom(name)],
           env <- [
             [{"OK", "1"}, {key, "/tmp/x"}],

@@ -2,7 +2,10 @@ defmodule VllmBridge.Runtime.ShutdownTest do
   @moduledoc """
   No Python process outlives the runtime: not when the application stops (every pool,
   configured or started at run time), and not when the whole BEAM is killed with
-  kill -9 (a separate BEAM OS process, started here, running a pool of 2).
+  kill -9 (a separate BEAM OS process, started here, running a pool of 2): neither the
+  workers nor a process a worker's code started in its group (the worker's sentinel,
+  vllm_bridge.bridge.worker.sentinel, ends those). One started in a session of its own
+  has left the worker, and is left alone, as a stop leaves it.
   """
   use ExUnit.Case, async: false
   @moduletag :capture_log
@@ -58,22 +61,31 @@ defmodule VllmBridge.Runtime.ShutdownTest do
              VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [1, 2], %{}, pool_name: :rt_cfg)
   end
 
-  # A BEAM of its own: starts the application with a configured pool of 2, prints its
-  # own OS pid and its workers' OS pids, then waits to be killed.
+  # A BEAM of its own: starts the application with a configured pool of 2, has a worker
+  # start a `sleep` in its group and one in a session of its own (rt_spawn.py), prints
+  # its own OS pid, those two's and its workers', then waits to be killed.
   @script """
-  [python] = System.argv()
+  [python, python_path] = System.argv()
   Application.put_env(:vllm_bridge, :python, python)
-  Application.put_env(:vllm_bridge, :pools, default: [size: 2])
+
+  Application.put_env(:vllm_bridge, :pools,
+    default: [size: 2, modules: ["rt_spawn"], worker_env: [{"PYTHONPATH", python_path}]]
+  )
+
   {:ok, _} = Application.ensure_all_started(:vllm_bridge)
   {:ok, 5} = VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [2, 3])
+  {:ok, in_group} = VllmBridge.call({"rt_spawn", "sleeper"}, [300, false])
+  {:ok, own_session} = VllmBridge.call({"rt_spawn", "sleeper"}, [300, true])
   {:ok, ws} = VllmBridge.Pool.workers(:default)
-  IO.puts("READY " <> Enum.join([System.pid() | Enum.map(ws, &to_string(&1.os_pid))], " "))
+  pids = [System.pid(), in_group, own_session | Enum.map(ws, & &1.os_pid)]
+  IO.puts("READY " <> Enum.map_join(pids, " ", &to_string/1))
   Process.sleep(:infinity)
   """
 
-  test "a BEAM killed with kill -9 leaves no Python process" do
+  test "a BEAM killed with kill -9 leaves no Python process, nor one its workers started" do
     ebin = Path.join([Mix.Project.build_path(), "lib", "vllm_bridge", "ebin"])
     python = Application.fetch_env!(:vllm_bridge, :python)
+    {"PYTHONPATH", python_path} = python_path([support_dir()])
 
     port =
       Port.open({:spawn_executable, System.find_executable("elixir")}, [
@@ -81,17 +93,25 @@ defmodule VllmBridge.Runtime.ShutdownTest do
         :exit_status,
         :stderr_to_stdout,
         {:line, 4096},
-        args: ["-pa", ebin, "-e", @script, "--", python]
+        args: ["-pa", ebin, "-e", @script, "--", python, python_path]
       ])
 
-    [beam | workers] = read_ready(port, "") |> String.split() |> Enum.map(&String.to_integer/1)
+    [beam, in_group, own_session | workers] =
+      read_ready(port, "") |> String.split() |> Enum.map(&String.to_integer/1)
+
+    for pid <- [in_group, own_session], do: kill_after_test(pid)
     assert length(workers) == 2
-    assert Enum.all?([beam | workers], &os_alive?/1)
+    assert Enum.all?([beam, in_group, own_session | workers], &os_alive?/1)
 
     System.cmd("kill", ["-9", "#{beam}"])
     assert_receive {^port, {:exit_status, 137}}, 30_000
 
     wait_until(fn -> not Enum.any?(workers, &os_alive?/1) end, 10_000, "the workers gone")
+    wait_until(fn -> not os_alive?(in_group) end, 10_000, "the child in the group gone")
+    # Well past the sentinel's look at the BEAM (once a second, and at the
+    # interpreter's end): still there.
+    Process.sleep(2_500)
+    assert os_alive?(own_session)
   end
 
   defp read_ready(port, seen) do

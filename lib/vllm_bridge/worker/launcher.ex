@@ -70,7 +70,7 @@ defmodule VllmBridge.Worker.Launcher do
 
         # The node's slot directory (VllmBridge.Shm) first: a pool's own env cannot name it.
         env =
-          for {k, v} <- VllmBridge.Shm.worker_env() ++ Keyword.get(opts, :env, []),
+          for {k, v} <- VllmBridge.Shm.worker_env() ++ beam_env() ++ Keyword.get(opts, :env, []),
               do: {to_charlist(k), to_charlist(v)}
 
         {exe, args, env} =
@@ -143,7 +143,19 @@ defmodule VllmBridge.Worker.Launcher do
                     ~S'exec 1>/proc/self/fd/6 5>/proc/self/fd/7 6<&- 7<&- && u=$(umask) && umask 077 && set -C && exec 2>"$VLLM_BRIDGE_STDERR_FILE" && umask "$u" && { [ -p "$o" ] && [ -p "$e" ] || { rm -f -- "$VLLM_BRIDGE_STDERR_FILE"; exit 1; }; } && exec "$@"'
   @output_script @open_fifos <>
                    ~S'exec 1>/proc/self/fd/6 2>/proc/self/fd/7 6<&- 7<&- && exec "$@"'
-  @own_env ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD"] ++ VllmBridge.Shm.own_env()
+  @own_env ["VLLM_BRIDGE_STDERR_FILE", "VLLM_BRIDGE_STDERR_FD", "VLLM_BRIDGE_BEAM"] ++
+             VllmBridge.Shm.own_env()
+
+  # This BEAM names itself (os pid and start time) to the worker's sentinel
+  # (vllm_bridge.bridge.worker.sentinel), which kills the worker's process group once
+  # this BEAM is gone: after a kill -9 nobody here is left to end what the worker's
+  # code started in its group.
+  defp beam_env do
+    case OsProcess.ident(String.to_integer(System.pid())) do
+      {pid, start} -> [{"VLLM_BRIDGE_BEAM", "#{pid}:#{start}"}]
+      nil -> []
+    end
+  end
 
   @doc "The environment variables the launcher sets itself (a pool's `worker_env` may not)."
   @spec own_env() :: [String.t()]

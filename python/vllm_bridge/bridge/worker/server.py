@@ -72,6 +72,7 @@ from vllm_bridge.bridge.worker.executor import Executor
 from vllm_bridge.bridge.worker.interrupt import Interrupter
 from vllm_bridge.bridge.worker.lane import CallLane
 from vllm_bridge.bridge.worker.lifeline import watch_parent
+from vllm_bridge.bridge.worker import sentinel
 from vllm_bridge.bridge.worker.sessions import Sessions
 from vllm_bridge.bridge.worker.status import cuda_memory
 from vllm_bridge.bridge.worker.stderr import Capture, open_capture, take_back
@@ -359,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     # First: the start-up stderr file may be deleted as soon as the hello arrives.
     capture = open_capture()
     opts = parse_args(argv)
+    # Forked while this is the only thread of ours (see the module).
+    sentinel.start()
     # Before any request: code running in the worker (introspection) reads it from there.
     allowlist.publish(opts.allow)
     # fd 1 is a pipe (the Elixir side logs what arrives line by line): a print must go

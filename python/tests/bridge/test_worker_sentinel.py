@@ -1,0 +1,213 @@
+"""The worker's sentinel (vllm_bridge.bridge.worker.sentinel): once the BEAM is gone it
+ends the worker's process group, and nothing else; while the BEAM lives it ends nothing.
+
+Every case runs a stand-in for a worker in a process of its own (a session and group of
+its own, as an Erlang port's process is), and a ``sleep`` in place of the BEAM, so that
+nothing here can signal the test run's own group. The whole worker over a real port,
+with the BEAM killed by kill -9, is test/runtime/shutdown_test.exs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_bridge.bridge.worker import sentinel
+
+SENTINEL = Path(sentinel.__file__)
+
+# A worker's stand-in: starts the sentinel as the worker does (the module loaded by
+# its path, without the package), a `sleep` in its group, and keeps an inheritable
+# pipe open (a port's pipes are), then prints what it has and sleeps.
+STAND_IN = """
+import importlib.util, os, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("sentinel", sys.argv[1])
+sentinel = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sentinel)
+r, w = os.pipe()
+os.set_inheritable(r, True)
+os.set_inheritable(w, True)
+snt = sentinel.start()
+child = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(snt, child.pid, os.environ.get(sentinel.ENV), flush=True)
+time.sleep(300)
+"""
+
+
+def start_time(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat[stat.rfind(b")") + 2 :].split()[19])
+
+
+def wait_for(cond, what: str, seconds: float = 10.0) -> None:
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, f"{what}: not within {seconds} s"
+        time.sleep(0.02)
+
+
+class Case:
+    """A fake BEAM (a `sleep`) and a worker's stand-in that names it to its sentinel."""
+
+    def __init__(self, session: str = "own", beam: str | None = None) -> None:
+        self.beam = subprocess.Popen(["sleep", "300"])
+        self.beam_id = (self.beam.pid, start_time(self.beam.pid))
+        env = dict(os.environ)
+        env[sentinel.ENV] = beam or f"{self.beam_id[0]}:{self.beam_id[1]}"
+        self.worker = subprocess.Popen(
+            [sys.executable, "-c", STAND_IN, str(SENTINEL)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=session == "own",
+            preexec_fn=os.setpgrp if session == "group only" else None,
+        )
+        snt, child, self.env_seen = self.worker.stdout.readline().split()
+        self.sentinel = None if snt == "None" else int(snt)
+        self.child = int(child)
+        self.child_id = (self.child, start_time(self.child))
+
+    def kill_beam(self) -> None:
+        self.beam.kill()
+        self.beam.wait()
+
+    def kill_worker(self) -> None:
+        self.worker.kill()
+        self.worker.wait()
+
+    def close(self) -> None:
+        for proc in (self.beam, self.worker):
+            proc.kill()
+            proc.wait()
+        if sentinel.alive(*self.child_id):
+            os.kill(self.child, signal.SIGKILL)
+
+
+@pytest.fixture
+def cases():
+    made: list[Case] = []
+
+    def make(**kw) -> Case:
+        made.append(Case(**kw))
+        return made[-1]
+
+    yield make
+    for case in made:
+        case.close()
+
+
+def gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2 :].split()[0] == b"Z"
+
+
+def test_the_beams_end_ends_the_group_the_interpreter_included(cases):
+    case = cases()
+    assert case.sentinel is not None
+    assert not any(map(gone, [case.worker.pid, case.sentinel, case.child]))
+    case.kill_beam()
+    # The stand-in sleeps on, as a wedged interpreter would: the sentinel ends it too.
+    assert case.worker.wait(timeout=10) == -signal.SIGKILL
+    wait_for(lambda: gone(case.child), "the child in the group gone")
+    wait_for(lambda: gone(case.sentinel), "the sentinel gone")
+
+
+def test_the_beams_end_then_the_interpreters_ends_the_group(cases):
+    # The order of a kill -9 of the BEAM: the interpreter dies after it.
+    case = cases()
+    case.kill_beam()
+    case.kill_worker()
+    wait_for(lambda: gone(case.child), "the child in the group gone")
+    wait_for(lambda: gone(case.sentinel), "the sentinel gone")
+
+
+def test_an_interpreter_gone_while_the_beam_lives_ends_nothing_else(cases):
+    # The BEAM stopping a worker: it ends the group itself, after its grace.
+    case = cases()
+    case.kill_worker()
+    wait_for(lambda: gone(case.sentinel), "the sentinel gone")
+    time.sleep(2 * sentinel.POLL_SECONDS + 0.5)
+    assert not gone(case.child)
+    assert sentinel.alive(*case.beam_id)
+
+
+def test_a_group_that_is_not_its_sessions_own_gets_no_sentinel(cases):
+    # A worker run by hand from a shell: its group is the shell's job, not its own.
+    case = cases(session="group only")
+    assert case.sentinel is None
+    case.kill_beam()
+    time.sleep(2 * sentinel.POLL_SECONDS + 0.5)
+    assert case.worker.poll() is None and not gone(case.child)
+    case.kill_worker()
+    note = case.worker.stderr.read()
+    group = case.worker.pid
+    assert f"process group {group} is not its session's own (session " in note
+
+
+def test_a_beam_not_seen_gets_no_sentinel(cases):
+    # Another pid namespace, or a BEAM gone before the worker started.
+    done = subprocess.Popen(["true"])
+    done.wait()
+    case = cases(beam=f"{done.pid}:0")
+    assert case.sentinel is None
+    case.kill_worker()
+    assert f"the BEAM's process {done.pid} (started at 0) is not seen here" in (
+        case.worker.stderr.read()
+    )
+
+
+def test_the_request_leaves_the_environment(cases):
+    # Processes the worker starts must not start sentinels of their own for it.
+    assert cases().env_seen == "None"
+
+
+def test_the_sentinel_holds_none_of_the_workers_files(cases):
+    case = cases()
+    fds = Path(f"/proc/{case.sentinel}/fd")
+    assert sorted(int(n) for n in os.listdir(fds)) == [0, 1, 2]
+    assert {os.readlink(fds / n) for n in os.listdir(fds)} == {os.devnull}
+
+
+def test_no_request_no_sentinel():
+    env: dict[str, str] = {}
+    assert sentinel.start(env) is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "abc", "12", "12:", ":5", "1:5", "0:5", "-3:5", "12:-5", "12:5:6", " 12:5",
+     "12:5\n", "\uff11\uff12:5", "12:\u0665"],
+)
+def test_a_malformed_request_is_refused_naming_it(value):
+    env = {sentinel.ENV: value}
+    with pytest.raises(SystemExit) as info:
+        sentinel.start(env)
+    assert repr(value) in str(info.value)
+    assert sentinel.ENV in str(info.value)
+
+
+def test_parse_reads_pid_and_start():
+    assert sentinel.parse("4242:987654") == (4242, 987654)
+
+
+def test_alive_knows_a_process_by_its_start_time_and_a_zombie_as_gone():
+    me = os.getpid()
+    assert sentinel.alive(me, start_time(me))
+    assert not sentinel.alive(me, start_time(me) + 1)
+    child = subprocess.Popen(["sleep", "300"])
+    began = start_time(child.pid)
+    child.kill()
+    wait_for(lambda: gone(child.pid), "the child a zombie")
+    assert not sentinel.alive(child.pid, began)  # a zombie, not reaped yet
+    child.wait()
+    assert not sentinel.alive(child.pid, began)
