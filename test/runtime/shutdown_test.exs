@@ -114,6 +114,48 @@ defmodule VllmBridge.Runtime.ShutdownTest do
     assert os_alive?(own_session)
   end
 
+  # A BEAM that is pid 1 of a pid namespace of its own, as a container's init is:
+  # `unshare` makes one where the kernel lets it (user namespaces).
+  {out, status} =
+    System.cmd("sh", ["-c", "unshare -Urpf --mount-proc true 2>&1"], stderr_to_stdout: true)
+
+  if status != 0 do
+    @tag skip: "cannot make a pid namespace here (unshare -Urpf: #{String.trim(out)})"
+  end
+
+  test "a BEAM that is pid 1 starts its workers, which need no sentinel there" do
+    ebin = Path.join([Mix.Project.build_path(), "lib", "vllm_bridge", "ebin"])
+    python = Application.fetch_env!(:vllm_bridge, :python)
+
+    script = """
+    [python] = System.argv()
+    Application.put_env(:vllm_bridge, :python, python)
+    {:ok, _} = Application.ensure_all_started(:vllm_bridge)
+    {:ok, _} = VllmBridge.start_pool(:one, size: 1)
+    {:ok, 5} = VllmBridge.call({"vllm_bridge.bridge.diag", "add"}, [2, 3], %{}, pool_name: :one)
+    {:ok, [w]} = VllmBridge.Pool.workers(:one)
+    {group, 0} = System.cmd("ps", ["-o", "comm=", "-g", to_string(w.os_pid)])
+    IO.puts("READY " <> System.pid() <> " " <> Enum.join(String.split(group), ","))
+    System.halt(0)
+    """
+
+    port =
+      Port.open({:spawn_executable, System.find_executable("unshare")}, [
+        :binary,
+        :exit_status,
+        :stderr_to_stdout,
+        {:line, 4096},
+        args:
+          ["-Urpf", "--mount-proc", System.find_executable("elixir")] ++
+            ["-pa", ebin, "-e", script, "--", python]
+      ])
+
+    assert ["1", group] = read_ready(port, "") |> String.split()
+    assert_receive {^port, {:exit_status, 0}}, 30_000
+    # The worker alone in its group: no sentinel was asked for.
+    assert String.split(group, ",") == ["python"]
+  end
+
   defp read_ready(port, seen) do
     receive do
       {^port, {:data, {:eol, "READY " <> pids}}} ->

@@ -46,6 +46,36 @@ defmodule VllmBridge.Runtime.WorkerLeftoversTest do
     assert log =~ ~r/os pids [\d, ]*\b#{child}\b/
   end
 
+  test "each worker has one sentinel in its group, which the stop ends quietly" do
+    # A grace a loaded machine's interpreter exits within (it takes 0.1-1 s).
+    start_pool!(:leftovers_sentinel, size: 1, shutdown_grace: 15_000)
+    [w] = workers!(:leftovers_sentinel)
+    assert [{sentinel, _start}] = sentinels(w.os_pid)
+
+    log =
+      capture_log(fn ->
+        :ok = VllmBridge.stop_pool(:leftovers_sentinel)
+      end)
+
+    # It exits with the interpreter (its parent): nothing to kill, nothing to say.
+    assert not os_alive?(w.os_pid) and not os_alive?(sentinel)
+    refute log =~ "killing them"
+    refute log =~ "still there"
+  end
+
+  # The group's live members named as the sentinel names itself (/proc/<pid>/comm).
+  defp sentinels(group) do
+    for name <- File.ls!("/proc"),
+        {pid, ""} <- [Integer.parse(name)],
+        {:ok, "vllm-bridge-snt\n"} <- [File.read("/proc/#{pid}/comm")],
+        {:ok, stat} <- [File.read("/proc/#{pid}/stat")],
+        [_, rest] = String.split(stat, ") ", parts: 2),
+        [_state, _ppid, pgrp | _] = String.split(rest),
+        pgrp == Integer.to_string(group),
+        os_alive?(pid),
+        do: kill_after_test(pid)
+  end
+
   test "a child in a session of its own is left alone" do
     pool!(:leftovers_session)
     [w] = workers!(:leftovers_session)

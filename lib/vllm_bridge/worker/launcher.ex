@@ -149,11 +149,12 @@ defmodule VllmBridge.Worker.Launcher do
   # This BEAM names itself (os pid and start time) to the worker's sentinel
   # (vllm_bridge.bridge.worker.sentinel), which kills the worker's process group once
   # this BEAM is gone: after a kill -9 nobody here is left to end what the worker's
-  # code started in its group.
+  # code started in its group. Not as pid 1 (a container's init): the kernel ends every
+  # process of the namespace with it.
   defp beam_env do
     case OsProcess.ident(String.to_integer(System.pid())) do
-      {pid, start} -> [{"VLLM_BRIDGE_BEAM", "#{pid}:#{start}"}]
-      nil -> []
+      {pid, start} when pid > 1 -> [{"VLLM_BRIDGE_BEAM", "#{pid}:#{start}"}]
+      _ -> []
     end
   end
 

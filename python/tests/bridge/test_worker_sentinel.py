@@ -10,6 +10,7 @@ with the BEAM killed by kill -9, is test/runtime/shutdown_test.exs.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ SENTINEL = Path(sentinel.__file__)
 # pipe open (a port's pipes are), then prints what it has and sleeps.
 STAND_IN = """
 import importlib.util, os, subprocess, sys, time
+sys.executable = os.environ.get("STAND_IN_EXE", sys.executable)
 spec = importlib.util.spec_from_file_location("sentinel", sys.argv[1])
 sentinel = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sentinel)
@@ -55,11 +57,17 @@ def wait_for(cond, what: str, seconds: float = 10.0) -> None:
 class Case:
     """A fake BEAM (a `sleep`) and a worker's stand-in that names it to its sentinel."""
 
-    def __init__(self, session: str = "own", beam: str | None = None) -> None:
+    def __init__(self, made: list[Case], session: str = "own", beam: str | None = None,
+                 exe: str | None = None) -> None:
+        made.append(self)  # closed after the test, whatever happens below
+        self.worker = None
+        self.child_id = None
         self.beam = subprocess.Popen(["sleep", "300"])
         self.beam_id = (self.beam.pid, start_time(self.beam.pid))
         env = dict(os.environ)
         env[sentinel.ENV] = beam or f"{self.beam_id[0]}:{self.beam_id[1]}"
+        if exe is not None:
+            env["STAND_IN_EXE"] = exe
         self.worker = subprocess.Popen(
             [sys.executable, "-c", STAND_IN, str(SENTINEL)],
             env=env,
@@ -69,6 +77,8 @@ class Case:
             start_new_session=session == "own",
             preexec_fn=os.setpgrp if session == "group only" else None,
         )
+        ready, _, _ = select.select([self.worker.stdout], [], [], 60)
+        assert ready, "the stand-in said nothing within 60 s"
         snt, child, self.env_seen = self.worker.stdout.readline().split()
         self.sentinel = None if snt == "None" else int(snt)
         self.child = int(child)
@@ -82,23 +92,23 @@ class Case:
         self.worker.kill()
         self.worker.wait()
 
+    def stderr(self) -> str:
+        self.kill_worker()
+        return self.worker.stderr.read()
+
     def close(self) -> None:
         for proc in (self.beam, self.worker):
-            proc.kill()
-            proc.wait()
-        if sentinel.alive(*self.child_id):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+        if self.child_id is not None and sentinel.look(*self.child_id):
             os.kill(self.child, signal.SIGKILL)
 
 
 @pytest.fixture
 def cases():
     made: list[Case] = []
-
-    def make(**kw) -> Case:
-        made.append(Case(**kw))
-        return made[-1]
-
-    yield make
+    yield lambda **kw: Case(made, **kw)
     for case in made:
         case.close()
 
@@ -138,7 +148,7 @@ def test_an_interpreter_gone_while_the_beam_lives_ends_nothing_else(cases):
     wait_for(lambda: gone(case.sentinel), "the sentinel gone")
     time.sleep(2 * sentinel.POLL_SECONDS + 0.5)
     assert not gone(case.child)
-    assert sentinel.alive(*case.beam_id)
+    assert sentinel.look(*case.beam_id)
 
 
 def test_a_group_that_is_not_its_sessions_own_gets_no_sentinel(cases):
@@ -148,10 +158,8 @@ def test_a_group_that_is_not_its_sessions_own_gets_no_sentinel(cases):
     case.kill_beam()
     time.sleep(2 * sentinel.POLL_SECONDS + 0.5)
     assert case.worker.poll() is None and not gone(case.child)
-    case.kill_worker()
-    note = case.worker.stderr.read()
-    group = case.worker.pid
-    assert f"process group {group} is not its session's own (session " in note
+    note = case.stderr()
+    assert f"process group {case.worker.pid} is not its session's own (session " in note
 
 
 def test_a_beam_not_seen_gets_no_sentinel(cases):
@@ -160,10 +168,23 @@ def test_a_beam_not_seen_gets_no_sentinel(cases):
     done.wait()
     case = cases(beam=f"{done.pid}:0")
     assert case.sentinel is None
-    case.kill_worker()
-    assert f"the BEAM's process {done.pid} (started at 0) is not seen here" in (
-        case.worker.stderr.read()
-    )
+    assert f"the BEAM's process {done.pid} (started at 0) is not seen here" in case.stderr()
+
+
+def test_a_beam_that_is_pid_1_needs_no_sentinel():
+    # A container's init: its end ends every process of its pid namespace. Said nowhere.
+    assert sentinel.start({sentinel.ENV: "1:5"}) is None
+
+
+def test_a_sentinel_that_does_not_start_is_said_and_the_worker_goes_on(cases):
+    case = cases(exe="/bin/false")  # an interpreter that exits at once
+    assert case.sentinel is None and not gone(case.worker.pid)
+    note = case.stderr()
+    assert "no sentinel for the BEAM's end: the sentinel (os pid " in note
+    assert "/bin/false) exited with status 0x100" in note
+    case = cases(exe="/nonexistent/python")
+    assert case.sentinel is None
+    assert "the sentinel could not be started: [Errno 2]" in case.stderr()
 
 
 def test_the_request_leaves_the_environment(cases):
@@ -185,7 +206,7 @@ def test_no_request_no_sentinel():
 
 @pytest.mark.parametrize(
     "value",
-    ["", "abc", "12", "12:", ":5", "1:5", "0:5", "-3:5", "12:-5", "12:5:6", " 12:5",
+    ["", "abc", "12", "12:", ":5", "0:5", "-3:5", "12:-5", "12:5:6", " 12:5",
      "12:5\n", "\uff11\uff12:5", "12:\u0665"],
 )
 def test_a_malformed_request_is_refused_naming_it(value):
@@ -200,14 +221,40 @@ def test_parse_reads_pid_and_start():
     assert sentinel.parse("4242:987654") == (4242, 987654)
 
 
-def test_alive_knows_a_process_by_its_start_time_and_a_zombie_as_gone():
+def test_look_knows_a_process_by_its_start_time_and_a_zombie_as_gone():
     me = os.getpid()
-    assert sentinel.alive(me, start_time(me))
-    assert not sentinel.alive(me, start_time(me) + 1)
+    assert sentinel.look(me, start_time(me)) is True
+    assert sentinel.look(me, start_time(me) + 1) is False
     child = subprocess.Popen(["sleep", "300"])
     began = start_time(child.pid)
     child.kill()
     wait_for(lambda: gone(child.pid), "the child a zombie")
-    assert not sentinel.alive(child.pid, began)  # a zombie, not reaped yet
+    assert sentinel.look(child.pid, began) is False  # a zombie, not reaped yet
     child.wait()
-    assert not sentinel.alive(child.pid, began)
+    assert sentinel.look(child.pid, began) is False
+
+
+def test_a_look_that_cannot_read_proc_tells_nothing():
+    # No file descriptor left (EMFILE): not the BEAM's end, which would kill the group.
+    code = """
+import importlib.util, os, resource, sys
+spec = importlib.util.spec_from_file_location("sentinel", sys.argv[1])
+sentinel = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sentinel)
+pid, start = int(sys.argv[2]), int(sys.argv[3])
+print(sentinel.look(pid, start))
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+print(sentinel.look(pid, start))
+"""
+    me = os.getpid()
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(SENTINEL), str(me), str(start_time(me))],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.split() == ["True", "None"]

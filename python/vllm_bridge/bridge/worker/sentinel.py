@@ -7,31 +7,43 @@ in the group (a ``subprocess``, a ``multiprocessing`` child, a rank that holds a
 would live on, with nobody left to end it.
 
 So the worker starts a *sentinel*: a small interpreter of its own (this file run as a
-script, ``python -I -S``, with nothing but the standard library: about 10 MB), which
+script, ``python -I -S``, with nothing but the standard library: about 11 MB), which
 stays in the worker's group, holds none of its files, and sleeps. It wakes when the
 interpreter that started it exits (``PR_SET_PDEATHSIG``) and once every
 :data:`POLL_SECONDS`. On each wake:
 
 * the BEAM is gone (its pid no longer names the process of the start time it was
-  given, or names a zombie): it kills the group with SIGKILL, itself included. This
-  also ends an interpreter that is still there, one wedged in a C call say;
+  given, or names one whose main thread has exited, which ERTS's never does while the
+  BEAM runs): it kills the group with SIGKILL, itself included. This also ends an
+  interpreter that is still there, one wedged in a C call say. A look that fails for
+  another reason (``/proc`` unreadable for a moment: no file descriptor or memory left)
+  is not taken for the BEAM's end: the next look decides;
 * the interpreter is gone and the BEAM is not: the BEAM is stopping the worker, and
   ends the group itself after its grace (``shutdown_grace``); the sentinel just exits.
 
 The BEAM asks for one through :data:`ENV` (``PID:START``, its OS pid and start time in
-clock ticks since boot, ``/proc/<pid>/stat`` field 22). The group is killed only when it
-is its session's own group: an Erlang port's process leads a session and a group of its
-own, so the group is the worker's and no one else's. A worker started by hand in a
-shell, whose group is the shell's job, never gets a sentinel. A process that left the
-group (``start_new_session=True``) is left alone, as the BEAM leaves it alone.
+clock ticks since boot, ``/proc/<pid>/stat`` field 22). None is started:
+
+* when the group is not its session's own group: an Erlang port's process leads a
+  session and a group of its own, so the group is the worker's and no one else's. A
+  worker started by hand in a shell, whose group is the shell's job, gets none;
+* when the BEAM is pid 1 (a container's init): when it dies, the kernel kills every
+  process of its pid namespace;
+* when the BEAM's process is not seen (a wrapper that runs the interpreter in another
+  pid namespace), or the sentinel could not be started: the worker runs without one,
+  and says so on stderr.
+
+A process that left the group (``start_new_session=True``) is left alone, as the BEAM
+leaves it alone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import select
 import signal
-import subprocess
 import sys
 
 #: The environment variable the BEAM names itself in (``PID:START``); removed from the
@@ -40,6 +52,9 @@ ENV = "VLLM_BRIDGE_BEAM"
 
 #: Seconds between two looks at the BEAM while the interpreter lives.
 POLL_SECONDS = 1.0
+#: Seconds :func:`start` waits for the sentinel to say it is armed (it takes about
+#: 40 ms: an interpreter's start).
+READY_SECONDS = 10.0
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -51,37 +66,36 @@ def parse(value: str) -> tuple[int, int]:
     """``"PID:START"`` as ``(pid, start)``; ``ValueError`` naming the value otherwise."""
     pid, sep, start = value.partition(":")
     if sep and pid.isdigit() and start.isdigit() and pid.isascii() and start.isascii():
-        if int(pid) > 1:
+        if int(pid) > 0:
             return int(pid), int(start)
     raise ValueError(
-        f"{ENV} must be PID:START (the BEAM's os pid, above 1, and its start time in "
+        f"{ENV} must be PID:START (the BEAM's os pid, above 0, and its start time in "
         f"clock ticks, decimal digits), got {value!r}"
     )
 
 
-def alive(pid: int, start: int) -> bool:
-    """Whether ``pid`` is still the process that started at ``start``, not a zombie.
-
-    A zombie is one whose every thread has exited: the state in ``/proc/<pid>/stat``
-    is the main thread's, ``Z`` while another thread may still be exiting.
-    """
+def look(pid: int, start: int) -> bool | None:
+    """Whether ``pid`` is still the process that started at ``start`` and its main
+    thread has not exited (state neither ``Z`` nor ``X``); None when that cannot be
+    told (``/proc`` could not be read for another reason than the process's absence,
+    or read as nothing a kernel writes)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
-        return False
+    except OSError as exc:
+        return False if exc.errno in (errno.ENOENT, errno.ESRCH) else None
     fields = stat[stat.rfind(b")") + 2 :].split()
     try:
-        state, threads, began = fields[0], int(fields[17]), int(fields[19])
+        state, began = fields[0], int(fields[19])
     except (IndexError, ValueError):
-        return False
-    return began == start and not (state == b"Z" and threads <= 1)
+        return None
+    return began == start and state not in (b"Z", b"X")
 
 
 def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None:
-    """Forks the sentinel when :data:`ENV` asks for one; its pid, or None (no request,
-    not Linux, a group that is not its session's own, or a BEAM not seen: each but the
-    first said on stderr). Call it before any thread of the worker's starts.
+    """Starts the sentinel when :data:`ENV` asks for one, and returns its pid once it is
+    armed; None when none runs (see the module; each case but the first two said on
+    stderr). Call it before any thread of the worker's starts.
 
     Raises ``SystemExit`` naming the value when :data:`ENV` is malformed.
     """
@@ -92,36 +106,80 @@ def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None
         beam = parse(value)
     except ValueError as exc:
         raise SystemExit(f"vllm_bridge.bridge.worker: {exc}") from None
-    if not sys.platform.startswith("linux"):
+    if beam[0] == 1 or not sys.platform.startswith("linux"):
         return None
     group, session = os.getpgid(0), os.getsid(0)
-    if group != session:
+    # 0: a session led from outside this pid namespace, whose group is not ours either.
+    if group != session or group <= 0:
         _note(f"process group {group} is not its session's own (session {session})")
         return None
-    if not alive(*beam):
-        # Another pid namespace (a wrapper that runs the interpreter in a container),
-        # or a BEAM already gone: either way its pid says nothing here.
+    if not look(*beam):
+        # Another pid namespace, or a BEAM already gone: its pid says nothing here.
         _note(f"the BEAM's process {beam[0]} (started at {beam[1]}) is not seen here")
         return None
-    # Not a fork that stays: a forked copy of the worker would keep every page of the
-    # worker's that the worker writes later (150 MB and more with torch loaded).
-    # close_fds: holding the port's pipes would keep the BEAM from seeing the worker's
-    # end (EOF), and an output FIFO its reader from finishing.
-    args = [str(beam[0]), str(beam[1]), str(os.getpid())]
-    _running.append(
-        subprocess.Popen(
-            [sys.executable, "-I", "-S", os.path.abspath(__file__), *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            close_fds=True,
+    try:
+        return _spawn(beam)
+    except OSError as exc:  # no process to be had (a cgroup's pids.max), no interpreter
+        _note(f"the sentinel could not be started: {exc}")
+        return None
+
+
+def _spawn(beam: tuple[int, int]) -> int | None:
+    # A process of its own (posix_spawn: no copy of the worker's memory, no Popen left
+    # to warn at exit), not a fork that stays: a forked copy of the worker would keep
+    # every page the worker writes later (149 MB of 227 measured, with torch loaded).
+    # It gets none of the worker's files: holding the port's pipes would keep the BEAM
+    # from seeing the worker's end (EOF), and an output FIFO its reader from finishing;
+    # only the write end of `ready`, where it says it is armed.
+    ready, armed = os.pipe()
+    try:
+        os.set_inheritable(armed, True)
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+            (os.POSIX_SPAWN_DUP2, 1, 2),
+        ] + [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable() if fd > 2 and fd != armed]
+        script = os.path.abspath(__file__)
+        argv = [sys.executable, "-I", "-S", script, str(beam[0]), str(beam[1])]
+        argv += [str(os.getpid()), str(armed)]
+        pid = os.posix_spawn(
+            sys.executable, argv, os.environ, file_actions=actions,
+            setsigmask={signal.SIGUSR1},
         )
-    )
-    return _running[-1].pid
+        os.close(armed)
+        armed = -1
+        if _read(ready, 2) == b"+":  # and EOF: it has closed its end, it holds no file
+            return pid
+    finally:
+        os.close(ready)
+        if armed >= 0:
+            os.close(armed)
+    done, status = os.waitpid(pid, os.WNOHANG)
+    how = "did not say it was armed" if done == 0 else f"exited with status {status:#x}"
+    _note(f"the sentinel (os pid {pid}, {sys.executable}) {how} within {READY_SECONDS} s")
+    return None
 
 
-#: The sentinel's handle, kept for the life of the worker (it ends after the worker).
-_running: list[subprocess.Popen[bytes]] = []
+def _read(fd: int, n: int) -> bytes:
+    # Up to n bytes from fd, until EOF, or what came within READY_SECONDS.
+    got = b""
+    while len(got) < n and select.select([fd], [], [], READY_SECONDS)[0]:
+        chunk = os.read(fd, n - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def _inheritable() -> list[int]:
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.get_inheritable(int(name)):
+                fds.append(int(name))
+        except OSError:
+            pass  # the listing's own fd, closed by now
+    return fds
 
 
 def _note(why: str) -> None:
@@ -130,21 +188,28 @@ def _note(why: str) -> None:
     )
 
 
-def watch(beam: tuple[int, int], parent: int) -> None:
+def watch(beam: tuple[int, int], parent: int, armed: int | None = None) -> None:
     """The sentinel's loop (see the module): returns when ``parent`` has exited while
-    the BEAM lives; kills its own group, itself included, once the BEAM is gone."""
+    the BEAM lives; kills its own group, itself included, once the BEAM is gone. Writes
+    one byte to ``armed`` (then closes it) once it watches."""
     # Blocked before it is armed: SIGUSR1's default action would end the sentinel.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGUSR1), 0, 0, 0)
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(NAME), 0, 0, 0)
+    if armed is not None:
+        try:
+            os.write(armed, b"+")
+        except OSError:
+            pass  # start() gave up waiting (and said so): watch all the same
+        os.close(armed)
     # A parent that exited before the signal was armed is seen below, at once. On each
     # wake the BEAM's end is looked at first: when the BEAM dies, its workers end after
     # it (their parent, erl_child_setup, goes once the BEAM's files are closed, which is
     # after its every thread has exited), so by the time the interpreter is seen gone,
     # so is the BEAM.
     while True:
-        if not alive(*beam):
+        if look(*beam) is False:
             os.killpg(0, signal.SIGKILL)
         if os.getppid() != parent:
             return
@@ -152,6 +217,6 @@ def watch(beam: tuple[int, int], parent: int) -> None:
 
 
 if __name__ == "__main__":
-    # python -I -S sentinel.py BEAM_PID BEAM_START PARENT_PID, as start() runs it.
-    _pid, _start, _parent = (int(a) for a in sys.argv[1:])
-    watch((_pid, _start), _parent)
+    # python -I -S sentinel.py BEAM_PID BEAM_START PARENT_PID ARMED_FD, as start() runs it.
+    _pid, _start, _parent, _armed = (int(a) for a in sys.argv[1:])
+    watch((_pid, _start), _parent, _armed)
