@@ -243,7 +243,7 @@ defmodule VllmBridge.Worker.Output do
 
     cond do
       state.draining and state.streams == %{} ->
-        {:stop, :normal, state}
+        settle(state)
 
       # A reader that ends at its FIFO's end exits 0; one that did not (killed, say)
       # leaves the Python process writing into a FIFO nobody reads, which fails from
@@ -264,17 +264,28 @@ defmodule VllmBridge.Worker.Output do
   # they too get @drain_ms, then terminate/2 kills what is left of them.
   def handle_info({:EXIT, worker, _reason}, %{worker: worker, draining: false} = state) do
     state = %{release(state) | draining: true}
-
-    if state.streams == %{} and OsProcess.gone?(state.procs) do
-      {:stop, :normal, state}
-    else
-      Process.send_after(self(), :drained, @drain_ms)
-      {:noreply, state}
-    end
+    Process.send_after(self(), :drained, @drain_ms)
+    if state.streams == %{}, do: settle(state), else: {:noreply, state}
   end
 
   def handle_info(:drained, state), do: {:stop, :normal, state}
+  def handle_info(:settle, state), do: settle(state)
   def handle_info(_other, state), do: {:noreply, state}
+
+  # Both streams have ended: the Python process closed its output as it exited, but
+  # its exit, and that of its sentinel (vllm_bridge/bridge/worker/sentinel.py, which
+  # exits once its parent has), take a few more milliseconds. Looked at again every
+  # @settle_ms until gone, within the @drain_ms that ends it anyway (then terminate/2
+  # kills what is left, and says so).
+  @settle_ms 50
+  defp settle(state) do
+    if OsProcess.gone?(state.procs) do
+      {:stop, :normal, state}
+    else
+      Process.send_after(self(), :settle, @settle_ms)
+      {:noreply, state}
+    end
+  end
 
   @impl true
   def terminate(_reason, state) do
