@@ -9,6 +9,7 @@ with the BEAM killed by kill -9, is test/runtime/shutdown_test.exs.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
@@ -25,7 +26,8 @@ SENTINEL = Path(sentinel.__file__)
 
 # A worker's stand-in: starts the sentinel as the worker does (the module loaded by
 # its path, without the package), a `sleep` in its group, and keeps an inheritable
-# pipe open (a port's pipes are), then prints what it has and sleeps.
+# pipe open (a port's pipes are), then prints what it has and sleeps. With
+# STAND_IN_CLOSED_STDIO its fds 0-2 are closed while it starts the sentinel.
 STAND_IN = """
 import importlib.util, os, subprocess, sys, time
 sys.executable = os.environ.get("STAND_IN_EXE", sys.executable)
@@ -35,10 +37,26 @@ spec.loader.exec_module(sentinel)
 r, w = os.pipe()
 os.set_inheritable(r, True)
 os.set_inheritable(w, True)
-snt = sentinel.start()
+if os.environ.get("STAND_IN_CLOSED_STDIO"):
+    kept = os.dup(1), os.dup(2)
+    for fd in (0, 1, 2):
+        os.close(fd)
+    snt = sentinel.start()
+    os.dup2(kept[0], 1)
+    os.dup2(kept[1], 2)
+else:
+    snt = sentinel.start()
 child = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-print(snt, child.pid, os.environ.get(sentinel.ENV), flush=True)
+print(snt, child.pid, os.environ.get(sentinel.ENV), os.getpid(), flush=True)
 time.sleep(300)
+"""
+
+# The BEAM's erl_child_setup, as the sentinel knows it: by its name. It starts the
+# stand-in in a session of its own, as it starts a port's process, and waits.
+FAKE_SETUP = """
+import ctypes, subprocess, sys
+ctypes.CDLL(None).prctl(15, b"erl_child_setup", 0, 0, 0)
+subprocess.Popen(sys.argv[1:], start_new_session=True).wait()
 """
 
 
@@ -55,32 +73,42 @@ def wait_for(cond, what: str, seconds: float = 10.0) -> None:
 
 
 class Case:
-    """A fake BEAM (a `sleep`) and a worker's stand-in that names it to its sentinel."""
+    """A fake BEAM (a `sleep`) and a worker's stand-in that names it to its sentinel,
+    started by a fake erl_child_setup with ``via_setup``."""
 
     def __init__(self, made: list[Case], session: str = "own", beam: str | None = None,
-                 exe: str | None = None) -> None:
+                 exe: str | None = None, via_setup: bool = False,
+                 closed_stdio: bool = False) -> None:
         made.append(self)  # closed after the test, whatever happens below
         self.worker = None
-        self.child_id = None
+        self.child_id = self.interp_id = None
+        self.via_setup = via_setup
         self.beam = subprocess.Popen(["sleep", "300"])
         self.beam_id = (self.beam.pid, start_time(self.beam.pid))
         env = dict(os.environ)
         env[sentinel.ENV] = beam or f"{self.beam_id[0]}:{self.beam_id[1]}"
         if exe is not None:
             env["STAND_IN_EXE"] = exe
+        if closed_stdio:
+            env["STAND_IN_CLOSED_STDIO"] = "1"
+        argv = [sys.executable, "-c", STAND_IN, str(SENTINEL)]
+        if via_setup:
+            argv = [sys.executable, "-c", FAKE_SETUP, *argv]
         self.worker = subprocess.Popen(
-            [sys.executable, "-c", STAND_IN, str(SENTINEL)],
+            argv,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            start_new_session=session == "own",
+            start_new_session=session == "own" and not via_setup,
             preexec_fn=os.setpgrp if session == "group only" else None,
         )
         ready, _, _ = select.select([self.worker.stdout], [], [], 60)
         assert ready, "the stand-in said nothing within 60 s"
-        snt, child, self.env_seen = self.worker.stdout.readline().split()
+        snt, child, self.env_seen, interp = self.worker.stdout.readline().split()
         self.sentinel = None if snt == "None" else int(snt)
+        self.interp = int(interp)
+        self.interp_id = (self.interp, start_time(self.interp))
         self.child = int(child)
         self.child_id = (self.child, start_time(self.child))
 
@@ -89,6 +117,15 @@ class Case:
         self.beam.wait()
 
     def kill_worker(self) -> None:
+        """The interpreter (the stand-in), with SIGKILL."""
+        if self.via_setup:
+            os.kill(self.interp, signal.SIGKILL)
+            wait_for(lambda: gone(self.interp), "the stand-in gone")
+        else:
+            self.worker.kill()
+            self.worker.wait()
+
+    def kill_setup(self) -> None:
         self.worker.kill()
         self.worker.wait()
 
@@ -101,8 +138,9 @@ class Case:
             if proc is not None:
                 proc.kill()
                 proc.wait()
-        if self.child_id is not None and sentinel.look(*self.child_id):
-            os.kill(self.child, signal.SIGKILL)
+        for pid_start in (self.interp_id, self.child_id):
+            if pid_start is not None and sentinel.look(*pid_start):
+                os.kill(pid_start[0], signal.SIGKILL)
 
 
 @pytest.fixture
@@ -176,15 +214,54 @@ def test_a_beam_that_is_pid_1_needs_no_sentinel():
     assert sentinel.start({sentinel.ENV: "1:5"}) is None
 
 
-def test_a_sentinel_that_does_not_start_is_said_and_the_worker_goes_on(cases):
+@pytest.mark.parametrize("round", range(3))  # the exit and the pipe's end race
+def test_a_sentinel_that_does_not_start_is_said_and_the_worker_goes_on(cases, round):
     case = cases(exe="/bin/false")  # an interpreter that exits at once
     assert case.sentinel is None and not gone(case.worker.pid)
     note = case.stderr()
     assert "no sentinel for the BEAM's end: the sentinel (os pid " in note
-    assert "/bin/false) exited with status 0x100" in note
+    assert "/bin/false) exited with status 0x100 before it was armed" in note
     case = cases(exe="/nonexistent/python")
     assert case.sentinel is None
     assert "the sentinel could not be started: [Errno 2]" in case.stderr()
+
+
+def test_erl_child_setup_gone_with_the_interpreter_is_the_beams_end(cases):
+    # The moment after the BEAM's files closed: erl_child_setup and the interpreter
+    # have gone, the BEAM's own process does not read as exited yet.
+    case = cases(via_setup=True)
+    assert case.sentinel is not None
+    case.kill_setup()
+    case.kill_worker()
+    wait_for(lambda: gone(case.child), "the child in the group gone")
+    assert sentinel.look(*case.beam_id)
+
+
+def test_erl_child_setup_alive_the_interpreters_end_ends_nothing_else(cases):
+    case = cases(via_setup=True)
+    case.kill_worker()
+    wait_for(lambda: gone(case.sentinel), "the sentinel gone")
+    time.sleep(2 * sentinel.POLL_SECONDS + 0.5)
+    assert not gone(case.child)
+
+
+def test_a_worker_with_its_stdio_closed_gets_a_sentinel_holding_none_of_it(cases):
+    # Its pipe's fds are 0 and 1 then, which the sentinel's /dev/null takes.
+    case = cases(closed_stdio=True)
+    assert case.sentinel is not None
+    fds = Path(f"/proc/{case.sentinel}/fd")
+    assert {os.readlink(fds / n) for n in os.listdir(fds)} == {os.devnull}
+    case.kill_beam()
+    wait_for(lambda: gone(case.child), "the child in the group gone")
+
+
+def test_nothing_beside_the_sentinel_shadows_a_standard_module():
+    # Python 3.10's -I still puts the script's folder first on sys.path (3.11's does
+    # not): a worker module named like a standard one would be imported instead.
+    names = {p.stem for p in SENTINEL.parent.glob("*.py")} | {
+        p.name for p in SENTINEL.parent.iterdir() if p.is_dir()
+    }
+    assert not names & set(sys.stdlib_module_names)
 
 
 def test_the_request_leaves_the_environment(cases):
@@ -258,3 +335,16 @@ print(sentinel.look(pid, start))
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.split() == ["True", "None"]
+
+
+def test_a_process_proc_hides_is_not_taken_for_gone(monkeypatch):
+    # /proc mounted with hidepid, the BEAM another user's: its entry reads as absent
+    # while the process is there. Injected: every /proc read of the module fails so.
+    def hidden(path, *args, **kwargs):
+        raise FileNotFoundError(errno.ENOENT, "hidden", path)
+
+    monkeypatch.setattr(sentinel, "open", hidden, raising=False)
+    assert sentinel.look(os.getpid(), 0) is None
+    done = subprocess.Popen(["true"])
+    done.wait()
+    assert sentinel.look(done.pid, 0) is False

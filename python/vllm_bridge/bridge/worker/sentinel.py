@@ -17,7 +17,10 @@ interpreter that started it exits (``PR_SET_PDEATHSIG``) and once every
   BEAM runs): it kills the group with SIGKILL, itself included. This also ends an
   interpreter that is still there, one wedged in a C call say. A look that fails for
   another reason (``/proc`` unreadable for a moment: no file descriptor or memory left)
-  is not taken for the BEAM's end: the next look decides;
+  is not taken for the BEAM's end: the next look decides. The interpreter's parent,
+  when it is the BEAM's ``erl_child_setup``, gone with the interpreter is the BEAM's
+  end too (it goes once the BEAM's files are closed, a moment before the BEAM's
+  process may read as exited);
 * the interpreter is gone and the BEAM is not: the BEAM is stopping the worker, and
   ends the group itself after its grace (``shutdown_grace``); the sentinel just exits.
 
@@ -41,10 +44,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import select
 import signal
 import sys
+import time
 
 #: The environment variable the BEAM names itself in (``PID:START``); removed from the
 #: environment as it is read, so that processes the worker starts do not inherit it.
@@ -55,6 +60,8 @@ POLL_SECONDS = 1.0
 #: Seconds :func:`start` waits for the sentinel to say it is armed (it takes about
 #: 40 ms: an interpreter's start).
 READY_SECONDS = 10.0
+#: The name of the BEAM's helper that forks its ports' processes (``/proc/<pid>/comm``).
+ERL_CHILD_SETUP = b"erl_child_setup"
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -77,13 +84,22 @@ def parse(value: str) -> tuple[int, int]:
 def look(pid: int, start: int) -> bool | None:
     """Whether ``pid`` is still the process that started at ``start`` and its main
     thread has not exited (state neither ``Z`` nor ``X``); None when that cannot be
-    told (``/proc`` could not be read for another reason than the process's absence,
-    or read as nothing a kernel writes)."""
+    told: ``/proc`` could not be read for another reason than the process's absence,
+    or read as nothing a kernel writes, or hides a process that is there (``hidepid``,
+    another user's process)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError as exc:
-        return False if exc.errno in (errno.ENOENT, errno.ESRCH) else None
+        if exc.errno not in (errno.ENOENT, errno.ESRCH):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return None
+        return None
     fields = stat[stat.rfind(b")") + 2 :].split()
     try:
         state, began = fields[0], int(fields[19])
@@ -94,8 +110,8 @@ def look(pid: int, start: int) -> bool | None:
 
 def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None:
     """Starts the sentinel when :data:`ENV` asks for one, and returns its pid once it is
-    armed; None when none runs (see the module; each case but the first two said on
-    stderr). Call it before any thread of the worker's starts.
+    armed; None when none runs (see the module; said on stderr, but when nothing asked
+    for one or the BEAM is pid 1). Call it before any thread of the worker's starts.
 
     Raises ``SystemExit`` naming the value when :data:`ENV` is malformed.
     """
@@ -118,29 +134,50 @@ def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None
         _note(f"the BEAM's process {beam[0]} (started at {beam[1]}) is not seen here")
         return None
     try:
-        return _spawn(beam)
-    except OSError as exc:  # no process to be had (a cgroup's pids.max), no interpreter
+        return _spawn(beam, _setup())
+    except (OSError, ValueError) as exc:  # no process to be had (pids.max), no interpreter
         _note(f"the sentinel could not be started: {exc}")
         return None
 
 
-def _spawn(beam: tuple[int, int]) -> int | None:
+def _setup() -> tuple[int, int] | None:
+    # This interpreter's parent, when it is the BEAM's erl_child_setup (the launcher
+    # execs the interpreter; a `python:` wrapper may not): it lives as long as the BEAM
+    # and ends once the BEAM's files are closed, which may be a moment before the
+    # BEAM's own process reads as exited. Its end with the interpreter's is the BEAM's.
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/comm", "rb") as f:
+            if f.read().rstrip(b"\n") != ERL_CHILD_SETUP:
+                return None
+        with open(f"/proc/{ppid}/stat", "rb") as f:
+            stat = f.read()
+        return ppid, int(stat[stat.rfind(b")") + 2 :].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _spawn(beam: tuple[int, int], setup: tuple[int, int] | None) -> int | None:
     # A process of its own (posix_spawn: no copy of the worker's memory, no Popen left
     # to warn at exit), not a fork that stays: a forked copy of the worker would keep
     # every page the worker writes later (149 MB of 227 measured, with torch loaded).
     # It gets none of the worker's files: holding the port's pipes would keep the BEAM
     # from seeing the worker's end (EOF), and an output FIFO its reader from finishing;
-    # only the write end of `ready`, where it says it is armed.
-    ready, armed = os.pipe()
+    # only the write end of `ready`, where it says it is armed, moved to fd 3 or above
+    # (with the worker's stdio closed, a pipe's fds may be 0-2, which /dev/null takes).
+    ready, low = os.pipe()
+    armed = -1
     try:
-        os.set_inheritable(armed, True)
+        armed = fcntl.fcntl(low, fcntl.F_DUPFD, 3)  # inheritable, unlike os.pipe's
+        os.close(low)
+        low = -1
         actions = [
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
             (os.POSIX_SPAWN_DUP2, 1, 2),
         ] + [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable() if fd > 2 and fd != armed]
         script = os.path.abspath(__file__)
-        argv = [sys.executable, "-I", "-S", script, str(beam[0]), str(beam[1])]
+        argv = [sys.executable, "-I", "-S", script, *map(str, beam), *map(str, setup or (0, 0))]
         argv += [str(os.getpid()), str(armed)]
         pid = os.posix_spawn(
             sys.executable, argv, os.environ, file_actions=actions,
@@ -148,27 +185,47 @@ def _spawn(beam: tuple[int, int]) -> int | None:
         )
         os.close(armed)
         armed = -1
-        if _read(ready, 2) == b"+":  # and EOF: it has closed its end, it holds no file
-            return pid
+        got, ended = _read(ready, 2)
     finally:
-        os.close(ready)
-        if armed >= 0:
-            os.close(armed)
-    done, status = os.waitpid(pid, os.WNOHANG)
-    how = "did not say it was armed" if done == 0 else f"exited with status {status:#x}"
-    _note(f"the sentinel (os pid {pid}, {sys.executable}) {how} within {READY_SECONDS} s")
+        for fd in (ready, low, armed):
+            if fd >= 0:
+                os.close(fd)
+    if got == b"+" and ended:  # armed, and its end closed: it holds no file of ours
+        return pid
+    # Not armed: none runs. It exited by itself (it closed its end a moment before it
+    # can be reaped: waited for), or it is ended here.
+    name = f"the sentinel (os pid {pid}, {sys.executable})"
+    if ended:
+        for _ in range(100):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                _note(f"{name} exited with status {status:#x} before it was armed")
+                return None
+            time.sleep(0.01)
+        how = "closed its pipe without saying it was armed"
+    else:
+        how = f"did not say it was armed within {READY_SECONDS} s"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    _note(f"{name} {how}; ended")
     return None
 
 
-def _read(fd: int, n: int) -> bytes:
-    # Up to n bytes from fd, until EOF, or what came within READY_SECONDS.
+def _read(fd: int, n: int) -> tuple[bytes, bool]:
+    # Up to n bytes from fd within READY_SECONDS in all, and whether EOF came.
     got = b""
-    while len(got) < n and select.select([fd], [], [], READY_SECONDS)[0]:
+    end = time.monotonic() + READY_SECONDS
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    while len(got) < n:
+        left = end - time.monotonic()
+        if left <= 0 or not poll.poll(left * 1000):
+            return got, False
         chunk = os.read(fd, n - len(got))
         if not chunk:
-            break
+            return got, True
         got += chunk
-    return got
+    return got, False
 
 
 def _inheritable() -> list[int]:
@@ -183,15 +240,23 @@ def _inheritable() -> list[int]:
 
 
 def _note(why: str) -> None:
-    sys.stderr.write(
-        f"vllm_bridge.bridge.worker {os.getpid()}: no sentinel for the BEAM's end: {why}\n"
-    )
+    line = f"vllm_bridge.bridge.worker {os.getpid()}: no sentinel for the BEAM's end: {why}\n"
+    try:  # fd 2 itself: sys.stderr may be None (a worker started with fd 2 closed)
+        os.write(2, line.encode("utf-8", "replace"))
+    except OSError:
+        pass
 
 
-def watch(beam: tuple[int, int], parent: int, armed: int | None = None) -> None:
+def watch(
+    beam: tuple[int, int],
+    parent: int,
+    setup: tuple[int, int] | None = None,
+    armed: int | None = None,
+) -> None:
     """The sentinel's loop (see the module): returns when ``parent`` has exited while
-    the BEAM lives; kills its own group, itself included, once the BEAM is gone. Writes
-    one byte to ``armed`` (then closes it) once it watches."""
+    the BEAM lives; kills its own group, itself included, once the BEAM is gone, or
+    ``setup`` (the parent's parent, the BEAM's erl_child_setup) is gone with the
+    parent. Writes one byte to ``armed`` (then closes it) once it watches."""
     # Blocked before it is armed: SIGUSR1's default action would end the sentinel.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     libc = ctypes.CDLL(None, use_errno=True)
@@ -201,22 +266,35 @@ def watch(beam: tuple[int, int], parent: int, armed: int | None = None) -> None:
         try:
             os.write(armed, b"+")
         except OSError:
-            pass  # start() gave up waiting (and said so): watch all the same
+            pass  # start() gave up waiting: it ends this process
         os.close(armed)
-    # A parent that exited before the signal was armed is seen below, at once. On each
-    # wake the BEAM's end is looked at first: when the BEAM dies, its workers end after
-    # it (their parent, erl_child_setup, goes once the BEAM's files are closed, which is
-    # after its every thread has exited), so by the time the interpreter is seen gone,
-    # so is the BEAM.
+    # A parent that exited before the signal was armed is seen below, at once. When the
+    # BEAM dies, its workers end after it: erl_child_setup, their parent, goes once the
+    # BEAM's files are closed, after every thread of the BEAM has exited but maybe a
+    # moment before its process reads as exited; then the interpreter (its
+    # PR_SET_PDEATHSIG). So the BEAM's end is looked for first, and erl_child_setup's
+    # is taken for it once the interpreter is gone.
     while True:
-        if look(*beam) is False:
+        orphaned = os.getppid() != parent
+        gone = look(*beam) is False or (
+            orphaned and setup is not None and look(*setup) is False
+        )
+        if gone:
             os.killpg(0, signal.SIGKILL)
-        if os.getppid() != parent:
+        if orphaned:
             return
         signal.sigtimedwait({signal.SIGUSR1}, POLL_SECONDS)
 
 
 if __name__ == "__main__":
-    # python -I -S sentinel.py BEAM_PID BEAM_START PARENT_PID ARMED_FD, as start() runs it.
-    _pid, _start, _parent, _armed = (int(a) for a in sys.argv[1:])
-    watch((_pid, _start), _parent, _armed)
+    # python -I -S sentinel.py BEAM_PID BEAM_START SETUP_PID SETUP_START PARENT ARMED_FD,
+    # as start() runs it (SETUP 0 0: none known).
+    _beam_pid, _beam_start, _setup_pid, _setup_start, _parent, _armed = (
+        int(a) for a in sys.argv[1:]
+    )
+    watch(
+        (_beam_pid, _beam_start),
+        _parent,
+        (_setup_pid, _setup_start) if _setup_pid > 0 else None,
+        _armed,
+    )

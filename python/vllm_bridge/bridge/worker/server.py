@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     # First: the start-up stderr file may be deleted as soon as the hello arrives.
     capture = open_capture()
     opts = parse_args(argv)
-    # Forked while this is the only thread of ours (see the module).
+    # From the main thread: the sentinel's PR_SET_PDEATHSIG follows the thread that
+    # started it, and this one ends only with the interpreter.
     sentinel.start()
     # Before any request: code running in the worker (introspection) reads it from there.
     allowlist.publish(opts.allow)
