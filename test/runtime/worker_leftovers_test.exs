@@ -63,6 +63,43 @@ defmodule VllmBridge.Runtime.WorkerLeftoversTest do
     refute log =~ "still there"
   end
 
+  test "a worker process killed: its interpreter's sentinel is not taken for a leftover" do
+    # The interpreter closes its output as it exits (EOF of its port), and its sentinel
+    # exits a few ms after it: the output reader waits for both before it looks.
+    start_pool!(:leftovers_killed, size: 1)
+
+    for _round <- 1..3 do
+      [w] = workers!(:leftovers_killed)
+      [reader] = output_readers(w.pid)
+      ref = Process.monitor(reader)
+
+      log =
+        capture_log(fn ->
+          Process.exit(w.pid, :kill)
+          assert_receive {:DOWN, ^ref, :process, _, _}, 30_000
+        end)
+
+      refute log =~ "still there after its worker process ended"
+    end
+  end
+
+  test "a worker process killed: a child left in its group is named and killed" do
+    pool!(:leftovers_killed_child)
+    [w] = workers!(:leftovers_killed_child)
+    [reader] = output_readers(w.pid)
+    ref = Process.monitor(reader)
+    child = sleeper!(:leftovers_killed_child, false)
+
+    log =
+      capture_log(fn ->
+        Process.exit(w.pid, :kill)
+        assert_receive {:DOWN, ^ref, :process, _, _}, 30_000
+      end)
+
+    wait_until(fn -> not os_alive?(child) end, 15_000, "the child (os pid #{child}) gone")
+    assert log =~ ~r/still there after its worker process ended \(os pids [\d, ]*\b#{child}\b/
+  end
+
   # The group's live members named as the sentinel names itself (/proc/<pid>/comm).
   defp sentinels(group) do
     for name <- File.ls!("/proc"),

@@ -197,7 +197,9 @@ defmodule VllmBridge.Worker.OsProcess do
   # those found are then watched by themselves until they go (and the group scanned
   # again): a scan of /proc takes milliseconds (2-4 ms for 66 processes), a look at one
   # process microseconds.
-  defp known_gone?(%__MODULE__{port: port, python: python}),
+  @doc "Whether the port's process and the hello's are gone (members aside: `gone?/1`)."
+  @spec known_gone?(t()) :: boolean()
+  def known_gone?(%__MODULE__{port: port, python: python}),
     do: not (same?(python) or same?(port))
 
   defp members_gone?(t, deadline) do

@@ -145,6 +145,8 @@ defmodule VllmBridge.Worker.Output do
          meta: VllmBridge.Worker.LogMeta.new(meta[:pool], meta[:index], nil),
          dropped: 0,
          draining: false,
+         # Looks at the group's members alone, once the known processes were gone.
+         member_looks: 0,
          procs: %OsProcess{}
        }}
     else
@@ -275,15 +277,21 @@ defmodule VllmBridge.Worker.Output do
   # Both streams have ended: the Python process closed its output as it exited, but
   # its exit, and that of its sentinel (vllm_bridge/bridge/worker/sentinel.py, which
   # exits once its parent has), take a few more milliseconds. Looked at again every
-  # @settle_ms until gone, within the @drain_ms that ends it anyway (then terminate/2
-  # kills what is left, and says so).
+  # @settle_ms: the interpreter (which may have closed its output and stayed) within
+  # the @drain_ms that ends it anyway; once it is gone, the members of its group
+  # (the sentinel, or a child left over) for @member_looks looks. Then terminate/2
+  # kills what is left, and says so.
   @settle_ms 50
+  @member_looks 5
   defp settle(state) do
-    if OsProcess.gone?(state.procs) do
+    known_gone = OsProcess.known_gone?(state.procs)
+
+    if known_gone and (state.member_looks >= @member_looks or OsProcess.gone?(state.procs)) do
       {:stop, :normal, state}
     else
       Process.send_after(self(), :settle, @settle_ms)
-      {:noreply, state}
+      looks = if known_gone, do: state.member_looks + 1, else: state.member_looks
+      {:noreply, %{state | member_looks: looks}}
     end
   end
 
