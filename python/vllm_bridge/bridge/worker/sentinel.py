@@ -109,9 +109,18 @@ def look(pid: int, start: int) -> bool | None:
 
 
 def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None:
-    """Starts the sentinel when :data:`ENV` asks for one, and returns its pid once it is
-    armed; None when none runs (see the module; said on stderr, but when nothing asked
-    for one or the BEAM is pid 1). Call it before any thread of the worker's starts.
+    """:func:`spawn`, then :meth:`Spawned.confirm`: the sentinel's pid once it is armed,
+    or None when none runs."""
+    spawned = spawn(environ)
+    return None if spawned is None else spawned.confirm()
+
+
+def spawn(environ: os._Environ[str] | dict[str, str] = os.environ) -> Spawned | None:
+    """Starts the sentinel when :data:`ENV` asks for one; None when none is started
+    (see the module; said on stderr, but when nothing asked for one or the BEAM is pid
+    1). Call it from the main thread. The sentinel runs for sure once
+    :meth:`Spawned.confirm` says so: the worker confirms just before its hello, so
+    that the sentinel's start (about 40 ms) overlaps its own.
 
     Raises ``SystemExit`` naming the value when :data:`ENV` is malformed.
     """
@@ -157,7 +166,7 @@ def _setup() -> tuple[int, int] | None:
         return None
 
 
-def _spawn(beam: tuple[int, int], setup: tuple[int, int] | None) -> int | None:
+def _spawn(beam: tuple[int, int], setup: tuple[int, int] | None) -> Spawned:
     # A process of its own (posix_spawn: no copy of the worker's memory, no Popen left
     # to warn at exit), not a fork that stays: a forked copy of the worker would keep
     # every page the worker writes later (149 MB of 227 measured, with torch loaded).
@@ -183,32 +192,49 @@ def _spawn(beam: tuple[int, int], setup: tuple[int, int] | None) -> int | None:
             sys.executable, argv, os.environ, file_actions=actions,
             setsigmask={signal.SIGUSR1},
         )
-        os.close(armed)
-        armed = -1
-        got, ended = _read(ready, 2)
+    except BaseException:
+        os.close(ready)
+        raise
     finally:
-        for fd in (ready, low, armed):
+        for fd in (low, armed):
             if fd >= 0:
                 os.close(fd)
-    if got == b"+" and ended:  # armed, and its end closed: it holds no file of ours
-        return pid
-    # Not armed: none runs. It exited by itself (it closed its end a moment before it
-    # can be reaped: waited for), or it is ended here.
-    name = f"the sentinel (os pid {pid}, {sys.executable})"
-    if ended:
-        for _ in range(100):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                _note(f"{name} exited with status {status:#x} before it was armed")
-                return None
-            time.sleep(0.01)
-        how = "closed its pipe without saying it was armed"
-    else:
-        how = f"did not say it was armed within {READY_SECONDS} s"
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    _note(f"{name} {how}; ended")
-    return None
+    return Spawned(pid, ready)
+
+
+class Spawned:
+    """A sentinel started, not yet known to be armed."""
+
+    def __init__(self, pid: int, ready: int) -> None:
+        self.pid = pid
+        self._ready = ready  # the read end of its pipe (close-on-exec)
+
+    def confirm(self) -> int | None:
+        """Waits (up to :data:`READY_SECONDS`) for the sentinel to say it is armed; its
+        pid, or None, having said why on stderr and ended it when it is still there."""
+        try:
+            got, ended = _read(self._ready, 2)
+        finally:
+            os.close(self._ready)
+        if got == b"+" and ended:  # armed, and its end closed: it holds no file of ours
+            return self.pid
+        # Not armed: none runs. It exited by itself (it closed its end a moment before
+        # it can be reaped: waited for), or it is ended here.
+        name = f"the sentinel (os pid {self.pid}, {sys.executable})"
+        if ended:
+            for _ in range(100):
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+                if done:
+                    _note(f"{name} exited with status {status:#x} before it was armed")
+                    return None
+                time.sleep(0.01)
+            how = "closed its pipe without saying it was armed"
+        else:
+            how = f"did not say it was armed within {READY_SECONDS} s"
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        _note(f"{name} {how}; ended")
+        return None
 
 
 def _read(fd: int, n: int) -> tuple[bytes, bool]:

@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     # From the main thread: the sentinel's PR_SET_PDEATHSIG follows the thread that
     # started it, and this one ends only with the interpreter.
-    sentinel.start()
+    spawned = sentinel.spawn()
     # Before any request: code running in the worker (introspection) reads it from there.
     allowlist.publish(opts.allow)
     # fd 1 is a pipe (the Elixir side logs what arrives line by line): a print must go
@@ -378,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.captureWarnings(True)
     enlarge_pipes()
     import_errors = _import_allowed(opts.allow)
-    return Worker(
+    worker = Worker(
         opts.allow, opts.max_refs, opts.poll_us, import_errors, opts.max_frame_bytes, log_level
-    ).serve(capture)
+    )
+    if spawned is not None:
+        spawned.confirm()  # armed by now, or said why not: before the pool may serve
+    return worker.serve(capture)
