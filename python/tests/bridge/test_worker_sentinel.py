@@ -37,7 +37,14 @@ spec.loader.exec_module(sentinel)
 r, w = os.pipe()
 os.set_inheritable(r, True)
 os.set_inheritable(w, True)
-if os.environ.get("STAND_IN_CLOSED_STDIO"):
+if os.environ.get("STAND_IN_REAPER"):
+    # spawn, then work that reaps any child that exited, then confirm: the worker
+    # spawns first thing and confirms before its hello, its imports in between.
+    spawned = sentinel.spawn()
+    time.sleep(0.5)
+    print(os.waitpid(-1, os.WNOHANG)[0] == spawned.pid, file=sys.stderr, flush=True)
+    snt = spawned.confirm()
+elif os.environ.get("STAND_IN_CLOSED_STDIO"):
     kept = os.dup(1), os.dup(2)
     for fd in (0, 1, 2):
         os.close(fd)
@@ -78,7 +85,7 @@ class Case:
 
     def __init__(self, made: list[Case], session: str = "own", beam: str | None = None,
                  exe: str | None = None, via_setup: bool = False,
-                 closed_stdio: bool = False) -> None:
+                 closed_stdio: bool = False, reaper: bool = False) -> None:
         made.append(self)  # closed after the test, whatever happens below
         self.worker = None
         self.child_id = self.interp_id = None
@@ -91,6 +98,8 @@ class Case:
             env["STAND_IN_EXE"] = exe
         if closed_stdio:
             env["STAND_IN_CLOSED_STDIO"] = "1"
+        if reaper:
+            env["STAND_IN_REAPER"] = "1"
         argv = [sys.executable, "-c", STAND_IN, str(SENTINEL)]
         if via_setup:
             argv = [sys.executable, "-c", FAKE_SETUP, *argv]
@@ -224,6 +233,21 @@ def test_a_sentinel_that_does_not_start_is_said_and_the_worker_goes_on(cases, ro
     case = cases(exe="/nonexistent/python")
     assert case.sentinel is None
     assert "the sentinel could not be started: [Errno 2]" in case.stderr()
+
+
+def test_a_sentinel_reaped_elsewhere_before_the_confirmation_is_said(cases):
+    case = cases(exe="/bin/false", reaper=True)
+    assert case.sentinel is None and not gone(case.worker.pid)
+    reaped, note = case.stderr().split("\n", 1)
+    assert reaped == "True"  # the stand-in's own wait took it
+    assert "/bin/false) exited before it was armed (reaped elsewhere)" in note
+
+
+def test_spawn_work_then_confirm_gives_a_sentinel_that_watches(cases):
+    case = cases(reaper=True)  # the real interpreter: armed, not reaped
+    assert case.sentinel is not None
+    case.kill_beam()
+    wait_for(lambda: gone(case.child), "the child in the group gone")
 
 
 def test_erl_child_setup_gone_with_the_interpreter_is_the_beams_end(cases):

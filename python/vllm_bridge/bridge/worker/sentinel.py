@@ -57,8 +57,8 @@ ENV = "VLLM_BRIDGE_BEAM"
 
 #: Seconds between two looks at the BEAM while the interpreter lives.
 POLL_SECONDS = 1.0
-#: Seconds :func:`start` waits for the sentinel to say it is armed (it takes about
-#: 40 ms: an interpreter's start).
+#: Seconds :meth:`Spawned.confirm` waits for the sentinel to say it is armed (it takes
+#: about 40 ms: an interpreter's start).
 READY_SECONDS = 10.0
 #: The name of the BEAM's helper that forks its ports' processes (``/proc/<pid>/comm``).
 ERL_CHILD_SETUP = b"erl_child_setup"
@@ -117,8 +117,8 @@ def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None
 
 def spawn(environ: os._Environ[str] | dict[str, str] = os.environ) -> Spawned | None:
     """Starts the sentinel when :data:`ENV` asks for one; None when none is started
-    (see the module; said on stderr, but when nothing asked for one or the BEAM is pid
-    1). Call it from the main thread. The sentinel runs for sure once
+    (see the module; said on stderr, but when nothing asked for one, the BEAM is pid 1,
+    or this is not Linux). Call it from the main thread. The sentinel runs for sure once
     :meth:`Spawned.confirm` says so: the worker confirms just before its hello, so
     that the sentinel's start (about 40 ms) overlaps its own.
 
@@ -172,22 +172,27 @@ def _spawn(beam: tuple[int, int], setup: tuple[int, int] | None) -> Spawned:
     # every page the worker writes later (149 MB of 227 measured, with torch loaded).
     # It gets none of the worker's files: holding the port's pipes would keep the BEAM
     # from seeing the worker's end (EOF), and an output FIFO its reader from finishing;
-    # only the write end of `ready`, where it says it is armed, moved to fd 3 or above
-    # (with the worker's stdio closed, a pipe's fds may be 0-2, which /dev/null takes).
+    # only the write end of `ready`, where it says it is armed, on its fd 3. That end
+    # stays close-on-exec here, so that no other process started meanwhile holds it,
+    # and is put on fd 3 by the spawn's last action (a dup2 to another number clears
+    # close-on-exec); it is moved to fd 10 or above first, so it is never 0-2 (taken
+    # by /dev/null: the worker's stdio may be closed) nor 3 itself.
     ready, low = os.pipe()
     armed = -1
     try:
-        armed = fcntl.fcntl(low, fcntl.F_DUPFD, 3)  # inheritable, unlike os.pipe's
+        armed = fcntl.fcntl(low, fcntl.F_DUPFD_CLOEXEC, 10)
         os.close(low)
         low = -1
         actions = [
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
             (os.POSIX_SPAWN_DUP2, 1, 2),
-        ] + [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable() if fd > 2 and fd != armed]
+            *[(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable() if fd > 2],
+            (os.POSIX_SPAWN_DUP2, armed, 3),
+        ]
         script = os.path.abspath(__file__)
         argv = [sys.executable, "-I", "-S", script, *map(str, beam), *map(str, setup or (0, 0))]
-        argv += [str(os.getpid()), str(armed)]
+        argv += [str(os.getpid()), "3"]
         pid = os.posix_spawn(
             sys.executable, argv, os.environ, file_actions=actions,
             setsigmask={signal.SIGUSR1},
@@ -218,23 +223,30 @@ class Spawned:
             os.close(self._ready)
         if got == b"+" and ended:  # armed, and its end closed: it holds no file of ours
             return self.pid
-        # Not armed: none runs. It exited by itself (it closed its end a moment before
-        # it can be reaped: waited for), or it is ended here.
-        name = f"the sentinel (os pid {self.pid}, {sys.executable})"
+        # Not armed: none runs. Reaped elsewhere already (SIGCHLD ignored, or code that
+        # waits for any child), it has exited.
+        try:
+            how = self._end(ended)
+        except (ChildProcessError, ProcessLookupError):
+            how = "exited before it was armed (reaped elsewhere)"
+        _note(f"the sentinel (os pid {self.pid}, {sys.executable}) {how}")
+        return None
+
+    def _end(self, ended: bool) -> str:
+        # It exited by itself (it closed its end a moment before it can be reaped:
+        # waited for), or it is ended here. What became of it, in words.
         if ended:
             for _ in range(100):
                 done, status = os.waitpid(self.pid, os.WNOHANG)
                 if done:
-                    _note(f"{name} exited with status {status:#x} before it was armed")
-                    return None
+                    return f"exited with status {status:#x} before it was armed"
                 time.sleep(0.01)
             how = "closed its pipe without saying it was armed"
         else:
             how = f"did not say it was armed within {READY_SECONDS} s"
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
-        _note(f"{name} {how}; ended")
-        return None
+        return how + "; ended"
 
 
 def _read(fd: int, n: int) -> tuple[bytes, bool]:
@@ -292,7 +304,7 @@ def watch(
         try:
             os.write(armed, b"+")
         except OSError:
-            pass  # start() gave up waiting: it ends this process
+            pass  # confirm() gave up waiting: it ends this process
         os.close(armed)
     # A parent that exited before the signal was armed is seen below, at once. When the
     # BEAM dies, its workers end after it: erl_child_setup, their parent, goes once the
