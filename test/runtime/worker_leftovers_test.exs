@@ -70,6 +70,7 @@ defmodule VllmBridge.Runtime.WorkerLeftoversTest do
 
     for _round <- 1..3 do
       [w] = workers!(:leftovers_killed)
+      assert [_] = sentinels(w.os_pid)
       [reader] = output_readers(w.pid)
       ref = Process.monitor(reader)
 

@@ -193,15 +193,15 @@ defmodule VllmBridge.Worker.OsProcess do
     VllmBridge.Await.until(fn -> known_gone?(t) end, ms, 10) and members_gone?(t, deadline)
   end
 
-  # The group's members are looked for only once the known processes are gone, and
-  # those found are then watched by themselves until they go (and the group scanned
-  # again): a scan of /proc takes milliseconds (2-4 ms for 66 processes), a look at one
-  # process microseconds.
   @doc "Whether the port's process and the hello's are gone (members aside: `gone?/1`)."
   @spec known_gone?(t()) :: boolean()
   def known_gone?(%__MODULE__{port: port, python: python}),
     do: not (same?(python) or same?(port))
 
+  # The group's members are looked for only once the known processes are gone, and
+  # those found are then watched by themselves until they go (and the group scanned
+  # again): a scan of /proc takes milliseconds (2-4 ms for 66 processes), a look at one
+  # process microseconds.
   defp members_gone?(t, deadline) do
     case members(t) do
       [] ->
