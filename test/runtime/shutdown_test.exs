@@ -83,18 +83,9 @@ defmodule VllmBridge.Runtime.ShutdownTest do
   """
 
   test "a BEAM killed with kill -9 leaves no Python process, nor one its workers started" do
-    ebin = Path.join([Mix.Project.build_path(), "lib", "vllm_bridge", "ebin"])
     python = Application.fetch_env!(:vllm_bridge, :python)
     {"PYTHONPATH", python_path} = python_path([support_dir()])
-
-    port =
-      Port.open({:spawn_executable, System.find_executable("elixir")}, [
-        :binary,
-        :exit_status,
-        :stderr_to_stdout,
-        {:line, 4096},
-        args: ["-pa", ebin, "-e", @script, "--", python, python_path]
-      ])
+    port = open_beam([], @script, [python, python_path])
 
     [beam, in_group, own_session | workers] =
       read_ready(port, "") |> String.split() |> Enum.map(&String.to_integer/1)
@@ -124,7 +115,6 @@ defmodule VllmBridge.Runtime.ShutdownTest do
   end
 
   test "a BEAM that is pid 1 starts its workers, which need no sentinel there" do
-    ebin = Path.join([Mix.Project.build_path(), "lib", "vllm_bridge", "ebin"])
     python = Application.fetch_env!(:vllm_bridge, :python)
 
     script = """
@@ -140,21 +130,30 @@ defmodule VllmBridge.Runtime.ShutdownTest do
     """
 
     port =
-      Port.open({:spawn_executable, System.find_executable("unshare")}, [
-        :binary,
-        :exit_status,
-        :stderr_to_stdout,
-        {:line, 4096},
-        args:
-          ["-Urpf", "--mount-proc", System.find_executable("elixir")] ++
-            ["-pa", ebin, "-e", script, "--", python]
-      ])
+      open_beam([System.find_executable("unshare"), "-Urpf", "--mount-proc"], script, [python])
 
     assert ["1", group] = read_ready(port, "") |> String.split()
     assert_receive {^port, {:exit_status, 0}}, 30_000
     # The interpreter alone in its group: no sentinel was asked for.
     assert [comm] = String.split(group, ",")
     assert comm != "vllm-bridge-snt"
+  end
+
+  # A BEAM of its own on a port: `elixir -e script -- argv` with this build's code,
+  # run by `prefix` when it is not empty (a command that runs the rest, as `unshare`
+  # does). Its lines are read by read_ready/2.
+  defp open_beam(prefix, script, argv) do
+    ebin = Path.join([Mix.Project.build_path(), "lib", "vllm_bridge", "ebin"])
+    elixir = [System.find_executable("elixir"), "-pa", ebin, "-e", script, "--" | argv]
+    [exe | args] = prefix ++ elixir
+
+    Port.open({:spawn_executable, exe}, [
+      :binary,
+      :exit_status,
+      :stderr_to_stdout,
+      {:line, 4096},
+      args: args
+    ])
   end
 
   defp read_ready(port, seen) do

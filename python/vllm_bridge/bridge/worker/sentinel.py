@@ -88,8 +88,7 @@ def look(pid: int, start: int) -> bool | None:
     or read as nothing a kernel writes, or hides a process that is there (``hidepid``,
     another user's process)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        state, began = _stat(pid)
     except OSError as exc:
         if exc.errno not in (errno.ENOENT, errno.ESRCH):
             return None
@@ -100,12 +99,18 @@ def look(pid: int, start: int) -> bool | None:
         except OSError:
             return None
         return None
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        state, began = fields[0], int(fields[19])
     except (IndexError, ValueError):
         return None
     return began == start and state not in (b"Z", b"X")
+
+
+def _stat(pid: int) -> tuple[bytes, int]:
+    # The state (field 3) and start time (field 22) of /proc/<pid>/stat; the fields
+    # follow the command's name in parentheses, which may itself hold ") ".
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return fields[0], int(fields[19])
 
 
 def start(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None:
@@ -159,9 +164,7 @@ def _setup() -> tuple[int, int] | None:
         with open(f"/proc/{ppid}/comm", "rb") as f:
             if f.read().rstrip(b"\n") != ERL_CHILD_SETUP:
                 return None
-        with open(f"/proc/{ppid}/stat", "rb") as f:
-            stat = f.read()
-        return ppid, int(stat[stat.rfind(b")") + 2 :].split()[19])
+        return ppid, _stat(ppid)[1]
     except (OSError, IndexError, ValueError):
         return None
 
